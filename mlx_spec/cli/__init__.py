@@ -1,0 +1,66 @@
+"""The `mlx-spec` command line: thin Typer commands that parse, call the library, render."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+from typer.core import TyperGroup
+
+from mlx_spec.errors import MlxSpecError
+
+DEBUG_ENV = "MLX_SPEC_DEBUG"
+
+
+class _FriendlyErrors(TyperGroup):
+    """Known errors become one line on stderr and exit code 1; `--debug` (or
+    MLX_SPEC_DEBUG=1) re-raises them with the traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MlxSpecError as error:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            print(f"error: {_one_line(str(error))}", file=sys.stderr)
+            print(f"(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+            raise typer.Exit(1) from None
+
+
+def _one_line(message: str) -> str:
+    lines = message.strip().splitlines()
+    return lines[0] if lines else "unknown error"
+
+
+app = typer.Typer(
+    name="mlx-spec",
+    cls=_FriendlyErrors,
+    help=(
+        "Exact speculative decoding on MLX: a small draft proposes γ tokens, the target "
+        "verifies them in one forward pass, and the output keeps the target's distribution "
+        "(identical text at temperature 0)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(
+        False, "--debug", help=f"Show full tracebacks on errors (or set {DEBUG_ENV}=1)."
+    ),
+) -> None:
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
+
+
+# Each command module registers itself on `app` when imported.
+from mlx_spec.cli import models  # noqa: E402,F401
+
+
+def main() -> None:
+    """Console entry point."""
+    app()

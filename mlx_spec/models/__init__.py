@@ -1,0 +1,1 @@
+"""Getting target and draft models into MLX memory."""
