@@ -1,0 +1,255 @@
+"""Both models' KV caches, and exact rollback.
+
+Speculation writes γ+1 positions into the target's cache and keeps only the accepted ones,
+so every layer must be able to forget its last few positions exactly. mlx-lm's plain
+`KVCache` can. Its `RotatingKVCache` (Gemma's sliding-window layers) cannot once it has
+wrapped: the slots a rejected draft overwrote held the oldest positions of the window, which
+the next query still needs. We replace it with `WindowKVCache`, which keeps `slack` positions
+more than the window needs and enforces the window through the attention mask, so a
+rollback of up to `slack` positions is exact at any context length.
+
+Caches with recurrent state (SSM / linear-attention layers) cannot roll back at all;
+`SequenceCache.rollbackable` says so and the engine then decodes without drafting.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+
+class WindowKVCache:
+    """A sliding-window KV cache that can roll back up to `slack` positions exactly.
+
+    Keys and values are stored in temporal order; positions older than
+    `window - 1 + slack` behind the newest are dropped in batches (every `step` tokens),
+    and `make_mask` hides keys outside each query's window. Drop-in for mlx-lm's
+    `RotatingKVCache(max_size=window, keep=0)`.
+    """
+
+    step = 256
+
+    def __init__(self, window: int, slack: int):
+        self.window = window
+        self.slack = slack
+        self.keys: Optional[mx.array] = None  # [B, heads, capacity, head_dim]
+        self.values: Optional[mx.array] = None
+        self.offset = 0  # absolute position of the next token (RoPE reads it)
+        self.start = 0  # absolute position stored in slot 0
+
+    @property
+    def retain(self) -> int:
+        """Past positions kept: what the next query's window needs, plus the slack."""
+        return self.window - 1 + self.slack
+
+    def _start_after(self, n_new: int) -> int:
+        # Where slot 0 will point once n_new positions are written; make_mask must agree
+        # with update_and_fetch, so both call this.
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if self.offset - self.start + n_new <= capacity:
+            return self.start
+        return max(self.start, self.offset - self.retain)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n_new = keys.shape[2]
+        used = self.offset - self.start
+        if self.keys is None or used + n_new > self.keys.shape[2]:
+            new_start = self._start_after(n_new)
+            kept = used - (new_start - self.start)
+            B, heads, _, k_dim = keys.shape
+            capacity = kept + n_new + self.step
+            new_keys = mx.zeros((B, heads, capacity, k_dim), keys.dtype)
+            new_values = mx.zeros((B, heads, capacity, values.shape[3]), values.dtype)
+            if kept > 0:
+                new_keys[..., :kept, :] = self.keys[..., used - kept : used, :]
+                new_values[..., :kept, :] = self.values[..., used - kept : used, :]
+            self.keys, self.values, self.start, used = new_keys, new_values, new_start, kept
+        self.keys[..., used : used + n_new, :] = keys
+        self.values[..., used : used + n_new, :] = values
+        self.offset += n_new
+        return self.keys[..., : used + n_new, :], self.values[..., : used + n_new, :]
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        window = window_size or self.window
+        prior = self.offset - self._start_after(N)  # stored keys the new queries follow
+        if prior + N <= window:  # every query sees every stored key: plain causal
+            if N == 1:
+                return None
+            return create_causal_mask(N, prior) if return_array else "causal"
+        return create_causal_mask(N, prior, window_size=window)
+
+    def max_trim(self) -> int:
+        """Positions that can be forgotten while the next query still finds its full window."""
+        if self.start == 0:
+            return self.offset
+        return max(0, self.offset - self.start - (self.window - 1))
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n > self.max_trim():
+            raise ValueError(f"cannot roll back {n} positions exactly (at most {self.max_trim()})")
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return self.offset - self.start
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self):
+        used = self.offset - self.start
+        if self.keys is None:
+            return []
+        return self.keys[..., :used, :], self.values[..., :used, :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def make_cache(model, slack: int) -> list:
+    """The model's own per-layer caches, with each sliding-window `RotatingKVCache`
+    replaced by a `WindowKVCache` that can roll back `slack` positions."""
+    caches = make_prompt_cache(model)
+    return [
+        WindowKVCache(c.max_size, slack)
+        if isinstance(c, RotatingKVCache) and c.keep == 0
+        else c
+        for c in caches
+    ]
+
+
+def _max_trim(layer) -> int:
+    if isinstance(layer, WindowKVCache):
+        return layer.max_trim()
+    if isinstance(layer, KVCache):
+        return layer.offset
+    return 0  # recurrent state or an overwriting ring: no exact rollback
+
+
+class SequenceCache:
+    """One model, its per-layer cache, and the token ids that cache holds.
+
+    `ids` is what the cache holds once a round is settled. Tokens fed with `forward` during
+    a round (draft tokens, still lazy on the device) are unsettled until `settle(kept)`
+    keeps a prefix of them and rolls the rest back.
+    """
+
+    def __init__(self, model, slack: int):
+        self.model = model
+        self.slack = slack
+        self.cache = make_cache(model, slack)
+        self.ids: list[int] = []
+        self.unsettled = 0
+
+    @property
+    def rollbackable(self) -> bool:
+        """Whether every layer can forget positions exactly (plain/windowed KV only)."""
+        return all(isinstance(c, (KVCache, WindowKVCache)) for c in self.cache)
+
+    def max_rollback(self) -> int:
+        return min((_max_trim(c) for c in self.cache), default=0)
+
+    def reset(self) -> None:
+        self.cache = make_cache(self.model, self.slack)
+        self.ids = []
+        self.unsettled = 0
+
+    def forward(self, tokens: mx.array) -> mx.array:
+        """Feed `tokens` ([n] int) and return logits [n, V], lazily."""
+        self.unsettled += tokens.shape[0]
+        return self._call(tokens[None])[0]
+
+    def _call(self, tokens: mx.array) -> mx.array:
+        try:
+            return self.model(tokens, cache=self.cache)
+        except BaseException:
+            # Interrupted half-way through the layers (Ctrl-C): their offsets disagree now,
+            # so no rollback can be exact; start over rather than decode from a torn cache.
+            self.reset()
+            raise
+
+    def settle(self, kept: list[int]) -> None:
+        """Keep the first len(kept) unsettled positions (their ids are `kept`), forget the rest."""
+        extra = self.unsettled - len(kept)
+        if extra < 0:
+            raise ValueError(f"kept {len(kept)} tokens but only {self.unsettled} were fed")
+        self._trim(extra)
+        self.ids.extend(kept)
+        self.unsettled = 0
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n settled positions."""
+        self._trim(n)
+        del self.ids[len(self.ids) - n :]
+
+    def _trim(self, n: int) -> None:
+        if n == 0:
+            return
+        if n > self.max_rollback():
+            raise ValueError(f"cannot roll back {n} positions of {type(self.model).__name__}")
+        for layer in self.cache:
+            layer.trim(n)
+
+    def prefill(
+        self,
+        ids: list[int],
+        chunk_size: int = 512,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> int:
+        """Make the cache hold exactly `ids`, reusing the longest common prefix it already
+        holds (multi-turn chat prefills only the new turn). Returns tokens processed."""
+        if self.unsettled:
+            self.settle([])  # an interrupted round: drop its unsettled positions
+        common = _common_prefix(self.ids, ids)
+        surplus = len(self.ids) - common
+        if surplus and surplus <= self.max_rollback():
+            self.rollback(surplus)
+        elif surplus:
+            self.reset()
+            common = 0
+        todo = ids[common:]
+        for begin in range(0, len(todo), chunk_size):
+            chunk = todo[begin : begin + chunk_size]
+            self._call(mx.array(chunk)[None])
+            mx.eval([c.state for c in self.cache])
+            self.ids.extend(chunk)
+            if progress is not None:
+                progress(begin + len(chunk), len(todo))
+        return len(todo)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PromptCache:
+    """Both models' caches; pass the same object to successive calls (multi-turn chat) and
+    only tokens not already held are prefilled."""
+
+    def __init__(self, target_model, slack: int):
+        self.slack = slack
+        self.target = SequenceCache(target_model, slack)
+        self.draft: Optional[SequenceCache] = None
+
+    def draft_for(self, draft_model) -> SequenceCache:
+        """The draft model's cache, created on first use."""
+        if self.draft is None or self.draft.model is not draft_model:
+            self.draft = SequenceCache(draft_model, self.slack)
+        return self.draft
+
+    def reset(self) -> None:
+        self.target.reset()
+        if self.draft is not None:
+            self.draft.reset()

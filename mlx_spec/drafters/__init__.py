@@ -1,0 +1,45 @@
+"""Drafters: who proposes the γ tokens the target verifies.
+
+One small protocol, after llama.cpp's common/speculative.h (begin / draft / accept):
+  begin(prompt_ids, prompt_cache, processor)  prepare for a new request; returns tokens prefilled
+  propose(gamma, history, key) -> Draft        up to γ tokens (lazy) and their q, or q = None
+  accept(committed)                            the tokens the round committed; roll back the rest
+
+A model-free drafter returns q = None and the verifier treats q as one-hot at its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import mlx.core as mx
+
+
+@dataclass
+class Draft:
+    tokens: mx.array  # [γ'] uint32, γ' <= γ (a lookup drafter may find fewer)
+    q: Optional[mx.array] = None  # [γ', V] processed draft distributions; None = one-hot
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft(mx.array([], dtype=mx.uint32))
+
+
+class Drafter(Protocol):
+    name: str
+
+    @property
+    def rollbackable(self) -> bool: ...
+
+    def begin(self, prompt_ids: list[int], prompt_cache, processor) -> int: ...
+
+    def propose(self, gamma: int, history: list[int], key: mx.array) -> Draft: ...
+
+    def accept(self, committed: list[int]) -> None: ...
+
+
+from mlx_spec.drafters.model import ModelDrafter  # noqa: E402
+from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
+
+__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter"]

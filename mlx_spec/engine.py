@@ -1,0 +1,168 @@
+"""The speculative round loop. Token ids in, token ids out: the engine knows no text.
+
+One round (Leviathan et al. 2023, Algorithm 1):
+  1. choose γ                    policy, capped so no round can pass max_tokens
+  2. draft                       x_1..x_γ and q_1..q_γ from the drafter (lazy, on device)
+  3. verify pass                 one target forward over [last, x_1..x_γ] → p_1..p_γ+1
+  4. accept                      n accepted, then the recovered or bonus token; one host sync
+  5. stop                        cut at the first EOS id or at max_tokens, even mid-block
+  6. roll back                   both caches forget every position that was not committed
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable, Iterable, Iterator, Optional
+
+import mlx.core as mx
+
+from mlx_spec.cache import PromptCache
+from mlx_spec.drafters import Draft, Drafter
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.policy import GammaPolicy, as_policy
+from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
+from mlx_spec.stats import Stats
+from mlx_spec.verify import verify_greedy, verify_sampled
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # committed this round: accepted drafts + recovered/bonus, after cuts
+    gamma: int  # draft tokens verified
+    accepted: int  # n, of the γ drafted (before any stop cut)
+    finish_reason: Optional[str] = None  # "stop" (an EOS id), "length" (max_tokens) or None
+
+
+class Engine:
+    """A target model, an optional drafter, and the loop that joins them.
+
+    Args:
+        target: an mlx-lm model (called as model(ids[None], cache=...) -> logits).
+        drafter: a `Drafter`, or None for plain decoding.
+        eos_ids: token ids that end generation (Gemma: <eos> and <end_of_turn>).
+        max_gamma: upper bound on γ; caches keep max_gamma + 1 positions of rollback slack.
+        prefill_chunk: prompt tokens per prefill forward.
+        profile: synchronise after drafting so draft and verify time are measured apart
+            (costs one extra host sync per round; off by default).
+    """
+
+    def __init__(
+        self,
+        target,
+        drafter: Optional[Drafter] = None,
+        *,
+        eos_ids: Iterable[int] = (),
+        max_gamma: int = 16,
+        prefill_chunk: int = 512,
+        profile: bool = False,
+    ):
+        self.target = target
+        self.drafter = drafter
+        self.eos_ids = frozenset(eos_ids)
+        self.max_gamma = max_gamma
+        self.prefill_chunk = prefill_chunk
+        self.profile = profile
+
+    def make_prompt_cache(self) -> PromptCache:
+        return PromptCache(self.target, slack=self.max_gamma + 1)
+
+    def rounds(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams = SamplingParams(),
+        *,
+        gamma: "int | GammaPolicy" = 3,
+        max_tokens: int = 256,
+        prompt_cache: Optional[PromptCache] = None,
+        stats: Optional[Stats] = None,
+        prefill_progress: Optional[Callable[[int, int], None]] = None,
+    ) -> Iterator[Round]:
+        """Generate from `prompt_ids`, one `Round` per target forward.
+
+        Args:
+            prompt_ids: the prompt as token ids (at least one).
+            params: sampling parameters; temperature 0 is greedy.
+            gamma: a fixed γ or a `GammaPolicy`; 0 decodes without drafting.
+            max_tokens: the most tokens to generate; never exceeded, even mid-block.
+            prompt_cache: caches to reuse across calls (multi-turn); a fresh one if None.
+            stats: a `Stats` to update in place (a fresh one if None).
+            prefill_progress: called with (done, total) prompt tokens during prefill.
+        Yields:
+            `Round`s; the last has a finish_reason.
+        """
+        if not prompt_ids:
+            raise MlxSpecError("the prompt is empty")
+        cache = prompt_cache or self.make_prompt_cache()
+        stats = stats if stats is not None else Stats()
+        policy = as_policy(gamma)
+        processor = LogitProcessor(params)
+        key = make_key(params.seed)
+        history = list(prompt_ids)
+        drafter = self.drafter
+
+        # Prefill: both caches end up holding the prompt except its last token, which the
+        # first verify pass feeds.
+        start = perf_counter()
+        processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress)
+        if drafter is not None:
+            processed += drafter.begin(prompt_ids, cache, processor)
+        stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
+        drafting = drafter is not None and self._can_draft(cache)
+
+        last, generated = prompt_ids[-1], 0
+        while generated < max_tokens:
+            start = perf_counter()
+            key, key_draft, key_verify = mx.random.split(key, 3)
+            # 1. choose γ; the round adds one token of the target's own, hence the - 1
+            gamma_now = min(policy.choose(stats), self.max_gamma, max_tokens - generated - 1)
+            # 2. draft
+            draft = drafter.propose(gamma_now, history, key_draft) if drafting else Draft.empty()
+            x = draft.tokens
+            gamma_now = x.shape[0]
+            if self.profile:
+                mx.eval(x)
+            drafted = perf_counter()
+            # 3. one target pass over [last, x_1..x_γ]
+            logits = cache.target.forward(mx.concatenate([mx.array([last], mx.uint32), x]))
+            windows = processor.windows(history, x, gamma_now + 1)
+            # 4. accept
+            if params.greedy:
+                n, token = verify_greedy(x, processor.greedy(logits, windows))
+            else:
+                p = processor.distribution(logits, windows)
+                n, token = verify_sampled(x, draft.q, p, key_verify)
+            mx.eval(n, token, x)  # the round's one host synchronisation
+            n = n.item()
+            emitted = x.tolist()[:n] + [token.item()]
+            # 5. stop conditions, exact mid-block
+            finish = None
+            for i, t in enumerate(emitted):
+                if t in self.eos_ids:
+                    emitted, finish = emitted[: i + 1], "stop"
+                    break
+            if finish is None and generated + len(emitted) >= max_tokens:
+                emitted, finish = emitted[: max_tokens - generated], "length"
+            # 6. roll back: the target keeps [last] + emitted minus the new last token
+            cache.target.settle(([last] + emitted)[:-1])
+            if drafting:
+                drafter.accept(emitted)
+            history.extend(emitted)
+            last, generated = emitted[-1], generated + len(emitted)
+            stats.observe_round(gamma_now, n, len(emitted), drafted - start, perf_counter() - drafted)
+            stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
+            yield Round(emitted, gamma_now, n, finish)
+            if finish:
+                return
+
+    def _can_draft(self, cache: PromptCache) -> bool:
+        for name, ok in (("target", cache.target.rollbackable), ("draft", self.drafter.rollbackable)):
+            if not ok:
+                warnings.warn(
+                    f"the {name} model's cache cannot roll back exactly (recurrent layers); "
+                    "decoding without drafting (γ = 0)",
+                    stacklevel=3,
+                )
+                return False
+        return True

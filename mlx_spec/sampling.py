@@ -1,0 +1,133 @@
+"""Sampling: logits → the processed distribution, kept apart from drawing a token.
+
+The acceptance rule is exact for the distributions actually sampled, so the target's p and
+the draft's q go through the same `LogitProcessor` with the same token history. Processing
+order: repetition penalty → temperature → top-k → top-p → min-p → renormalise.
+
+Randomness comes only from explicit PRNG keys, so a seed reproduces a run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from mlx_spec.errors import MlxSpecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. temperature 0 means greedy (argmax) decoding.
+
+    top_k 0, top_p 1.0, min_p 0.0 and repetition_penalty 1.0 each mean "off".
+    repetition_context is how many recent tokens the penalty looks at.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context: int = 64
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0"),
+            (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)"),
+            (0.0 < self.top_p <= 1.0, "top-p must be in (0, 1]"),
+            (0.0 <= self.min_p < 1.0, "min-p must be in [0, 1)"),
+            (self.repetition_penalty > 0, "repetition penalty must be > 0"),
+            (self.repetition_context >= 1, "repetition context must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise MlxSpecError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+class LogitProcessor:
+    """Applies `SamplingParams` to rows of logits.
+
+    Row i of a block is conditioned on `history + block[:i]`; the repetition penalty looks
+    at the last `repetition_context` tokens of exactly that, for p and q alike.
+    """
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+
+    def windows(
+        self, history: list[int], block: Optional[mx.array], rows: int, first: int = 0
+    ) -> Optional[mx.array]:
+        """Token windows [rows - first, C] for the repetition penalty, or None when it is off.
+
+        Args:
+            history: committed token ids (host).
+            block: tokens that follow the history in this block (lazy); row i sees block[:i].
+            rows: rows of the block; `first` skips the leading ones.
+        """
+        if not self.params.penalized or not history:
+            return None
+        C = min(self.params.repetition_context, len(history))
+        recent = mx.array(history[-C:], dtype=mx.uint32)
+        if rows > 1:
+            recent = mx.concatenate([recent, block[: rows - 1].astype(mx.uint32)])
+        index = mx.arange(first, rows)[:, None] + mx.arange(C)[None, :]
+        return recent[index]
+
+    def penalize(self, logits: mx.array, windows: Optional[mx.array]) -> mx.array:
+        if windows is None:
+            return logits
+        penalty = self.params.repetition_penalty
+        seen = mx.take_along_axis(logits, windows, axis=-1)
+        seen = mx.where(seen < 0, seen * penalty, seen / penalty)
+        return mx.put_along_axis(logits, windows, seen, axis=-1)
+
+    def greedy(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
+        """Argmax tokens [rows] of logits [rows, V]."""
+        return mx.argmax(self.penalize(logits, windows), axis=-1)
+
+    def distribution(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
+        """Probabilities [rows, V] (float32) of logits [rows, V] after all processing."""
+        params = self.params
+        logits = self.penalize(logits.astype(mx.float32), windows)
+        logits = logits / max(params.temperature, 1e-6)
+        V = logits.shape[-1]
+        if 0 < params.top_k < V:
+            kth = mx.min(mx.topk(logits, params.top_k, axis=-1), axis=-1, keepdims=True)
+            logits = mx.where(logits < kth, -mx.inf, logits)
+        probs = mx.softmax(logits, axis=-1)
+        if params.top_p < 1.0:
+            ordered = -mx.sort(-probs, axis=-1)
+            before = mx.cumsum(ordered, axis=-1) - ordered
+            # smallest kept probability: the token that carries the mass past top_p stays
+            floor = mx.min(mx.where(before < params.top_p, ordered, mx.inf), axis=-1, keepdims=True)
+            probs = mx.where(probs < floor, 0.0, probs)
+        if params.min_p > 0.0:
+            floor = params.min_p * mx.max(probs, axis=-1, keepdims=True)
+            probs = mx.where(probs < floor, 0.0, probs)
+        return probs / mx.sum(probs, axis=-1, keepdims=True)
+
+
+def draw(probs: mx.array, key: mx.array) -> mx.array:
+    """One token per row of probs [rows, V] (or one token for a [V] vector)."""
+    return mx.random.categorical(mx.log(probs), key=key)
+
+
+def make_key(seed: Optional[int]) -> mx.array:
+    """A PRNG key from a seed; no seed draws one from the OS."""
+    if seed is None:
+        import secrets
+
+        seed = secrets.randbits(63)
+    return mx.random.key(seed)

@@ -1,0 +1,105 @@
+"""Decoding statistics: plain counters, one `observe_*` per event, derived metrics as
+properties. No printing here; the CLI renders snapshots.
+
+Definitions (as vLLM and llama.cpp use them, so numbers compare across tools):
+  acceptance rate α̂         accepted draft tokens / drafted tokens
+  acceptance at position i  rounds whose draft token i was accepted / rounds that drafted >= i
+  mean accepted length      1 + accepted / rounds (counts the recovered or bonus token)
+  decode tok/s              generated tokens / decode time (prompt processing excluded)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    generated: int = 0  # tokens emitted (after stop and max-token cuts)
+    target_forwards: int = 0  # verify passes, prefill excluded
+    drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted > i tokens
+    accepted_at: list[int] = field(default_factory=list)  # [i]: rounds that accepted > i tokens
+    reached_at: list[int] = field(default_factory=list)  # [i]: drafted > i and accepted >= i
+    prompt_tokens: int = 0  # prompt length
+    prefill_tokens: int = 0  # prompt tokens actually processed (cache reuse skips the rest)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    decode_time: float = 0.0
+    peak_memory: int = 0  # bytes, MLX's peak allocation
+    gamma_last: int = 0
+
+    def observe_prefill(self, prompt_tokens: int, processed: int, seconds: float) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.prefill_tokens += processed
+        self.prefill_time += seconds
+
+    def observe_round(
+        self, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float
+    ) -> None:
+        """One round: `gamma` drafted, the first `accepted` taken, `emitted` tokens kept."""
+        self.rounds += 1
+        self.target_forwards += 1
+        self.drafted += gamma
+        self.accepted += accepted
+        self.generated += emitted
+        self.gamma_last = gamma
+        if gamma > len(self.drafted_at):
+            grow = gamma - len(self.drafted_at)
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+            self.reached_at += [0] * grow
+        for i in range(gamma):
+            self.drafted_at[i] += 1
+        for i in range(min(accepted + 1, gamma)):
+            self.reached_at[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+        self.draft_time += draft_s
+        self.verify_time += verify_s
+        self.decode_time += draft_s + verify_s
+
+    def snapshot(self) -> "Stats":
+        return copy.deepcopy(self)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α̂ = accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """a_i = P(token i accepted | tokens < i accepted), the chain factors of Σj Πi≤j a_i."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached_at)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """Counters and derived metrics, JSON-ready."""
+        out = {k: v for k, v in self.__dict__.items()}
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            acceptance_by_position=self.acceptance_by_position,
+            mean_accepted_length=self.mean_accepted_length,
+            decode_tps=self.decode_tps,
+            prefill_tps=self.prefill_tps,
+        )
+        return out

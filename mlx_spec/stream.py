@@ -1,0 +1,174 @@
+"""Generator layers over the engine, in mlx-lm's shape:
+rounds (token ids) → `stream_generate` (text pieces with stats) → `generate` (one result).
+
+This is where text appears: prompts are tokenized, tokens detokenized, and stop strings
+checked. Text that could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence, Union
+
+from mlx_spec.cache import PromptCache
+from mlx_spec.engine import Engine, Round
+from mlx_spec.policy import GammaPolicy
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.stats import Stats
+
+
+@dataclass
+class Response:
+    text: str  # text new since the previous response (may be empty)
+    round: Round  # the engine round behind it: tokens, γ, accepted
+    stats: Stats  # live statistics (updated in place; `.snapshot()` to keep)
+    finish_reason: Optional[str] = None  # "stop", "length" or None while generating
+    from_draft: list[bool] = field(default_factory=list)  # per character of text
+
+    def segments(self) -> list[tuple[str, bool]]:
+        """`text` split into runs of (text, came from accepted draft tokens)."""
+        runs: list[tuple[str, bool]] = []
+        for ch, flag in zip(self.text, self.from_draft):
+            if runs and runs[-1][1] == flag:
+                runs[-1] = (runs[-1][0] + ch, flag)
+            else:
+                runs.append((ch, flag))
+        return runs
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: Stats
+    finish_reason: Optional[str]
+    prompt_tokens: int = 0
+    rounds: list[Round] = field(default_factory=list, repr=False)
+
+
+def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat: bool = False) -> list[int]:
+    """Token ids for `prompt`; with chat=True it is wrapped as one user turn in the
+    tokenizer's chat template, ending with the assistant's turn opener."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(prompt))
+
+
+class _StopText:
+    """Finds stop strings in streamed text; holds back a tail that may still grow into one.
+    A flag per character (came from a draft token) travels with the text."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""
+        self.flags: list[bool] = []
+        self.released = 0
+
+    def push(self, piece: str, flags: list[bool]) -> tuple[str, list[bool], bool]:
+        """Add text; returns (text safe to release, its flags, whether a stop string was found)."""
+        self.text += piece
+        self.flags += flags
+        found = [self.text.find(s, max(0, self.released - len(s))) for s in self.stops]
+        found = [i for i in found if i >= 0]
+        if found:
+            self.text, self.flags = self.text[: min(found)], self.flags[: min(found)]
+            return (*self.flush(), True)
+        hold = 0
+        for s in self.stops:  # the longest tail that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return (*self._release(max(self.released, len(self.text) - hold)), False)
+
+    def _release(self, end: int) -> tuple[str, list[bool]]:
+        out = self.text[self.released : end], self.flags[self.released : end]
+        self.released = end
+        return out
+
+    def flush(self) -> tuple[str, list[bool]]:
+        return self._release(len(self.text))
+
+
+def stream_generate(
+    engine: Engine,
+    tokenizer,
+    prompt: Union[str, Sequence[int]],
+    params: SamplingParams = SamplingParams(),
+    *,
+    gamma: "int | GammaPolicy" = 3,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    chat: bool = False,
+    prompt_cache: Optional[PromptCache] = None,
+    stats: Optional[Stats] = None,
+    prefill_progress=None,
+) -> Iterator[Response]:
+    """Stream text from `prompt`, one `Response` per engine round.
+
+    Args:
+        engine: the `Engine` (target, drafter).
+        tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
+        prompt: text, or token ids used as they are.
+        params, gamma, max_tokens, prompt_cache, prefill_progress: as `Engine.rounds`.
+        stop: strings that end generation; the text returned stops before them.
+        chat: wrap a text prompt in the chat template as one user turn.
+    Yields:
+        `Response`s; the last one has a finish_reason.
+    """
+    prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    stats = stats if stats is not None else Stats()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    stops = _StopText(stop)
+    rounds = engine.rounds(
+        prompt_ids,
+        params,
+        gamma=gamma,
+        max_tokens=max_tokens,
+        prompt_cache=prompt_cache,
+        stats=stats,
+        prefill_progress=prefill_progress,
+    )
+    for rnd in rounds:
+        pieces, flags = [], []
+        for i, t in enumerate(rnd.tokens):
+            if t in engine.eos_ids:
+                continue
+            detokenizer.add_token(t)
+            pieces.append(detokenizer.last_segment)
+            # accepted draft tokens lead the round: token i came from the draft iff i < n
+            flags += [i < rnd.accepted] * len(pieces[-1])
+        if rnd.finish_reason:
+            detokenizer.finalize()
+            pieces.append(detokenizer.last_segment)
+            flags += [False] * len(pieces[-1])
+        text, text_flags, stopped = stops.push("".join(pieces), flags)
+        finish = "stop" if stopped else rnd.finish_reason
+        if finish and not stopped:
+            rest, rest_flags = stops.flush()
+            text, text_flags = text + rest, text_flags + rest_flags
+        yield Response(text, rnd, stats, finish, text_flags)
+        if finish:
+            rounds.close()
+            return
+
+
+def generate(
+    engine: Engine,
+    tokenizer,
+    prompt: Union[str, Sequence[int]],
+    params: SamplingParams = SamplingParams(),
+    **kwargs,
+) -> Result:
+    """Generate to completion; arguments as `stream_generate`. Returns a `Result`."""
+    text, tokens, rounds, finish, stats = [], [], [], None, None
+    for response in stream_generate(engine, tokenizer, prompt, params, **kwargs):
+        text.append(response.text)
+        tokens.extend(response.round.tokens)
+        rounds.append(response.round)
+        finish, stats = response.finish_reason, response.stats
+    return Result("".join(text), tokens, stats, finish, stats.prompt_tokens if stats else 0, rounds)
