@@ -70,12 +70,16 @@ class WindowKVCache:
         self.keys[..., used : used + n_new, :] = keys
         self.values[..., used : used + n_new, :] = values
         self.offset += n_new
-        return self.keys[..., : used + n_new, :], self.values[..., : used + n_new, :]
+        # Return only what the new queries can see: window - 1 keys before them, at most
+        # (the slack is kept for rollback, not attended to).
+        first = used - min(used, self.window - 1)
+        return self.keys[..., first : used + n_new, :], self.values[..., first : used + n_new, :]
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         window = window_size or self.window
-        prior = self.offset - self._start_after(N)  # stored keys the new queries follow
-        if prior + N <= window:  # every query sees every stored key: plain causal
+        # keys returned before the new ones, as update_and_fetch will slice them
+        prior = min(self.offset - self._start_after(N), self.window - 1)
+        if prior + N <= window:  # every query sees every returned key: plain causal
             if N == 1:
                 return None
             return create_causal_mask(N, prior) if return_array else "causal"

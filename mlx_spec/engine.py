@@ -98,7 +98,7 @@ class Engine:
         stats = stats if stats is not None else Stats()
         policy = as_policy(gamma)
         processor = LogitProcessor(params)
-        key = make_key(params.seed)
+        key = key_draft = key_verify = make_key(params.seed)
         history = list(prompt_ids)
         drafter = self.drafter
 
@@ -114,7 +114,8 @@ class Engine:
         last, generated = prompt_ids[-1], 0
         while generated < max_tokens:
             start = perf_counter()
-            key, key_draft, key_verify = mx.random.split(key, 3)
+            if not params.greedy:
+                key, key_draft, key_verify = mx.random.split(key, 3)
             # 1. choose γ; the round adds one token of the target's own, hence the - 1
             gamma_now = min(policy.choose(stats), self.max_gamma, max_tokens - generated - 1)
             # 2. draft
@@ -150,7 +151,9 @@ class Engine:
                 drafter.accept(emitted)
             history.extend(emitted)
             last, generated = emitted[-1], generated + len(emitted)
+            policy.observe(gamma_now, n)
             stats.observe_round(gamma_now, n, len(emitted), drafted - start, perf_counter() - drafted)
+            stats.draft_forwards += gamma_now * drafter.passes_per_token if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
             yield Round(emitted, gamma_now, n, finish)
             if finish:

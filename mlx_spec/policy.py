@@ -1,15 +1,31 @@
-"""Choosing γ, the number of draft tokens per round. γ = 0 is plain decoding."""
+"""Choosing γ, the number of draft tokens per round. γ = 0 is plain decoding.
+
+`AutoGamma` picks, every round, the γ that maximises committed tokens per second:
+
+    E(γ) = 1 + Σ_{j≤γ} Π_{i≤j} a_i          expected tokens per round
+    T(γ) = γ · t_draft + t_verify(γ + 1)     measured round time (costs.CostCurve)
+
+where a_i is the live conditional acceptance at draft position i (acceptance falls with
+position, so one α does not fit). If no γ ≥ 1 beats plain decoding it parks at γ = 0 and
+probes now and then, backing off while probes keep losing, so it can resume when the text
+turns predictable.
+"""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from mlx_spec.costs import CostCurve
 from mlx_spec.stats import Stats
 
 
 class GammaPolicy(Protocol):
     def choose(self, stats: Stats) -> int:
-        """γ for the next round, given the statistics so far."""
+        """γ for the next round."""
+        ...
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        """The round drafted `gamma` tokens and the first `accepted` were accepted."""
         ...
 
 
@@ -22,8 +38,101 @@ class FixedGamma:
     def choose(self, stats: Stats) -> int:
         return self.gamma
 
+    def observe(self, gamma: int, accepted: int) -> None:
+        pass
+
     def __repr__(self) -> str:
         return f"FixedGamma({self.gamma})"
+
+
+def expected_tokens(acceptance: list[float], gamma: int) -> float:
+    """E(γ) = 1 + Σ_{j≤γ} Π_{i≤j} a_i for conditional acceptances a_1, a_2, ..."""
+    total, chain = 1.0, 1.0
+    for a in acceptance[:gamma]:
+        chain *= a
+        total += chain
+    return total
+
+
+class AutoGamma:
+    """Bandwidth-aware γ from a measured cost curve and live per-position acceptance.
+
+    Args:
+        costs: the measured `CostCurve` for this target/draft pair.
+        max_gamma: the largest γ considered.
+        prior: acceptance assumed before evidence, per position; `prior_weight` rounds'
+            worth of it, so a few rounds of evidence dominate.
+        decay: weight kept by old observations per new one (recent text matters more).
+        probe_every, max_probe_every: parked rounds between probes, doubling after each
+            probe that does not pay, reset when drafting pays again.
+    """
+
+    def __init__(
+        self,
+        costs: CostCurve,
+        max_gamma: int = 6,
+        prior: float = 0.6,
+        prior_weight: float = 2.0,
+        decay: float = 0.97,
+        probe_every: int = 8,
+        max_probe_every: int = 128,
+    ):
+        self.costs = costs
+        self.max_gamma = max_gamma
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.reached = [0.0] * max_gamma  # decayed: rounds that drafted position i with i-1 accepted
+        self.taken = [0.0] * max_gamma  # decayed: of those, rounds that accepted position i
+        self.base_probe_every = self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.parked_for = 0
+        self.probing = False
+        self.last_choice = 0
+
+    def acceptance(self) -> list[float]:
+        """Smoothed conditional acceptance a_1..a_γmax. Each position's prior is the
+        estimate of the position before it: acceptance rarely rises with position, and an
+        unseen position is worth one probe when its predecessor does well."""
+        rates, prior = [], self.prior
+        for taken, reached in zip(self.taken, self.reached):
+            prior = (taken + self.prior_weight * prior) / (reached + self.prior_weight)
+            rates.append(prior)
+        return rates
+
+    def rate(self, gamma: int, acceptance: list[float] | None = None) -> float:
+        """Expected tokens per second at γ."""
+        acceptance = self.acceptance() if acceptance is None else acceptance
+        return expected_tokens(acceptance, gamma) / self.costs.round_time(gamma)
+
+    def predicted_speedup(self, gamma: int) -> float:
+        """Expected speedup over plain decoding at γ (Theorem 3.8 with measured costs and
+        per-position acceptance)."""
+        return self.rate(gamma) / self.rate(0)
+
+    def best(self, min_gamma: int = 0) -> int:
+        acceptance = self.acceptance()
+        return max(range(min_gamma, self.max_gamma + 1), key=lambda g: self.rate(g, acceptance))
+
+    def choose(self, stats: Stats = None) -> int:
+        gamma = self.best()
+        self.probing = False
+        if gamma > 0:
+            self.parked_for, self.probe_every = 0, self.base_probe_every
+        else:
+            self.parked_for += 1
+            if self.parked_for >= self.probe_every:  # a probe round keeps the estimates live
+                self.parked_for, self.probing = 0, True
+                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+                gamma = self.best(min_gamma=1)
+        self.last_choice = gamma
+        return gamma
+
+    def observe(self, gamma: int, accepted: int) -> None:
+        for i in range(min(accepted + 1, gamma)):  # positions this round reached
+            self.reached[i] = self.decay * self.reached[i] + 1
+            self.taken[i] = self.decay * self.taken[i] + (i < accepted)
+
+    def __repr__(self) -> str:
+        return f"AutoGamma(max_gamma={self.max_gamma})"
 
 
 def as_policy(gamma: "int | GammaPolicy") -> GammaPolicy:

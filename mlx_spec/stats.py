@@ -21,6 +21,7 @@ class Stats:
     accepted: int = 0  # draft tokens accepted
     generated: int = 0  # tokens emitted (after stop and max-token cuts)
     target_forwards: int = 0  # verify passes, prefill excluded
+    draft_forwards: int = 0  # draft model passes (0 for model-free drafters)
     drafted_at: list[int] = field(default_factory=list)  # [i]: rounds that drafted > i tokens
     accepted_at: list[int] = field(default_factory=list)  # [i]: rounds that accepted > i tokens
     reached_at: list[int] = field(default_factory=list)  # [i]: drafted > i and accepted >= i

@@ -23,6 +23,7 @@ class ScriptedDrafter:
     the given positions replaced by a wrong token: position-wise acceptance is known."""
 
     name = "scripted"
+    passes_per_token = 0
     rollbackable = True
 
     def __init__(self, reference, prompt_len, wrong_positions):

@@ -28,6 +28,7 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
+    passes_per_token: int  # draft model forwards per proposed token (0: model-free)
 
     @property
     def rollbackable(self) -> bool: ...

@@ -19,6 +19,7 @@ class ModelDrafter:
     """
 
     name = "model"
+    passes_per_token = 1
     # Past this many pending tokens (after γ = 0 rounds) catch up with a chunked prefill.
     catch_up_after = 8
 
@@ -57,8 +58,10 @@ class ModelDrafter:
         y = mx.array(self.pending, dtype=mx.uint32)
         for j in range(gamma):
             logits = self.state.forward(y)[-1:, : self.target_vocab]  # [1, V_draft∧V_target]
-            block = mx.concatenate(xs) if xs else None
-            windows = self.processor.windows(history, block, j + 1, first=j)
+            windows = None
+            if self.processor.params.penalized:
+                block = mx.concatenate(xs) if xs else None
+                windows = self.processor.windows(history, block, j + 1, first=j)
             if greedy:
                 y = self.processor.greedy(logits, windows)
             else:

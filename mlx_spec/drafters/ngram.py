@@ -15,6 +15,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    passes_per_token = 0
     rollbackable = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):

@@ -1,0 +1,153 @@
+"""Measured cost curves: what a target forward costs at widths 1..γmax+1, and a draft step.
+
+Speculation pays only when verifying γ+1 positions costs little more than one step, and
+that depends on chip, quantization and MLX version (an Apple GPU's 4-bit matmul costs ~6x
+at 8 rows; this CPU's fp32 matmul grows linearly). So it is measured, not assumed, at the
+current context length, and cached on disk per (models, MLX version, device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_spec.cache import SequenceCache
+
+STALE_AFTER_DAYS = 30
+
+
+@dataclass
+class CostCurve:
+    """Seconds per target forward by width (verify[w - 1] for w positions) and per draft
+    step, measured at `context` tokens of context."""
+
+    verify: list[float]
+    draft_step: float
+    context: int
+
+    def verify_time(self, width: int) -> float:
+        """Target forward time at `width` positions; past the measured range the last
+        measured slope is extended."""
+        if width <= len(self.verify):
+            return self.verify[width - 1]
+        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else self.verify[-1]
+        return self.verify[-1] + max(slope, 0.0) * (width - len(self.verify))
+
+    def round_time(self, gamma: int) -> float:
+        """One round: γ draft steps, then a target forward over γ + 1 positions."""
+        return gamma * self.draft_step + self.verify_time(gamma + 1)
+
+    @property
+    def c(self) -> float:
+        """The paper's c: draft step time / target step time."""
+        return self.draft_step / self.verify[0]
+
+
+def weight_bytes(model) -> int:
+    """Bytes of all parameters (what one forward pass reads)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def fingerprint(model) -> str:
+    """A short identity for a model: class, shapes and dtypes of its parameters."""
+    shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.parameters())]
+    digest = hashlib.sha256(repr((type(model).__module__, shapes)).encode()).hexdigest()
+    return digest[:16]
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    fn()  # warm-up: first call compiles kernels and allocates
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _forward_timer(seq: SequenceCache, width: int) -> Callable[[], None]:
+    tokens = mx.array([(17 * i) % 1000 + 10 for i in range(width)], mx.uint32)
+
+    def run():
+        mx.eval(seq.forward(tokens))
+        seq.settle([])  # leave the context as it was
+
+    return run
+
+
+def measure_costs(
+    target,
+    draft=None,
+    *,
+    max_width: int = 7,
+    context: int = 256,
+    repeats: int = 3,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> CostCurve:
+    """Time target forwards at widths 1..max_width and one draft step, at `context` tokens.
+
+    Args:
+        target, draft: mlx-lm models (draft None: a model-free drafter, step cost 0).
+        progress: called with (done, total) measurements.
+    """
+    prefix = [(31 * i) % 1000 + 10 for i in range(context)]
+    total = max_width + (draft is not None)
+    target_seq = SequenceCache(target, slack=max_width + 1)
+    target_seq.prefill(prefix)
+    verify = []
+    for width in range(1, max_width + 1):
+        verify.append(_median_time(_forward_timer(target_seq, width), repeats))
+        if progress:
+            progress(width, total)
+    draft_step = 0.0
+    if draft is not None:
+        draft_seq = SequenceCache(draft, slack=2)
+        draft_seq.prefill(prefix)
+        draft_step = _median_time(_forward_timer(draft_seq, 1), repeats)
+        if progress:
+            progress(total, total)
+    return CostCurve(verify, draft_step, context)
+
+
+def cache_path() -> Path:
+    root = os.environ.get("MLX_SPEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-spec"
+    return Path(root) / "costs.json"
+
+
+def cost_key(target, draft, max_width: int, context: int) -> str:
+    device = str(mx.default_device())
+    draft_id = fingerprint(draft) if draft is not None else "none"
+    return f"{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
+
+
+def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False, progress=None) -> CostCurve:
+    """The cached cost curve for this pair on this machine, measured if missing or stale."""
+    path = cache_path()
+    key = cost_key(target, draft, max_width, context)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key)
+    fresh = entry and time.time() - entry.get("measured_at", 0) < STALE_AFTER_DAYS * 86400
+    if entry and fresh and not refresh:
+        return CostCurve(entry["verify"], entry["draft_step"], entry["context"])
+    curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress)
+    table[key] = {**asdict(curve), "measured_at": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a re-measurement next time
+    return curve
