@@ -1,0 +1,60 @@
+"""Multi-turn chat over one engine: the conversation's token ids and both models' caches
+carry from turn to turn, so each turn prefills only its new tokens."""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from mlx_spec.engine import Engine
+from mlx_spec.stream import Response, stream_generate
+
+
+class ChatSession:
+    """A conversation with the chat template applied.
+
+    Each turn's prompt is the cached conversation ids plus the tokens of the template text
+    that follows them, so earlier tokens are never re-tokenized (re-encoding generated text
+    can give different ids). If the template re-renders history differently, the whole
+    prompt is tokenized again and the caches keep their longest common prefix.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, system: Optional[str] = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.cache = self.engine.make_prompt_cache()
+        self.ids: list[int] = []  # prompt + generated ids of the conversation so far
+        self.rendered = ""  # the template's text for exactly those ids
+
+    def _prompt_ids(self, messages: list[dict]) -> tuple[list[int], str]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if self.ids and text.startswith(self.rendered):
+            suffix = text[len(self.rendered) :]
+            return self.ids + list(self.tokenizer.encode(suffix, add_special_tokens=False)), text
+        return list(self.tokenizer.encode(text, add_special_tokens=False)), text
+
+    def ask(self, content: str, params, **kwargs) -> Iterator[Response]:
+        """Stream the assistant's answer to `content`; keyword arguments as
+        `stream_generate` (gamma, max_tokens, stop, stats). Closing the generator early
+        (Ctrl-C) keeps the partial answer and leaves the caches consistent."""
+        messages = self.messages + [{"role": "user", "content": content}]
+        prompt_ids, text = self._prompt_ids(messages)
+        generated: list[int] = []
+        try:
+            for response in stream_generate(
+                self.engine, self.tokenizer, prompt_ids, params, prompt_cache=self.cache, **kwargs
+            ):
+                generated += response.round.tokens
+                yield response
+        finally:
+            # The history holds the answer as decode() renders its ids, so that the next
+            # turn's template text starts with `rendered` whenever the template is faithful.
+            answer = [t for t in generated if t not in self.engine.eos_ids]
+            reply = self.tokenizer.decode(answer)
+            self.messages = messages + [{"role": "assistant", "content": reply}]
+            self.ids = prompt_ids + generated
+            self.rendered = text + self.tokenizer.decode(generated, skip_special_tokens=False)
