@@ -101,3 +101,15 @@ def test_one_hot_draft_accepts_with_probability_p():
             recovered[token.item()] += 1
     assert abs(accepted / draws - 0.4) < 4 * math.sqrt(0.24 / draws)
     assert recovered[1] == 0  # the residual excludes the rejected token
+
+
+@pytest.mark.parametrize("temperature", [0.7, 5.0])  # peaked: head path; flat: full-sort path
+def test_top_p_on_a_large_vocabulary_matches_a_full_sort(temperature):
+    logits = mx.random.normal((3, 50_000), key=mx.random.key(3)) * 4
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    processor = LogitProcessor(params)
+    fast = processor.distribution(logits)
+    processor.nucleus_head = logits.shape[-1]  # always sort everything
+    full = processor.distribution(logits)
+    assert mx.array_equal(fast > 0, full > 0)
+    assert mx.allclose(fast, full, atol=1e-7)

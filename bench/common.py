@@ -1,0 +1,53 @@
+"""Shared helpers for the benchmark scripts: timing with warm-up, medians, the pairs we can
+build offline, and JSON output (a table for people, one JSON document for scripts)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed_tokens(generator_factory):
+    """Run one generation; returns (tokens, seconds to the first token, seconds after it)."""
+    start = time.perf_counter()
+    tokens, first = [], None
+    for token in generator_factory():
+        if first is None:
+            first = time.perf_counter()
+        tokens.append(token)
+    end = time.perf_counter()
+    return tokens, first - start, end - first
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values):
+    """(min, max) of the runs: the honest spread for a handful of repetitions."""
+    return (min(values), max(values)) if values else (float("nan"), float("nan"))
+
+
+def environment() -> dict:
+    return {
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_results(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), **payload}, indent=2) + "\n")
+    return path

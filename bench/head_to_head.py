@@ -1,0 +1,130 @@
+"""Head-to-head: mlx-spec vs mlx-lm's `speculative_generate_step` vs mlx-lm's plain
+`generate_step` — same models, prompt, γ and sampling, one process, interleaved
+repetitions after a warm-up, medians. At temperature 0 all three must emit the same tokens.
+
+    python bench/head_to_head.py --pair tiny-self --gammas 2 4
+    python bench/head_to_head.py --pair gemma270m-q8draft --gammas 1 2 3 --max-tokens 64
+
+Pairs:
+  tiny-self          a tiny random Gemma 3 drafting for itself: overhead-bound, every draft
+                     accepted, so the loop's own cost decides
+  gemma270m-self     the real Gemma 3 270M (fp32) drafting for itself
+  gemma270m-q8draft  the 270M (fp32) with its own 8-bit copy as the draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.sample_utils import make_sampler
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, spread, timed_tokens, write_results  # noqa: E402
+
+from mlx_spec.drafters import ModelDrafter  # noqa: E402
+from mlx_spec.engine import Engine  # noqa: E402
+from mlx_spec.sampling import SamplingParams  # noqa: E402
+
+
+def build_pair(name: str):
+    """(target, draft, prompt ids, description) for a named pair."""
+    if name == "tiny-self":
+        from mlx_spec.models.tiny import tiny_gemma3
+
+        target = tiny_gemma3(seed=0)
+        return target, target, [2] + list(range(10, 60)), "tiny Gemma 3 (4 layers, d=64), draft = target"
+    from mlx_spec.models import load_model
+
+    from pairs import gemma_prompt_ids  # noqa: E402
+
+    target = load_model(None, dtype="float32")
+    if name == "gemma270m-self":
+        draft, description = target, "Gemma 3 270M fp32, draft = target"
+    elif name == "gemma270m-q8draft":
+        draft = load_model(None, dtype="float32", quantize=8)
+        description = "Gemma 3 270M fp32, draft = its 8-bit copy"
+    else:
+        raise SystemExit(f"unknown pair {name!r}")
+    return target.model, draft.model, gemma_prompt_ids(target.tokenizer, "short"), description
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="tiny-self")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--out", default=None, help="results name (default: head_to_head_<pair>)")
+    args = parser.parse_args()
+
+    target, draft, prompt, description = build_pair(args.pair)
+    vocab = target(mx.array([[prompt[0]]])).shape[-1]
+    params = SamplingParams(temperature=args.temp, seed=0)
+    sampler = make_sampler(args.temp) if args.temp > 0 else None
+
+    def ours(gamma):
+        engine = Engine(target, ModelDrafter(draft, vocab))
+        return (t for r in engine.rounds(prompt, params, gamma=gamma, max_tokens=args.max_tokens) for t in r.tokens)
+
+    def mlx_lm_speculative(gamma):
+        steps = speculative_generate_step(
+            mx.array(prompt), target, draft, num_draft_tokens=gamma, max_tokens=args.max_tokens, sampler=sampler
+        )
+        return (t for t, _, _ in steps)
+
+    def mlx_lm_plain():
+        return (t for t, _ in generate_step(mx.array(prompt), target, max_tokens=args.max_tokens, sampler=sampler))
+
+    systems = {"mlx-lm generate_step": lambda g: mlx_lm_plain()}
+    systems["mlx-lm speculative_generate_step"] = mlx_lm_speculative
+    systems["mlx-spec"] = ours
+    rows = []
+    for gamma in args.gammas:
+        decode_tps = {name: [] for name in systems}
+        outputs = {}
+        for name, make in systems.items():  # warm-up, and the outputs to compare
+            outputs[name] = timed_tokens(lambda: make(gamma))[0]
+        for _ in range(args.repeats):  # interleaved, so drift hits every system alike
+            for name, make in systems.items():
+                tokens, _, decode_s = timed_tokens(lambda: make(gamma))
+                decode_tps[name].append((len(tokens) - 1) / decode_s)
+        identical = len({tuple(v) for v in outputs.values()}) == 1
+        plain = median(decode_tps["mlx-lm generate_step"])
+        theirs = median(decode_tps["mlx-lm speculative_generate_step"])
+        row = {
+            "gamma": gamma,
+            "tokens_identical": identical,
+            "decode_tps": {name: {"median": median(v), "spread": spread(v)} for name, v in decode_tps.items()},
+            "mlx_spec_vs_mlx_lm_speculative": median(decode_tps["mlx-spec"]) / theirs,
+            "mlx_spec_vs_plain": median(decode_tps["mlx-spec"]) / plain,
+            "mlx_lm_speculative_vs_plain": theirs / plain,
+        }
+        rows.append(row)
+        print(
+            f"γ={gamma}: mlx-spec {median(decode_tps['mlx-spec']):7.1f} tok/s | "
+            f"mlx-lm speculative {theirs:7.1f} | plain {plain:7.1f} | "
+            f"ours/theirs {row['mlx_spec_vs_mlx_lm_speculative']:.3f}x | identical={identical}"
+        )
+    path = write_results(
+        args.out or f"head_to_head_{args.pair}",
+        {
+            "pair": args.pair,
+            "description": description,
+            "prompt_tokens": len(prompt),
+            "max_tokens": args.max_tokens,
+            "temperature": args.temp,
+            "repeats": args.repeats,
+            "metric": "decode tok/s: tokens after the first / seconds after the first token",
+            "rows": rows,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
