@@ -63,10 +63,12 @@ class LogitProcessor:
     at the last `repetition_context` tokens of exactly that, for p and q alike.
     """
 
-    nucleus_head = 1024
-
     def __init__(self, params: SamplingParams):
         self.params = params
+        # A full sort of a 262k vocabulary takes ~100 ms for 4 rows on a CPU: there, look
+        # for the nucleus among the 1024 likeliest tokens first (one extra host check). A
+        # GPU sorts quickly, and a host check would stall its queue, so it sorts everything.
+        self.nucleus_head = 1024 if mx.default_device() == mx.cpu else None
 
     def windows(
         self, history: list[int], block: Optional[mx.array], rows: int, first: int = 0
@@ -120,12 +122,11 @@ class LogitProcessor:
     def _nucleus_floor(self, probs: mx.array) -> mx.array:
         """The smallest probability kept by top-p, per row [rows, 1].
 
-        Sorting a 262k vocabulary is slow on some backends (~100 ms for 4 rows on a CPU), so
-        the nucleus is first sought among the 1024 most likely tokens; only a distribution
-        too flat for that (checked on the host) pays for the full sort.
+        With a `nucleus_head`, the nucleus is first sought among that many likeliest tokens;
+        only a distribution too flat for that (checked on the host) pays for the full sort.
         """
         top_p = self.params.top_p
-        head = min(probs.shape[-1], self.nucleus_head)
+        head = min(probs.shape[-1], self.nucleus_head or probs.shape[-1])
         ordered = -mx.sort(-mx.topk(probs, head, axis=-1), axis=-1)
         if head < probs.shape[-1] and not mx.all(mx.sum(ordered, axis=-1) >= top_p).item():
             ordered = -mx.sort(-probs, axis=-1)
