@@ -1,8 +1,147 @@
-"""`mlx-spec models ...`: list presets, inspect a model."""
+"""`mlx-spec models ...`: list presets, inspect a model, import a GGUF file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from mlx_spec.cli import app
 
 models_app = typer.Typer(help="Model presets and model information.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead.")]
+
+
+@models_app.command("list")
+def list_command(as_json: JsonOption = False) -> None:
+    """Show the presets: named target + draft pairs with their default γ and sampling."""
+    from mlx_spec.models.presets import list_presets
+
+    presets = list_presets()
+    if as_json:
+        print(json.dumps([vars(p) for p in presets], indent=2))
+        return
+    console = Console()
+    columns = ("name", "target", "draft", "drafter", "gamma", "sampling", "description")
+    rows = [(p.name, p.target, p.draft or "-", p.drafter, str(p.gamma), _sampling(p),
+             p.description) for p in presets]
+    if not console.is_terminal:  # piped: plain tab-separated lines for scripts
+        print("\t".join(columns))
+        for row in rows:
+            print("\t".join(row))
+        return
+    table = Table(title="mlx-spec presets", show_lines=False)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+@models_app.command("info")
+def info_command(
+    source: Annotated[str, typer.Argument(
+        help="A preset name, a model folder, a .gguf file, a Hub id (org/name) or 'default'.")],
+    as_json: JsonOption = False,
+) -> None:
+    """Architecture, parameters, quantization, weight bytes, attention layout and vocabulary."""
+    from mlx_spec.models.info import model_info
+    from mlx_spec.models.presets import list_presets
+
+    presets = {p.name: p for p in list_presets()}
+    if source in presets and not Path(source).exists() and source != "default":
+        # A preset: describe its models only if they are already on disk; never download
+        # gigabytes just to print facts.
+        preset = presets[source]
+        result = {"preset": vars(preset)}
+        for role, model_source in (("target", preset.target), ("draft", preset.draft)):
+            if model_source:
+                result[role] = _cached_info(model_source)
+    else:
+        result = model_info(source, progress=not as_json)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    console = Console()
+    if "preset" in result:
+        _render(console, f"preset {source}", result["preset"])
+        for role in ("target", "draft"):
+            if role in result:
+                _render(console, role, _human(result[role]))
+    else:
+        _render(console, result["source"], _human(result))
+
+
+@models_app.command("import")
+def import_command(
+    file: Annotated[Path, typer.Argument(help="The .gguf file to convert.")],
+) -> None:
+    """Convert a GGUF file into the mlx-spec cache now (loading it later is then instant)."""
+    from mlx_spec.errors import ModelLoadError
+    from mlx_spec.models.loader import resolve_source
+
+    if not file.is_file():
+        raise ModelLoadError(f"no such file: {file}")
+    folder, _ = resolve_source(str(file))
+    print(folder)
+
+
+def _cached_info(source: str) -> dict:
+    from mlx_spec.errors import ModelLoadError
+    from mlx_spec.models.info import model_info
+
+    try:
+        return model_info(source, progress=False, download=False)
+    except ModelLoadError as error:
+        return {"source": source, "status": f"not available locally ({error})"}
+
+
+def _sampling(preset) -> str:
+    if preset.temperature == 0:
+        return "greedy"
+    parts = [f"T={preset.temperature:g}"]
+    if preset.top_p < 1:
+        parts.append(f"top_p={preset.top_p:g}")
+    if preset.top_k:
+        parts.append(f"top_k={preset.top_k}")
+    if preset.min_p:
+        parts.append(f"min_p={preset.min_p:g}")
+    return " ".join(parts)
+
+
+def _human(info: dict) -> dict:
+    """Readable values for the table view; --json keeps the raw numbers."""
+    if "parameters" not in info:
+        return info
+    quant = info["quantization"]
+    shown = dict(info)
+    shown["parameters"] = f"{info['parameters'] / 1e6:,.1f} M"
+    shown["weight_bytes"] = f"{info['weight_bytes'] / 2**20:,.1f} MiB"
+    shown["quantization"] = (f"{quant['bits']}-bit, group {quant['group_size']}, {quant['mode']}"
+                             if quant else "none")
+    shown["vocab_width"] = f"{info['vocab_width']} logits (tokenizer: {info['tokenizer_size']})"
+    del shown["tokenizer_size"]
+    if "gguf" in info:
+        gguf = info["gguf"]
+        shown["gguf"] = f"{gguf['file']} (sha256 {gguf['sha256'][:12]}…, stored {gguf['dtype']})"
+    return shown
+
+
+def _render(console: Console, title: str, fields: dict) -> None:
+    if not console.is_terminal:
+        print(f"# {title}")
+        for key, value in fields.items():
+            print(f"{key}: {value}")
+        return
+    table = Table(title=title, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    for key, value in fields.items():
+        table.add_row(key, str(value))
+    console.print(table)
