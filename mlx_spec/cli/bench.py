@@ -1,0 +1,281 @@
+"""`mlx-spec bench`: find the γ that is fastest on this machine for this model pair.
+
+The sweep itself is `mlx_spec.sweep.run_sweep`; this command parses, runs it with a
+progress bar on stderr, and renders a table, JSON, CSV or a plot.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mlx_spec.cli import app
+from mlx_spec.cli.common import (
+    ChatOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, MaxTokensOpt, ModelOpt, OUTPUT, PresetOpt, QuantizeOpt,
+    SeedOpt, TempOpt, sampling_params, setup_models,
+)
+from mlx_spec.cli.render import human_bytes
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.stream import encode_prompt
+from mlx_spec.sweep import (
+    BASELINE, DEFAULT_GAMMAS, SweepResult, committed_prompts, csv_rows, CSV_FIELDS, parse_gammas,
+    recommendation_text, resolve_prompt, run_sweep,
+)
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    draft_model: DraftOpt = None,
+    drafter: DrafterOpt = None,
+    preset: PresetOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = None,
+    draft_quantize: DraftQuantizeOpt = None,
+    gammas: Annotated[Optional[list[str]], typer.Option(
+        "--gamma", "-g", metavar="N[,N...]|auto",
+        help="γ values to compare with drafting off (repeatable or comma-separated; 'auto' adds "
+             "the automatic policy). Default: 1 2 3 5.")] = None,
+    auto: Annotated[bool, typer.Option("--auto", help="Also run --gamma auto.")] = False,
+    prompts: Annotated[Optional[list[str]], typer.Option(
+        "--prompt", metavar="NAME|@FILE|TEXT",
+        help=f"Prompt(s) to run (repeatable): a committed one "
+             f"({', '.join(committed_prompts())}, or 'all'), @file, or literal text. Default: long.")] = None,
+    runs: Annotated[int, typer.Option(
+        "--runs", "-r", min=1, max=50, help="Warm runs per setting, after one cold run.")] = 3,
+    max_tokens: MaxTokensOpt = 128,
+    temp: TempOpt = 0.0,
+    seed: SeedOpt = 0,
+    chat: ChatOpt = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", rich_help_panel=OUTPUT, help="Print the results as one JSON object instead of a table.")] = False,
+    csv_file: Annotated[Optional[Path], typer.Option(
+        "--csv", rich_help_panel=OUTPUT, metavar="FILE",
+        help="Also write one CSV row per (prompt, setting) to FILE ('-' for stdout).")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", rich_help_panel=OUTPUT, metavar="FILE.png",
+        help="Also plot speedup and acceptance versus γ (needs matplotlib).")] = None,
+) -> None:
+    """Sweep γ against drafting off: decode tok/s, speedup, acceptance, Theorem 3.8 prediction.
+
+    At temperature 0 every output must be token-identical (md5) to drafting off; a mismatch
+    fails the command. The recommendation is the fastest exact setting.
+    """
+    gamma_list = parse_gammas(gammas or [",".join(map(str, DEFAULT_GAMMAS))])
+    if auto and "auto" not in gamma_list:
+        gamma_list.append("auto")
+    if drafter == "none":
+        raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model or ngram")
+    specs = prompts or ["long"]
+    if "all" in specs:
+        specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
+    named = [resolve_prompt(s) for s in specs]
+    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise MlxSpecError("--plot needs a .png, .svg or .pdf file name")
+    if plot is not None:
+        _require_matplotlib()
+
+    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
+                         gamma="auto", dtype=dtype, quantize=quantize,
+                         draft_quantize=draft_quantize)
+    params = sampling_params(None, temp=temp, seed=seed)
+    tokenizer = setup.pair.tokenizer
+    ids = {}
+    for name, text in named:
+        key, k = name, 2
+        while key in ids:
+            key, k = f"{name}{k}", k + 1
+        ids[key] = encode_prompt(tokenizer, text, chat)
+
+    with _Progress() as progress:
+        result = run_sweep(setup.pair, ids, drafter=setup.drafter, gammas=gamma_list, warm_runs=runs,
+                           max_tokens=max_tokens, params=params, progress=progress.runs,
+                           calibration_progress=progress.calibrate)
+
+    if json_out:
+        print(json.dumps({"models": setup.models, **result.as_dict()}, ensure_ascii=False))
+    else:
+        _print_table(result, setup)
+    if csv_file is not None:
+        _write_csv(result, csv_file)
+    if plot is not None:
+        _plot(result, plot)
+        print(f"plot written to {plot}", file=sys.stderr)
+    if not result.ok:
+        for mismatch in result.mismatches:
+            _red(f"IDENTITY CHECK FAILED: {mismatch}")
+        raise typer.Exit(1)
+
+
+class _Progress:
+    """Progress on stderr (terminal only): calibration of the cost curve, then the runs."""
+
+    def __enter__(self):
+        self.progress, self.tasks = None, {}
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                     MofNCompleteColumn(), TimeElapsedColumn(),
+                                     console=Console(stderr=True), transient=True)
+            self.progress.start()
+        return self
+
+    def _update(self, name: str, done: int, total: int, description: str) -> None:
+        if self.progress is None:
+            return
+        if name not in self.tasks:
+            self.tasks[name] = self.progress.add_task(description, total=total)
+        self.progress.update(self.tasks[name], completed=done, total=total, description=description)
+
+    def calibrate(self, done: int, total: int) -> None:
+        self._update("calibrate", done, total, "calibrating cost curve")
+
+    def runs(self, done: int, total: int, what: str) -> None:
+        self._update("runs", done, total, f"bench {what}")
+
+    def __exit__(self, *exc):
+        if self.progress:
+            self.progress.stop()
+        return False
+
+
+def _red(line: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(line, style="bold red", markup=False, soft_wrap=True)
+
+
+def _fmt_positions(values: list[float]) -> str:
+    return " ".join(f"{a:.2f}" for a in values) if values else "—"
+
+
+def _print_table(result: SweepResult, setup) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 120  # piped or redirected: room for the whole table
+    params = result.params
+    console.print(f"γ sweep · {setup.target}" + (f" + {setup.draft}" if setup.draft else "")
+                  + f" · drafter {result.drafter} · T = {params.temperature:g} · {result.max_tokens} tokens"
+                  + f" · 1 cold + {result.warm_runs} warm runs per setting, interleaved", style="bold")
+
+    def table(title: str, columns: list[str]) -> Table:
+        t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for name in columns:
+            t.add_column(name, justify="left" if name in ("setting", "by position", "md5 of tokens") else "right",
+                         no_wrap=name != "by position")
+        return t
+
+    for prompt, n_tokens in result.prompts.items():
+        rows = [s for s in result.summaries if s.prompt == prompt]
+        speed = table(f"prompt {prompt!r} ({n_tokens} tokens) · decode speed, warm medians",
+                      ["setting", "tok/s", "spread", "cold", "speedup", "Thm 3.8", "cost model",
+                       "prefill s", "GB/s"])
+        accept = table(f"prompt {prompt!r} · acceptance and identity",
+                       ["setting", "α̂", "by position", "accepted len", "mean γ", "md5 of tokens"])
+        for s in rows:
+            is_base = s.setting == BASELINE
+            label = f"[bold]{s.setting}[/bold]" + (" ★" if s.setting == result.recommendation else "")
+            speed.add_row(label, f"{s.decode_tps:.1f}", f"±{s.spread / 2:.0%}", f"{s.cold_tps:.1f}",
+                          f"{s.speedup:.2f}×",
+                          "—" if is_base else f"{s.predicted_speedup:.2f}×",
+                          "—" if is_base else f"{s.cost_model_speedup:.2f}×",
+                          f"{s.prefill_time:.2f} ({s.prefill_share:.0%})",
+                          f"{s.bandwidth / 1e9:.2f}")
+            identity = (s.md5[:12] if s.identical is None else
+                        f"{s.md5[:12]} ✓" if s.identical else f"[red]✗ differs at token {s.mismatch_at}[/red]")
+            accept.add_row(label,
+                           "—" if is_base else f"{s.acceptance_rate:.3f}",
+                           "—" if is_base else _fmt_positions(s.acceptance_by_position),
+                           f"{s.mean_accepted_length:.2f}", f"{s.mean_gamma:.2f}", identity)
+        console.print(speed)
+        console.print(accept)
+    c = result.costs
+    console.print(f"cost curve: target step {c.verify[0] * 1e3:.1f} ms, draft step {c.draft_step * 1e3:.2f} ms "
+                  f"(c = {c.c:.3f}); verify of w positions / one step: "
+                  + ", ".join(f"{w}: {t / c.verify[0]:.2f}" for w, t in enumerate(c.verify, 1))
+                  + f"; peak memory {human_bytes(max(s.peak_memory for s in result.summaries))}")
+    console.print("Thm 3.8 = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with measured α̂ and c; cost model = measured "
+                  "verify curve and per-position acceptance", style="dim")
+    if result.identity_checked:
+        verdict = "all outputs token-identical to drafting off" if result.ok else "[red]OUTPUT MISMATCH[/red]"
+        console.print(f"identity (md5 of token ids, T = 0): {verdict}")
+    else:
+        console.print(f"T = {params.temperature:g}: sampled outputs differ by design; no identity check")
+    console.print(f"[bold]{recommendation_text(result)}[/bold]")
+
+
+def _write_csv(result: SweepResult, path: Path) -> None:
+    rows = csv_rows(result)
+    if str(path) == "-":
+        writer = csv.DictWriter(sys.stdout, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+        return
+    try:
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+    except OSError as error:
+        raise MlxSpecError(f"cannot write {path}: {error.strerror}") from None
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MlxSpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from None
+
+
+def _plot(result: SweepResult, path: Path) -> None:
+    """Speedup (measured, Theorem 3.8, cost model) and acceptance versus γ, one line per prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for prompt in result.prompts:
+        rows = [s for s in result.summaries if s.prompt == prompt]
+        fixed = sorted((s for s in rows if s.gamma != "auto"), key=lambda s: s.gamma)
+        xs = [s.gamma for s in fixed]
+        suffix = f" ({prompt})" if len(result.prompts) > 1 else ""
+        line, = ax_speed.plot(xs, [s.speedup for s in fixed], "o-", label="measured" + suffix)
+        ax_speed.plot(xs, [s.predicted_speedup for s in fixed], "--", color=line.get_color(),
+                      alpha=0.6, label="Theorem 3.8" + suffix)
+        ax_speed.plot(xs, [s.cost_model_speedup for s in fixed], ":", color=line.get_color(),
+                      alpha=0.8, label="cost model" + suffix)
+        drafted = [s for s in fixed if s.gamma != 0]
+        ax_acc.plot([s.gamma for s in drafted], [s.acceptance_rate for s in drafted], "o-",
+                    color=line.get_color(), label="α̂" + suffix)
+        for s in rows:
+            if s.gamma == "auto":
+                ax_speed.plot([s.mean_gamma], [s.speedup], "*", markersize=12, color=line.get_color(),
+                              label=f"auto (mean γ {s.mean_gamma:.1f})" + suffix)
+                ax_acc.plot([s.mean_gamma], [s.acceptance_rate], "*", markersize=12, color=line.get_color())
+    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
+    ax_speed.set(xlabel="γ (draft tokens per round)", ylabel="speedup vs drafting off",
+                 title="decode speedup")
+    ax_acc.set(xlabel="γ (draft tokens per round)", ylabel="acceptance rate α̂", ylim=(0, 1.02),
+               title="acceptance")
+    ax_speed.legend(fontsize=8)
+    ax_acc.legend(fontsize=8)
+    fig.suptitle(f"mlx-spec bench · drafter {result.drafter} · T = {result.params.temperature:g}")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as error:
+        raise MlxSpecError(f"cannot write {path}: {error.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,212 @@
+"""`mlx-spec chat`: a multi-turn conversation in the terminal.
+
+Both models' caches carry across turns (ChatSession), so each turn prefills only its new
+tokens. Ctrl-C while an answer streams stops it between rounds: a SIGINT handler only sets a
+flag, the loop sees it after the current round and closes the generator, which leaves the
+caches consistent with the partial answer. Ctrl-C or EOF at the prompt quits.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+
+from mlx_spec.chat import ChatSession
+from mlx_spec.cli import app
+from mlx_spec.cli.common import (
+    ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt,
+    QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma,
+    check_gamma, sampling_params, setup_models,
+)
+from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.runner import build_engine
+from mlx_spec.stats import Stats
+
+PROMPT = ">>> "
+HELP = """commands:
+  /gamma N|auto   set γ, the draft tokens per round (0 = plain decoding)
+  /temp X         set the sampling temperature (0 = greedy)
+  /stats          full statistics of the last answer
+  /reset          forget the conversation (clears both caches)
+  /help           this help
+  /quit           leave (also Ctrl-D, or Ctrl-C at the prompt)
+Ctrl-C while an answer streams stops it and keeps what was said."""
+
+
+class _Interrupt:
+    """SIGINT sets a flag while an answer streams; the loop checks it between rounds."""
+
+    def __init__(self):
+        self.hit = False
+        self._previous = None
+
+    def __enter__(self):
+        self.hit = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+class ChatRepl:
+    """The loop: read a line, run a slash command or ask the model, print a footer."""
+
+    def __init__(self, session: ChatSession, setup, engine, params, gamma: str, max_tokens: int,
+                 stop, color: bool, out=None):
+        from rich.console import Console
+
+        self.session, self.setup, self.engine = session, setup, engine
+        self.params, self.max_tokens, self.stop = params, max_tokens, stop or ()
+        self.color = color
+        self.console = Console(file=out or sys.stdout, highlight=False)
+        self.tty = self.console.is_terminal
+        self.last_view = None
+        self.turns = 0
+        self.set_gamma(gamma)
+
+    # -- state changes ---------------------------------------------------------------
+
+    def set_gamma(self, gamma: str) -> None:
+        gamma = check_gamma(gamma)
+        if self.engine.drafter is None and gamma != "0":
+            raise MlxSpecError("drafting is off (--drafter none): only /gamma 0 applies")
+        context = max(len(self.session.ids), 1)
+        self.policy = calibrate_gamma(self.setup, self.engine, gamma, context)
+        self.gamma = gamma if self.engine.drafter is not None else "0"
+        self.views = ViewMaker(self.engine, self.policy, self.gamma)
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means quit."""
+        name, _, arg = line[1:].strip().partition(" ")
+        arg = arg.strip()
+        if name in ("quit", "exit", "q"):
+            return False
+        if name == "help":
+            self.say(HELP)
+        elif name == "gamma":
+            if not arg:
+                self.say(f"γ is {self.gamma}; /gamma N or /gamma auto changes it")
+            else:
+                self.set_gamma(arg)
+                self.say(f"γ set to {self.gamma}")
+        elif name == "temp":
+            try:
+                value = float(arg)
+            except ValueError:
+                raise MlxSpecError(f"/temp needs a number, not {arg!r}") from None
+            self.params = replace(self.params, temperature=value)
+            self.say(f"temperature set to {value:g}")
+        elif name == "stats":
+            if self.last_view is None:
+                self.say("no answer yet")
+            else:
+                self.console.print(render_stats(self.last_view, title="last answer"))
+                self.say(f"conversation: {self.turns} turns, {len(self.session.ids)} tokens in context")
+        elif name == "reset":
+            self.session.reset()
+            self.turns = 0
+            self.say("conversation cleared")
+        else:
+            raise MlxSpecError(f"unknown command /{name}; /help lists them")
+        return True
+
+    # -- output --------------------------------------------------------------------------
+
+    def say(self, text: str, style: str = "dim") -> None:
+        self.console.print(text, style=style if self.tty else None, markup=False)
+
+    def write(self, text: str, style: Optional[str] = None) -> None:
+        if self.tty and style:
+            self.console.print(text, style=style, end="", markup=False, soft_wrap=True)
+        else:
+            self.console.file.write(text)
+        self.console.file.flush()
+
+    # -- one turn ------------------------------------------------------------------------
+
+    def answer(self, text: str) -> None:
+        stats = Stats()
+        stopped = False
+        with _Interrupt() as interrupt:
+            responses = self.session.ask(text, self.params, gamma=self.policy,
+                                         max_tokens=self.max_tokens, stop=self.stop, stats=stats)
+            try:
+                for response in responses:
+                    for piece, from_draft in response.segments():
+                        self.write(piece, "green" if (self.color and from_draft) else None)
+                    if interrupt.hit:
+                        stopped = True
+                        break
+            finally:
+                responses.close()  # ChatSession keeps the caches consistent on close
+        self.turns += 1
+        self.write("\n")
+        self.last_view = self.views(stats)
+        footer = summary_line(self.last_view)
+        self.say(f"[{'stopped · ' if stopped else ''}{footer}]")
+
+    def run(self) -> None:
+        self.say("mlx-spec chat: /help for commands, /quit to leave", style="bold")
+        while True:
+            try:
+                line = input(PROMPT)
+            except (EOFError, KeyboardInterrupt):
+                self.write("\n")
+                return
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        return
+                else:
+                    self.answer(line)
+            except MlxSpecError as error:
+                self.say(f"error: {error}", style="red")
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    draft_model: DraftOpt = None,
+    drafter: DrafterOpt = None,
+    preset: PresetOpt = None,
+    gamma: GammaOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = None,
+    draft_quantize: DraftQuantizeOpt = None,
+    temp: TempOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepPenaltyOpt = None,
+    seed: SeedOpt = None,
+    max_tokens: MaxTokensOpt = 512,
+    stop: StopOpt = None,
+    system: Annotated[Optional[str], typer.Option(
+        "--system", help="A system message for the conversation.")] = None,
+    color_drafts: ColorOpt = False,
+) -> None:
+    """Chat with the model in the terminal (multi-turn, caches reused across turns).
+
+    Slash commands: /gamma N|auto, /temp X, /stats, /reset, /help, /quit.
+    """
+    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
+                         gamma=gamma, dtype=dtype, quantize=quantize,
+                         draft_quantize=draft_quantize)
+    params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repetition_penalty, seed=seed)
+    engine = build_engine(setup.pair, setup.drafter)
+    session = ChatSession(engine, setup.pair.tokenizer, system=system)
+    ChatRepl(session, setup, engine, params, setup.gamma, max_tokens, stop, color_drafts).run()

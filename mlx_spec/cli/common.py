@@ -1,0 +1,245 @@
+"""Options and set-up shared by `generate`, `chat` and `bench`: model and preset choice,
+sampling flags, prompt input, progress on stderr.
+
+Presets supply defaults and flags override them; with no model flag at all the "default"
+preset (the embedded Gemma 3 270M) is used.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Iterator, Optional
+
+import typer
+
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.runner import DRAFTERS
+from mlx_spec.sampling import SamplingParams
+
+# ---------------------------------------------------------------------------------------
+# Option types (shared so every command spells them the same way)
+# ---------------------------------------------------------------------------------------
+
+MODELS = "Models"
+SAMPLING = "Sampling"
+OUTPUT = "Output"
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", rich_help_panel=MODELS,
+    help="Target model p: a local mlx-lm folder, a .gguf file, a Hugging Face id, or 'default' "
+         "(the embedded Gemma 3 270M). Overrides the preset's target.")]
+DraftOpt = Annotated[Optional[str], typer.Option(
+    "--draft-model", "-d", rich_help_panel=MODELS,
+    help="Draft model q (same tokenizer as the target). Overrides the preset's draft.")]
+DrafterOpt = Annotated[Optional[str], typer.Option(
+    "--drafter", rich_help_panel=MODELS,
+    help="Who drafts: 'model' (the draft model), 'ngram' (prompt lookup, no model) or 'none' "
+         "(plain decoding). Default: the preset's, else model when a draft is loaded, else ngram.")]
+PresetOpt = Annotated[Optional[str], typer.Option(
+    "--preset", rich_help_panel=MODELS,
+    help="A named target + draft pair with default γ and sampling (see `mlx-spec models list`). "
+         "Used as 'default' when no --model is given.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", rich_help_panel=MODELS,
+    help="Compute dtype for unquantized weights: float32, float16 or bfloat16.")]
+QuantizeOpt = Annotated[Optional[int], typer.Option(
+    "--quantize", "-q", rich_help_panel=MODELS, min=2, max=8,
+    help="Quantize both models to this many bits on load (4 or 8 are usual).")]
+DraftQuantizeOpt = Annotated[Optional[int], typer.Option(
+    "--draft-quantize", rich_help_panel=MODELS, min=2, max=8,
+    help="Quantize only the draft model to this many bits; e.g. the target's own 4-bit copy "
+         "as its draft: -m default -d default --draft-quantize 4.")]
+GammaOpt = Annotated[Optional[str], typer.Option(
+    "--gamma", "-g", rich_help_panel=MODELS, metavar="N|auto",
+    help="Draft tokens per round γ: a whole number (0 = plain decoding) or 'auto' (chosen each "
+         "round from measured costs and live acceptance). Default: the preset's, else auto.")]
+
+TempOpt = Annotated[Optional[float], typer.Option(
+    "--temp", "-t", rich_help_panel=SAMPLING, min=0.0,
+    help="Sampling temperature; 0 is greedy (output identical to the target alone).")]
+TopPOpt = Annotated[Optional[float], typer.Option(
+    "--top-p", rich_help_panel=SAMPLING, min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
+TopKOpt = Annotated[Optional[int], typer.Option(
+    "--top-k", rich_help_panel=SAMPLING, min=0, help="Keep the k most likely tokens (0 = off).")]
+MinPOpt = Annotated[Optional[float], typer.Option(
+    "--min-p", rich_help_panel=SAMPLING, min=0.0, max=1.0,
+    help="Drop tokens below min-p times the top probability (0 = off).")]
+RepPenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--repetition-penalty", rich_help_panel=SAMPLING, min=0.0,
+    help="Penalty for recently seen tokens (1 = off).")]
+SeedOpt = Annotated[Optional[int], typer.Option(
+    "--seed", "-s", rich_help_panel=SAMPLING, help="PRNG seed; the same seed reproduces a sampled run.")]
+MaxTokensOpt = Annotated[int, typer.Option(
+    "--max-tokens", "-n", rich_help_panel=SAMPLING, min=1, help="Most tokens to generate.")]
+StopOpt = Annotated[Optional[list[str]], typer.Option(
+    "--stop", rich_help_panel=SAMPLING, help="A string that ends generation (repeatable).")]
+ChatOpt = Annotated[Optional[bool], typer.Option(
+    "--chat/--raw", rich_help_panel=SAMPLING,
+    help="Wrap the prompt in the model's chat template, or send it as raw text. "
+         "Default: chat when the tokenizer has a template.")]
+ColorOpt = Annotated[bool, typer.Option(
+    "--color-drafts", rich_help_panel=OUTPUT,
+    help="Colour text that came from accepted draft tokens (on a terminal).")]
+
+
+# ---------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """What the flags and the preset resolved to, and the loaded pair."""
+
+    pair: Any  # mlx_spec.models.ModelPair
+    preset: Any  # mlx_spec.models.Preset or None
+    target: str
+    draft: Optional[str]
+    drafter: Optional[str]  # None: build_engine's default
+    gamma: str  # "auto" or a whole number, as text
+
+    @property
+    def models(self) -> dict:
+        return {"target": self.target, "draft": self.draft, "preset": getattr(self.preset, "name", None)}
+
+
+def _preset_value(preset, name: str, default=None):
+    value = getattr(preset, name, None) if preset is not None else None
+    return default if value is None else value
+
+
+def setup_models(
+    *,
+    model: Optional[str],
+    draft_model: Optional[str],
+    drafter: Optional[str],
+    preset: Optional[str],
+    gamma: Optional[str],
+    dtype: Optional[str] = None,
+    quantize: Optional[int] = None,
+    draft_quantize: Optional[int] = None,
+) -> Setup:
+    """Resolve preset and flags, then load the pair (the loader shows its own progress)."""
+    from mlx_spec.models import get_preset, load_pair
+
+    if drafter is not None and drafter not in DRAFTERS:
+        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+    if gamma is not None:
+        check_gamma(gamma)
+    chosen = get_preset(preset or "default") if (preset or model is None) else None
+    target = model or _preset_value(chosen, "target", "default")
+    draft = draft_model if draft_model is not None else (
+        _preset_value(chosen, "draft") if model is None or preset else None)
+    if drafter is None:  # an explicit --draft-model means drafting with it
+        drafter = "model" if draft_model is not None else _preset_value(chosen, "drafter")
+    if drafter == "model" and not draft:
+        raise MlxSpecError("--drafter model needs a draft model: give --draft-model or a preset with one")
+    if drafter in ("none", "ngram"):
+        draft = None  # no need to load (or hold in memory) a draft model that will not draft
+    if gamma is None:
+        gamma = str(_preset_value(chosen, "gamma", "auto"))
+    if drafter == "none":
+        gamma = "0"
+    kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize)) if v is not None}
+    draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
+    pair = load_pair(target, draft, progress=sys.stderr.isatty(), draft_options=draft_options, **kwargs)
+    return Setup(pair, chosen, str(target), draft, drafter, gamma)
+
+
+def check_gamma(gamma: str) -> str:
+    """'auto' or a whole number 0..16, else a one-line error."""
+    if gamma == "auto":
+        return gamma
+    try:
+        value = int(gamma)
+    except ValueError:
+        raise MlxSpecError(f"--gamma must be a whole number or 'auto', not {gamma!r}") from None
+    if not 0 <= value <= 16:
+        raise MlxSpecError(f"--gamma must be between 0 and 16, or 'auto' (got {value})")
+    return gamma
+
+
+def sampling_params(
+    preset,
+    *,
+    temp: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    min_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    seed: Optional[int] = None,
+) -> SamplingParams:
+    """Flags over the preset's sampling defaults over `SamplingParams()`'s."""
+    base = SamplingParams()
+
+    def pick(flag, name):
+        return flag if flag is not None else _preset_value(preset, name, getattr(base, name))
+
+    return SamplingParams(
+        temperature=pick(temp, "temperature"),
+        top_k=pick(top_k, "top_k"),
+        top_p=pick(top_p, "top_p"),
+        min_p=pick(min_p, "min_p"),
+        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
+        seed=seed,
+    )
+
+
+def use_chat(tokenizer, chat: Optional[bool]) -> bool:
+    if chat is not None:
+        return chat
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+# ---------------------------------------------------------------------------------------
+# Input and progress
+# ---------------------------------------------------------------------------------------
+
+
+def read_prompt(prompt: Optional[str]) -> str:
+    """The prompt argument, or stdin when it is '-' or absent and stdin is not a terminal."""
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise MlxSpecError("no prompt: give PROMPT as an argument or pipe text on stdin")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise MlxSpecError("the prompt is empty")
+    return prompt
+
+
+@contextmanager
+def stderr_progress(title: str, *, enabled: Optional[bool] = None) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar on stderr, shown only when stderr is a terminal and only once
+    the callback is first called (cached work shows nothing); yields a (done, total) callback."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    state: dict = {}
+
+    def update(done: int, total: int) -> None:
+        if not enabled:
+            return
+        if not state:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            state["progress"] = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            state["progress"].start()
+            state["task"] = state["progress"].add_task(title, total=total)
+        state["progress"].update(state["task"], completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if state:
+            state["progress"].stop()
+
+
+def calibrate_gamma(setup: Setup, engine, gamma: str, context: int):
+    """The γ policy; 'auto' may first measure the cost curve (seconds, with progress)."""
+    from mlx_spec.runner import gamma_policy
+
+    with stderr_progress("calibrating cost curve for --gamma auto") as progress:
+        return gamma_policy(gamma, engine, context=context, progress=progress)

@@ -1,0 +1,167 @@
+"""`mlx-spec generate`: one prompt, one answer.
+
+On a terminal the text streams above a live stats panel; piped, stdout gets only the text
+and stderr one summary line; `--json` prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import Annotated, Optional
+
+import typer
+
+from mlx_spec.cli import app
+from mlx_spec.cli.common import (
+    ChatOpt, ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, MaxTokensOpt, MinPOpt, ModelOpt,
+    OUTPUT, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt,
+    calibrate_gamma, read_prompt, sampling_params, setup_models, stderr_progress, use_chat,
+)
+from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.runner import build_engine
+from mlx_spec.stats import Stats
+from mlx_spec.stream import encode_prompt, stream_generate
+
+REFRESH_S = 0.1  # live panel refresh throttle
+DRAFT_STYLE = "green"
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(
+        help="The prompt. Read from stdin when omitted (or '-').", show_default=False)] = None,
+    model: ModelOpt = None,
+    draft_model: DraftOpt = None,
+    drafter: DrafterOpt = None,
+    preset: PresetOpt = None,
+    gamma: GammaOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = None,
+    draft_quantize: DraftQuantizeOpt = None,
+    temp: TempOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepPenaltyOpt = None,
+    seed: SeedOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    stop: StopOpt = None,
+    chat: ChatOpt = None,
+    color_drafts: ColorOpt = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", rich_help_panel=OUTPUT, help="Print one JSON object: text, finish reason, models, "
+        "sampling and all statistics.")] = False,
+) -> None:
+    """Generate text for one prompt with speculative decoding.
+
+    Examples:  mlx-spec generate "Why is the sky blue?"  ·  echo "Once upon" | mlx-spec generate --raw
+    """
+    text = read_prompt(prompt)
+    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
+                         gamma=gamma, dtype=dtype, quantize=quantize,
+                         draft_quantize=draft_quantize)
+    params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repetition_penalty, seed=seed)
+    engine = build_engine(setup.pair, setup.drafter)
+    tokenizer = setup.pair.tokenizer
+    chat = use_chat(tokenizer, chat)
+    prompt_ids = encode_prompt(tokenizer, text, chat)
+    gamma_mode = setup.gamma if engine.drafter is not None else "0"
+    policy = calibrate_gamma(setup, engine, gamma_mode, len(prompt_ids))
+    views = ViewMaker(engine, policy, gamma_mode)
+    stats = Stats()
+
+    def responses(prefill_progress=None):
+        return stream_generate(engine, tokenizer, prompt_ids, params, gamma=policy,
+                               max_tokens=max_tokens, stop=stop or (), stats=stats,
+                               prefill_progress=prefill_progress)
+
+    if json_out:
+        with stderr_progress("prefill") as progress:
+            pieces, finish = [], None
+            for response in responses(progress):
+                pieces.append(response.text)
+                finish = response.finish_reason
+        view = views(stats)
+        out = {
+            "text": "".join(pieces),
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt_ids),
+            "generated_tokens": stats.generated,
+            "models": setup.models,
+            "drafter": views.drafter,
+            "gamma": gamma_mode,
+            "chat": chat,
+            "sampling": asdict(params),
+            "stats": {**stats.as_dict(), **view.as_dict()},
+        }
+        print(json.dumps(out, ensure_ascii=False))
+    elif sys.stdout.isatty():
+        _live(responses, views, stats, color_drafts)
+    else:
+        _piped(responses, views, stats)
+
+
+def _piped(responses, views, stats) -> None:
+    """Plain text on stdout as it comes; one summary line on stderr; no control codes."""
+    with stderr_progress("prefill") as progress:
+        ended_line = True
+        for response in responses(progress):
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            ended_line = response.text.endswith("\n") if response.text else ended_line
+    if not ended_line:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(summary_line(views(stats)), file=sys.stderr)
+
+
+def _live(responses, views, stats, color_drafts: bool) -> None:
+    """Streamed text above a live stats panel. Completed screen rows are printed above the
+    panel (they scroll normally); the row in progress stays inside the live region."""
+    from rich.cells import chop_cells
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    console = Console()
+    tail = Text()
+    prefill = {"done": 0, "total": 0}
+
+    def frame():
+        panel = render_stats(views(stats))
+        if prefill["total"] and not stats.rounds:
+            status = Text(f"prefill {prefill['done']}/{prefill['total']} tokens", style="dim")
+            return Group(status, panel)
+        return Group(tail, panel) if tail.plain else panel
+
+    with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
+        last = 0.0
+
+        def on_prefill(done, total):
+            nonlocal last
+            prefill.update(done=done, total=total)
+            if time.monotonic() - last > REFRESH_S:
+                live.update(frame(), refresh=True)
+                last = time.monotonic()
+
+        for response in responses(on_prefill):
+            for piece, from_draft in response.segments():
+                tail.append(piece, style=DRAFT_STYLE if (color_drafts and from_draft) else None)
+            # Move finished rows (explicit newlines, or full terminal rows) out of the live region.
+            if "\n" in tail.plain:
+                cut = tail.plain.rindex("\n")
+                live.console.print(tail[:cut], soft_wrap=True)
+                tail = tail[cut + 1 :]
+            rows = chop_cells(tail.plain, max(console.width, 20))
+            if len(rows) > 2:  # a long paragraph: print its full rows one by one, as a terminal wraps
+                for row in rows[:-1]:
+                    live.console.print(tail[: len(row)], no_wrap=True, overflow="ignore")
+                    tail = tail[len(row) :]
+            if time.monotonic() - last > REFRESH_S or response.finish_reason:
+                live.update(frame(), refresh=True)
+                last = time.monotonic()
+        live.update(frame(), refresh=True)
