@@ -1,0 +1,204 @@
+"""`mlx-spec bench` and the sweep library: formulas, the md5 identity check (including an
+injected mismatch that must fail loudly), table / JSON / CSV / plot outputs, temperature
+re-runs, committed prompts."""
+
+import csv
+import json
+import re
+
+import pytest
+
+from cli_support import assert_one_line_error, has_ansi, invoke, invoke_json
+from mlx_spec import sweep
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.sweep import SettingSummary
+
+pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, models, private_cost_cache
+pytestmark = pytest.mark.usefixtures("private_cost_cache")
+
+FAST = ["--prompt", "Hello there", "--runs", "1", "--max-tokens", "12"]
+
+
+# -- library -----------------------------------------------------------------------------
+
+
+def test_theorem_3_8():
+    # The paper's example: α = 0.8, γ = 5 gives 3.69× at c = 0.
+    assert sweep.theorem_speedup(0.8, 5, 0.0) == pytest.approx(3.69, abs=0.005)
+    assert sweep.theorem_speedup(0.8, 5, 0.05) == pytest.approx(3.69 / 1.25, abs=0.005)
+    assert sweep.theorem_speedup(1.0, 3, 0.0) == 4.0
+    assert sweep.theorem_speedup(0.0, 3, 0.1) == pytest.approx(1 / 1.3)
+    assert sweep.theorem_speedup(0.9, 0, 0.5) == 1.0
+
+
+def test_cost_model_speedup_uses_the_verify_curve():
+    from mlx_spec.costs import CostCurve
+
+    flat = CostCurve(verify=[1.0] * 8, draft_step=0.0, context=256)
+    assert sweep.cost_model_speedup([0.5, 0.5], 2, flat) == pytest.approx(1.75)
+    linear = CostCurve(verify=[float(w) for w in range(1, 9)], draft_step=0.0, context=256)
+    assert sweep.cost_model_speedup([1.0, 1.0], 2, linear) == pytest.approx(1.0)
+    assert sweep.cost_model_speedup([0.5], 1.5, flat) == pytest.approx((1.5 + 1.75) / 2)
+
+
+def test_identity_helpers_and_gamma_parsing():
+    assert sweep.token_md5([1, 2, 3]) == sweep.token_md5([1, 2, 3]) != sweep.token_md5([1, 2, 4])
+    assert sweep.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert sweep.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert sweep.first_difference([1, 2], [1, 2, 3]) == 2
+    assert sweep.parse_gammas(["1,2", "3", "auto", "2"]) == [1, 2, 3, "auto"]
+    for bad in (["x"], ["0"], ["17"], [""]):
+        with pytest.raises(MlxSpecError):
+            sweep.parse_gammas(bad)
+
+
+def _summary(setting, speedup, identical=True, prompt="p"):
+    return SettingSummary(prompt, setting, 0, 1, 10.0, 10.0, 10.0, 0.0, speedup, 10.0, 0.1, 0.5, [], [],
+                          1.0, 0.0, 0.1, 0.1, 1.0, 1.0, 0.0, 0, 10, "", identical, None)
+
+
+def test_recommendation_prefers_fastest_exact_setting():
+    rows = [_summary("off", 1.0), _summary("γ=1", 1.3), _summary("γ=3", 1.6, identical=False),
+            _summary("γ=2", 1.5)]
+    assert sweep.recommend(rows) == ("γ=2", 1.5)
+    assert sweep.recommend([_summary("off", 1.0), _summary("γ=1", 0.8)])[0] == "off"
+    # geometric mean over prompts
+    two = [_summary("off", 1.0, prompt="a"), _summary("off", 1.0, prompt="b"),
+           _summary("γ=1", 2.0, prompt="a"), _summary("γ=1", 0.9, prompt="b"),
+           _summary("γ=2", 1.3, prompt="a"), _summary("γ=2", 1.3, prompt="b")]
+    assert sweep.recommend(two)[0] == "γ=1"
+
+
+def test_committed_prompts():
+    prompts = sweep.committed_prompts()
+    assert set(prompts) == {"short", "long", "window"}
+    assert len(prompts["short"]) < len(prompts["long"]) < len(prompts["window"])
+    # Gemma averages ~1.3 tokens per English word: the window prompt is well past 512 tokens.
+    assert len(prompts["window"].split()) > 600
+    assert sweep.resolve_prompt("short")[0] == "short"
+    assert sweep.resolve_prompt("some text") == ("custom", "some text")
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+def test_table_output(models):
+    result = invoke(["bench", *models, *FAST, "--gamma", "1,2"])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    out = result.stdout
+    for needle in ("γ sweep", "off", "γ=1", "γ=2", "speedup", "Thm 3.8", "cost model", "α̂",
+                   "by position", "md5", "✓", "token-identical", "recommendation:", "cost curve"):
+        assert needle in out, needle
+    assert not has_ansi(out)
+
+
+def test_json_schema_and_identity(models):
+    out = invoke_json(["bench", *models, *FAST, "--gamma", "1", "--gamma", "3", "--auto"])
+    assert out["ok"] and out["identity_checked"] and out["mismatches"] == []
+    assert out["drafter"] == "model" and out["warm_runs"] == 1 and out["max_tokens"] == 12
+    assert out["models"]["target"].endswith("target")
+    assert {"verify", "draft_step", "c", "context"} <= set(out["costs"])
+    settings = [s["setting"] for s in out["settings"]]
+    assert settings == ["off", "γ=1", "γ=3", "auto"]
+    md5s = {s["md5"] for s in out["settings"]}
+    assert len(md5s) == 1
+    for s in out["settings"]:
+        assert s["identical"] is True and s["runs"] == 1 and s["decode_tps"] > 0
+        assert {"speedup", "predicted_speedup", "cost_model_speedup", "acceptance_rate",
+                "acceptance_by_position", "mean_accepted_length", "prefill_time", "prefill_share",
+                "cold_tps", "spread", "bandwidth"} <= set(s)
+    base = out["settings"][0]
+    assert base["speedup"] == 1.0 and base["acceptance_by_position"] == []
+    g3 = out["settings"][2]
+    assert len(g3["acceptance_by_position"]) == 3 and 0 < g3["acceptance_rate"] <= 1
+    assert out["recommendation"]["setting"] in settings
+
+
+def test_injected_mismatch_fails_loudly(models, monkeypatch):
+    """A verifier that corrupts the target's token whenever something was drafted: every
+    γ > 0 output diverges from the baseline and the command must say so and exit 1."""
+    import mlx_spec.engine as engine
+
+    real = engine.verify_greedy
+
+    def corrupted(x, target_tokens):
+        n, token = real(x, target_tokens)
+        if x.shape[0] > 0:
+            token = (token + 1) % 200 + 6
+        return n, token
+
+    monkeypatch.setattr(engine, "verify_greedy", corrupted)
+    result = invoke(["bench", *models, *FAST, "--gamma", "2"])
+    assert result.exit_code == 1
+    assert "IDENTITY CHECK FAILED" in result.stderr
+    first = re.search(r"setting γ=2, cold run, first differing token index (\d+)", result.stderr)
+    assert first, result.stderr
+    assert f"✗ differs at token {first.group(1)}" in result.stdout
+    # The JSON says so too, and still exits non-zero.
+    result = invoke(["bench", *models, *FAST, "--gamma", "2", "--json"])
+    assert result.exit_code == 1
+    out = json.loads(result.stdout)
+    assert not out["ok"] and out["mismatches"][0]["setting"] == "γ=2"
+    assert out["recommendation"]["setting"] == "off"
+
+
+def test_temperature_rerun_reports_without_identity_check(models):
+    result = invoke(["bench", *models, *FAST, "--gamma", "2", "--temp", "0.8"])
+    assert result.exit_code == 0, result.stderr
+    assert "no identity check" in result.stdout
+    out = invoke_json(["bench", *models, *FAST, "--gamma", "2", "--temp", "0.8"])
+    assert not out["identity_checked"] and out["sampling"]["temperature"] == 0.8
+    assert all(s["identical"] is None for s in out["settings"])
+
+
+def test_csv_and_plot(models, tmp_path):
+    pytest.importorskip("matplotlib")
+    csv_path, png = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    result = invoke(["bench", *models, *FAST, "--gamma", "1,2", "--auto", "--csv", csv_path, "--plot", png])
+    assert result.exit_code == 0, result.stderr
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [r["setting"] for r in rows] == ["off", "γ=1", "γ=2", "auto"]
+    assert float(rows[1]["decode_tps"]) > 0 and rows[2]["acceptance_by_position"].count(";") == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_csv_to_stdout_and_committed_prompts(models):
+    result = invoke(["bench", *models, "--prompt", "short", "--prompt", "Hi", "--runs", "1", "-n", "6",
+                     "--gamma", "1", "--csv", "-", "--json"])
+    assert result.exit_code == 0, result.stderr
+    first, _, rest = result.stdout.partition("\n")
+    out = json.loads(first)
+    assert out["prompts"]["short"] > out["prompts"]["custom"]
+    rows = list(csv.DictReader(rest.splitlines()))
+    assert [r["prompt"] for r in rows] == ["short", "short", "custom", "custom"]
+
+
+def test_ngram_drafter(tiny_dirs):
+    target, _ = tiny_dirs
+    out = invoke_json(["bench", "--model", target, *FAST, "--gamma", "2"])
+    assert out["drafter"] == "ngram" and out["ok"] and out["costs"]["draft_step"] == 0.0
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--gamma", "0"], "γ"),
+    (["--gamma", "x"], "x"),
+    (["--drafter", "none"], "--drafter"),
+    (["--prompt", "@/no/such/file.txt"], "/no/such/file.txt"),
+    (["--plot", "out.jpg"], ".png"),
+])
+def test_bench_errors(models, extra, fragment):
+    assert_one_line_error(invoke(["bench", *models, "--runs", "1", *extra]), fragment)
+
+
+def test_plot_without_matplotlib(models, monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert_one_line_error(invoke(["bench", *models, *FAST, "--plot", tmp_path / "x.png"]), "matplotlib")
