@@ -1,6 +1,7 @@
 """`mlx-spec models list|info`: output for people and for scripts, one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,12 @@ from mlx_spec.cli import app
 from mlx_spec.models.tiny import save_tiny_model
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def no_debug(monkeypatch):
+    """`--debug` in another test sets MLX_SPEC_DEBUG process-wide; errors here must be one line."""
+    monkeypatch.delenv("MLX_SPEC_DEBUG", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +75,7 @@ def test_info_for_a_preset_does_not_download(monkeypatch, tmp_path):
     (["models", "info", "not-a-model"], "nor a Hugging Face repo id"),
     (["models", "import", "/nonexistent.gguf"], "no such file: /nonexistent.gguf"),
 ])
-def test_errors_are_one_line_without_traceback(args, fragment, monkeypatch):
-    monkeypatch.delenv("MLX_SPEC_DEBUG", raising=False)
+def test_errors_are_one_line_without_traceback(args, fragment):
     result = runner.invoke(app, args)
     assert result.exit_code == 1
     assert result.stderr.startswith("error: ") and fragment in result.stderr.splitlines()[0]
@@ -91,8 +97,9 @@ def test_real_subprocess_exits_nonzero_without_traceback():
     script = Path(sys.executable).with_name("mlx-spec")
     command = [str(script)] if script.exists() else [
         sys.executable, "-c", "from mlx_spec.cli import main; main()"]
+    env = {k: v for k, v in os.environ.items() if k != "MLX_SPEC_DEBUG"}
     result = subprocess.run([*command, "models", "info", "/nonexistent"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1
     assert result.stderr.startswith("error: no such file or folder: /nonexistent\n")
     assert "Traceback" not in result.stderr and result.stdout == ""

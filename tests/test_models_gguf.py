@@ -170,6 +170,14 @@ def test_corrupt_gguf_is_a_one_line_error(tiny_gguf, cache, tmp_path, damage):
     assert not any(p.name.startswith(".tmp-") for p in (cache / "gguf").iterdir())
 
 
+def test_unwritable_cache_is_a_one_line_error(tiny_gguf, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(blocker / "cache"))  # a folder inside a file
+    with pytest.raises(ModelLoadError, match="set MLX_SPEC_CACHE to a writable folder"):
+        load_model(str(tiny_gguf[0]), progress=False)
+
+
 def test_unsupported_architecture_is_named(tmp_path, cache):
     path = tmp_path / "llama.gguf"
     write_tiny_gguf(path, tiny_gemma3(seed=0, **TINY_GGUF_CONFIG), architecture="llama")
