@@ -37,8 +37,8 @@ def list_command(as_json: JsonOption = False) -> None:
             print("\t".join(row))
         return
     table = Table(title="mlx-spec presets", show_lines=False)
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    for column in columns:  # ids stay whole; the description wraps
+        table.add_column(column, overflow="fold", no_wrap=column != "description")
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -117,6 +117,8 @@ def _sampling(preset) -> str:
 
 def _human(info: dict) -> dict:
     """Readable values for the table view; --json keeps the raw numbers."""
+    from mlx_spec.models.loader import default_dtype
+
     if "parameters" not in info:
         return info
     quant = info["quantization"]
@@ -125,6 +127,7 @@ def _human(info: dict) -> dict:
     shown["weight_bytes"] = f"{info['weight_bytes'] / 2**20:,.1f} MiB"
     shown["quantization"] = (f"{quant['bits']}-bit, group {quant['group_size']}, {quant['mode']}"
                              if quant else "none")
+    shown["dtype"] = f"{info['dtype']} on disk (loads as {default_dtype()} on this device)"
     shown["vocab_width"] = f"{info['vocab_width']} logits (tokenizer: {info['tokenizer_size']})"
     del shown["tokenizer_size"]
     if "gguf" in info:
