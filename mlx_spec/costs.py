@@ -93,12 +93,15 @@ def measure_costs(
     context: int = 256,
     repeats: int = 3,
     progress: Optional[Callable[[int, int], None]] = None,
+    early_stop: bool = True,
 ) -> CostCurve:
     """Time target forwards at widths 1..max_width and one draft step, at `context` tokens.
 
     Args:
         target, draft: mlx-lm models (draft None: a model-free drafter, step cost 0).
         progress: called with (done, total) measurements.
+        early_stop: stop widening once a verify costs about as many single steps as it
+            has rows (nothing wider can pay); benchmarks pass False for the whole curve.
     """
     prefix = [(31 * i) % 1000 + 10 for i in range(context)]
     total = max_width + (draft is not None)
@@ -109,7 +112,7 @@ def measure_costs(
         verify.append(_median_time(_forward_timer(target_seq, width), repeats))
         if progress:
             progress(width, total)
-        if width >= 2 and verify[-1] >= HOPELESS * width * verify[0]:
+        if early_stop and width >= 2 and verify[-1] >= HOPELESS * width * verify[0]:
             # Cost already grows with every row (compute-bound): wider verifies can only
             # lose, so stop measuring and let verify_time() extend the slope.
             break

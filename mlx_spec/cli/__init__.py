@@ -17,11 +17,14 @@ class _FriendlyErrors(TyperGroup):
     """Known errors become one line on stderr and exit code 1; `--debug` (or
     MLX_SPEC_DEBUG=1) re-raises them with the traceback."""
 
+    debug = False  # set by --debug for this invocation only
+
     def invoke(self, ctx):
+        _FriendlyErrors.debug = False
         try:
             return super().invoke(ctx)
         except MlxSpecError as error:
-            if os.environ.get(DEBUG_ENV):
+            if _FriendlyErrors.debug or os.environ.get(DEBUG_ENV):
                 raise
             print(f"error: {_one_line(str(error))}", file=sys.stderr)
             print(f"(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
@@ -53,8 +56,8 @@ def _root(
         False, "--debug", help=f"Show full tracebacks on errors (or set {DEBUG_ENV}=1)."
     ),
 ) -> None:
-    if debug:
-        os.environ[DEBUG_ENV] = "1"
+    # Not written to os.environ: in-process callers (tests, notebooks) would inherit it.
+    _FriendlyErrors.debug = debug
 
 
 # Each command module registers itself on `app` when imported.
