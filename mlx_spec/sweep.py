@@ -459,9 +459,13 @@ def recommend(summaries: list[SettingSummary]) -> tuple[str, float]:
 
 
 def recommendation_text(result: SweepResult) -> str:
-    """One line for people: which setting to use and why."""
+    """One line for people: which setting to use, and whether the gain is within the noise."""
     best = result.recommendation
     if best == BASELINE:
         return "recommendation: drafting does not pay here; use --gamma 0 (or --gamma auto, which parks at 0)"
     flag = "--gamma auto" if best == "auto" else f"--gamma {best.split('=')[1]}"
-    return f"recommendation: {flag} ({result.recommended_speedup:.2f}× vs drafting off)"
+    line = f"recommendation: {flag} ({result.recommended_speedup:.2f}× vs drafting off)"
+    noise = max((s.spread / 2 for s in result.summaries if s.setting in (best, BASELINE)), default=0.0)
+    if result.recommended_speedup - 1 <= noise:
+        line += f", within the run-to-run spread (±{noise:.0%}): drafting does not clearly pay here"
+    return line

@@ -89,7 +89,8 @@ def test_table_output(models):
     for needle in ("γ sweep", "off", "γ=1", "γ=2", "speedup", "Thm 3.8", "cost model", "α̂",
                    "by position", "md5", "✓", "token-identical", "recommendation:", "cost curve"):
         assert needle in out, needle
-    assert not has_ansi(out)
+    assert not has_ansi(out) and not has_ansi(result.stderr)
+    assert "[1/6] bench custom off cold" in result.stderr  # plain progress lines when piped
 
 
 def test_json_schema_and_identity(models):
@@ -202,3 +203,19 @@ def test_plot_without_matplotlib(models, monkeypatch, tmp_path):
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert_one_line_error(invoke(["bench", *models, *FAST, "--plot", tmp_path / "x.png"]), "matplotlib")
+
+
+def test_recommendation_text_flags_gains_within_noise():
+    from mlx_spec.costs import CostCurve
+    from mlx_spec.sampling import SamplingParams
+
+    def result(rows, best, speedup):
+        return sweep.SweepResult(rows, [], [], best, speedup, CostCurve([1.0], 0.0, 256),
+                                 SamplingParams(), {"p": 3}, "model", 8, 1)
+
+    noisy = [_summary("off", 1.0), _summary("γ=2", 1.03)]
+    noisy[0].spread = 0.10
+    assert "within the run-to-run spread" in sweep.recommendation_text(result(noisy, "γ=2", 1.03))
+    clear = [_summary("off", 1.0), _summary("γ=2", 1.5)]
+    assert sweep.recommendation_text(result(clear, "γ=2", 1.5)) == "recommendation: --gamma 2 (1.50× vs drafting off)"
+    assert "does not pay" in sweep.recommendation_text(result(clear, "off", 1.0))

@@ -16,8 +16,8 @@ import typer
 
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ChatOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, MaxTokensOpt, ModelOpt, OUTPUT, PresetOpt, QuantizeOpt,
-    SeedOpt, TempOpt, sampling_params, setup_models,
+    DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, MaxTokensOpt, ModelOpt, OUTPUT, PresetOpt, QuantizeOpt,
+    SeedOpt, sampling_params, setup_models,
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.errors import MlxSpecError
@@ -49,9 +49,14 @@ def bench(
     runs: Annotated[int, typer.Option(
         "--runs", "-r", min=1, max=50, help="Warm runs per setting, after one cold run.")] = 3,
     max_tokens: MaxTokensOpt = 128,
-    temp: TempOpt = 0.0,
+    temp: Annotated[float, typer.Option(
+        "--temp", "-t", min=0.0, rich_help_panel="Sampling",
+        help="Run the sweep at this temperature (the one used in practice); above 0 outputs "
+             "differ by design, so there is no identity check.")] = 0.0,
     seed: SeedOpt = 0,
-    chat: ChatOpt = False,
+    chat: Annotated[bool, typer.Option(
+        "--chat/--raw", rich_help_panel="Sampling",
+        help="Wrap the prompts in the chat template, or use them as raw text.")] = False,
     json_out: Annotated[bool, typer.Option(
         "--json", rich_help_panel=OUTPUT, help="Print the results as one JSON object instead of a table.")] = False,
     csv_file: Annotated[Optional[Path], typer.Option(
@@ -104,7 +109,7 @@ def bench(
     if csv_file is not None:
         _write_csv(result, csv_file)
     if plot is not None:
-        _plot(result, plot)
+        _plot(result, plot, f"{setup.target}" + (f" + {setup.draft}" if setup.draft else ""))
         print(f"plot written to {plot}", file=sys.stderr)
     if not result.ok:
         for mismatch in result.mismatches:
@@ -113,7 +118,8 @@ def bench(
 
 
 class _Progress:
-    """Progress on stderr (terminal only): calibration of the cost curve, then the runs."""
+    """Progress on stderr: calibration of the cost curve, then the runs. A bar on a terminal,
+    plain lines otherwise."""
 
     def __enter__(self):
         self.progress, self.tasks = None, {}
@@ -128,7 +134,12 @@ class _Progress:
         return self
 
     def _update(self, name: str, done: int, total: int, description: str) -> None:
-        if self.progress is None:
+        if self.progress is None:  # not a terminal: one plain line per step, for logs
+            if name == "runs" and done < total:
+                print(f"[{done + 1}/{total}] {description}", file=sys.stderr, flush=True)
+            elif name == "calibrate" and name not in self.tasks:
+                self.tasks[name] = None
+                print(description, file=sys.stderr, flush=True)
             return
         if name not in self.tasks:
             self.tasks[name] = self.progress.add_task(description, total=total)
@@ -238,7 +249,7 @@ def _require_matplotlib() -> None:
         raise MlxSpecError("--plot needs matplotlib: pip install 'mlx-spec[plot]'") from None
 
 
-def _plot(result: SweepResult, path: Path) -> None:
+def _plot(result: SweepResult, path: Path, models: str) -> None:
     """Speedup (measured, Theorem 3.8, cost model) and acceptance versus γ, one line per prompt."""
     import matplotlib
 
@@ -271,7 +282,7 @@ def _plot(result: SweepResult, path: Path) -> None:
                title="acceptance")
     ax_speed.legend(fontsize=8)
     ax_acc.legend(fontsize=8)
-    fig.suptitle(f"mlx-spec bench · drafter {result.drafter} · T = {result.params.temperature:g}")
+    fig.suptitle(f"mlx-spec bench · {models} · drafter {result.drafter} · T = {result.params.temperature:g}")
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

@@ -27,28 +27,28 @@ SAMPLING = "Sampling"
 OUTPUT = "Output"
 
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", rich_help_panel=MODELS,
+    "--model", "-m", rich_help_panel=MODELS, metavar="PATH|HF-ID|default",
     help="Target model p: a local mlx-lm folder, a .gguf file, a Hugging Face id, or 'default' "
          "(the embedded Gemma 3 270M). Overrides the preset's target.")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft-model", "-d", rich_help_panel=MODELS,
+    "--draft-model", "-d", rich_help_panel=MODELS, metavar="PATH|HF-ID|default",
     help="Draft model q (same tokenizer as the target). Overrides the preset's draft.")]
 DrafterOpt = Annotated[Optional[str], typer.Option(
-    "--drafter", rich_help_panel=MODELS,
+    "--drafter", rich_help_panel=MODELS, metavar="model|ngram|none",
     help="Who drafts: 'model' (the draft model), 'ngram' (prompt lookup, no model) or 'none' "
          "(plain decoding). Default: the preset's, else model when a draft is loaded, else ngram.")]
 PresetOpt = Annotated[Optional[str], typer.Option(
-    "--preset", rich_help_panel=MODELS,
+    "--preset", rich_help_panel=MODELS, metavar="NAME",
     help="A named target + draft pair with default γ and sampling (see `mlx-spec models list`). "
          "Used as 'default' when no --model is given.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", rich_help_panel=MODELS,
-    help="Compute dtype for unquantized weights: float32, float16 or bfloat16.")]
+    "--dtype", rich_help_panel=MODELS, metavar="float32|float16|bfloat16",
+    help="Dtype of all floating-point parameters. Default: float32 on CPU, bfloat16 on a GPU.")]
 QuantizeOpt = Annotated[Optional[int], typer.Option(
-    "--quantize", "-q", rich_help_panel=MODELS, min=2, max=8,
+    "--quantize", "-q", rich_help_panel=MODELS, min=2, max=8, metavar="BITS",
     help="Quantize both models to this many bits on load (4 or 8 are usual).")]
 DraftQuantizeOpt = Annotated[Optional[int], typer.Option(
-    "--draft-quantize", rich_help_panel=MODELS, min=2, max=8,
+    "--draft-quantize", rich_help_panel=MODELS, min=2, max=8, metavar="BITS",
     help="Quantize only the draft model to this many bits; e.g. the target's own 4-bit copy "
          "as its draft: -m default -d default --draft-quantize 4.")]
 GammaOpt = Annotated[Optional[str], typer.Option(
