@@ -117,8 +117,9 @@ def render_stats(view: View, title: str = "speculative decoding") -> Table:
     table.add_column(style="cyan", no_wrap=True, min_width=20)  # labels never squeeze
     table.add_column(overflow="fold")
     table.add_row("decode", f"{s.decode_tps:.1f} tok/s  ({s.generated} tokens in {s.decode_time:.2f} s)")
+    who = "target + draft" if view.drafter == "model" else "target"
     table.add_row("prefill", f"{s.prefill_time:.2f} s  ({s.prompt_tokens} prompt tokens, {s.prefill_tokens} "
-                             f"forwarded by target + draft; {_prefill_share(s):.0%} of time)")
+                             f"forwarded by {who}; {_prefill_share(s):.0%} of time)")
     table.add_row("drafter / γ", f"{view.drafter} / {gamma_text(view)}")
     if s.drafted:
         table.add_row("acceptance α̂", f"{s.acceptance_rate:.3f}  ({s.accepted}/{s.drafted} draft tokens)")
@@ -129,7 +130,7 @@ def render_stats(view: View, title: str = "speculative decoding") -> Table:
             row.append(f" {a:.2f}  (n={s.drafted_at[i]})")
             table.add_row(f"  position {i + 1}", row)
     else:
-        table.add_row("acceptance α̂", "— (nothing drafted yet)")
+        table.add_row("acceptance α̂", "— (nothing drafted)")
     if view.predicted_speedup is not None:
         measured = f"{view.measured_speedup:.2f}×" if view.measured_speedup is not None else "—"
         table.add_row("speedup", f"predicted {view.predicted_speedup:.2f}×, measured {measured} "
