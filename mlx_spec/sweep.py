@@ -191,7 +191,7 @@ class SettingSummary:
     mean_gamma: float  # drafted / rounds (auto varies γ)
     prefill_time: float  # median, seconds
     prefill_share: float  # prefill / (prefill + decode), median
-    predicted_speedup: float  # Theorem 3.8 with α̂ and c
+    predicted_speedup: float  # Theorem 3.8 with α̂, c and mean γ (a lookup drafter may draft < γ)
     cost_model_speedup: float  # measured verify curve and per-position acceptance
     bandwidth: float  # bytes/s, median
     peak_memory: int

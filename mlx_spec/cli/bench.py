@@ -216,8 +216,9 @@ def _print_table(result: SweepResult, setup) -> None:
                   f"(c = {c.c:.3f}); verify of w positions / one step: "
                   + ", ".join(f"{w}: {t / c.verify[0]:.2f}" for w, t in enumerate(c.verify, 1))
                   + f"; peak memory {human_bytes(max(s.peak_memory for s in result.summaries))}")
-    console.print("Thm 3.8 = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with measured α̂ and c; cost model = measured "
-                  "verify curve and per-position acceptance", style="dim")
+    console.print("Thm 3.8 = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with measured α̂, c and mean γ drafted per round "
+                  "(it assumes a verify costs one step); cost model = measured verify curve and per-position "
+                  "acceptance", style="dim")
     if result.identity_checked:
         verdict = "all outputs token-identical to drafting off" if result.ok else "[red]OUTPUT MISMATCH[/red]"
         console.print(f"identity (md5 of token ids, T = 0): {verdict}")
