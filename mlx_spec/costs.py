@@ -65,6 +65,18 @@ def fingerprint(model) -> str:
     return digest[:16]
 
 
+def non_decreasing(times: list[float]) -> list[float]:
+    """The closest non-decreasing curve (pool-adjacent-violators): a wider verify never
+    costs less, so a dip is timing noise, and it must not steer the choice of γ."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for t in times:
+        blocks.append([t, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 def _median_time(fn: Callable[[], None], repeats: int) -> float:
     fn()  # warm-up: first call compiles kernels and allocates
     times = []
@@ -116,6 +128,7 @@ def measure_costs(
             # Cost already grows with every row (compute-bound): wider verifies can only
             # lose, so stop measuring and let verify_time() extend the slope.
             break
+    verify = non_decreasing(verify)
     draft_step = 0.0
     if draft is not None:
         draft_seq = SequenceCache(draft, slack=2)

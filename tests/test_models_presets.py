@@ -39,3 +39,18 @@ def test_unknown_preset_lists_the_known_ones():
     message = str(error.value)
     assert message.startswith("unknown preset 'gemma9-huge' (known: default, ")
     assert "\n" not in message
+
+
+def test_base_model_preset_defaults_to_raw_prompts():
+    from types import SimpleNamespace
+
+    from mlx_spec.cli.common import use_chat
+    from mlx_spec.models import get_preset
+
+    with_template = SimpleNamespace(chat_template="{{ x }}")
+    default = get_preset("default")
+    assert default.chat is False
+    assert use_chat(with_template, None, default) is False
+    assert use_chat(with_template, True, default) is True  # --chat wins
+    assert use_chat(with_template, None, get_preset("gemma3-1b")) is True
+    assert use_chat(SimpleNamespace(chat_template=None), None, None) is False

@@ -82,10 +82,18 @@ def test_parks_probes_with_backoff_and_resumes():
     assert max(chosen[-20:]) >= 3
 
 
+def test_cost_curve_noise_is_smoothed_to_non_decreasing():
+    from mlx_spec.costs import non_decreasing
+
+    assert non_decreasing([1.0, 2.0, 1.6, 1.8, 3.0]) == pytest.approx([1.0, 1.8, 1.8, 1.8, 3.0])
+    assert non_decreasing([1.0, 1.1, 1.2]) == [1.0, 1.1, 1.2]
+
+
 def test_measured_curve_has_one_entry_per_width(tiny_target, tiny_draft):
     curve = measure_costs(tiny_target, tiny_draft, max_width=4, context=32, repeats=1)
     assert len(curve.verify) == 4 and all(t > 0 for t in curve.verify)
     assert curve.draft_step > 0
+    assert curve.verify == sorted(curve.verify)
     assert curve.verify_time(6) >= curve.verify_time(4)  # extrapolated, never shrinking
 
 

@@ -78,7 +78,8 @@ StopOpt = Annotated[Optional[list[str]], typer.Option(
 ChatOpt = Annotated[Optional[bool], typer.Option(
     "--chat/--raw", rich_help_panel=SAMPLING,
     help="Wrap the prompt in the model's chat template, or send it as raw text. "
-         "Default: chat when the tokenizer has a template.")]
+         "Default: chat when the tokenizer has a template, except for base-model presets "
+         "such as the embedded default.")]
 ColorOpt = Annotated[bool, typer.Option(
     "--color-drafts", rich_help_panel=OUTPUT,
     help="Colour text that came from accepted draft tokens (on a terminal).")]
@@ -187,10 +188,12 @@ def sampling_params(
     )
 
 
-def use_chat(tokenizer, chat: Optional[bool]) -> bool:
+def use_chat(tokenizer, chat: Optional[bool], preset=None) -> bool:
+    """--chat/--raw if given, else the preset's choice (False for base models), and only
+    when the tokenizer has a template."""
     if chat is not None:
         return chat
-    return bool(getattr(tokenizer, "chat_template", None))
+    return _preset_value(preset, "chat", True) and bool(getattr(tokenizer, "chat_template", None))
 
 
 # ---------------------------------------------------------------------------------------

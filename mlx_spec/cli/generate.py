@@ -67,7 +67,7 @@ def generate(
                              repetition_penalty=repetition_penalty, seed=seed)
     engine = build_engine(setup.pair, setup.drafter)
     tokenizer = setup.pair.tokenizer
-    chat = use_chat(tokenizer, chat)
+    chat = use_chat(tokenizer, chat, setup.preset)
     prompt_ids = encode_prompt(tokenizer, text, chat)
     gamma_mode = setup.gamma if engine.drafter is not None else "0"
     policy = calibrate_gamma(setup, engine, gamma_mode, len(prompt_ids))

@@ -29,6 +29,8 @@ class Preset:
         temperature, top_p, top_k, min_p: sampling defaults (0 temperature is greedy).
         description: one line for `mlx-spec models list`.
         family: model family ("gemma3", "gemma4"), for grouping and notes.
+        chat: whether `generate` wraps prompts in the chat template by default; False for
+            base models, which continue text rather than answer turns.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Preset:
     min_p: float
     description: str
     family: str = ""
+    chat: bool = True
 
 
 def list_presets() -> list[Preset]:
@@ -84,6 +87,7 @@ def _parse(name: str, table: dict) -> Preset:
         min_p=float(table.get("min_p", 0.0)),
         description=table.get("description", ""),
         family=table.get("family", ""),
+        chat=bool(table.get("chat", True)),
     )
     if preset.drafter not in DRAFTERS:
         raise MlxSpecError(f"preset '{name}': drafter must be one of {DRAFTERS}")
