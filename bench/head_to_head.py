@@ -3,13 +3,10 @@
 repetitions after a warm-up, medians. At temperature 0 all three must emit the same tokens.
 
     python bench/head_to_head.py --pair tiny-self --gammas 2 4
-    python bench/head_to_head.py --pair gemma270m-q8draft --gammas 1 2 3 --max-tokens 64
+    python bench/head_to_head.py --pair gemma270m-q8 --gammas 2 4 --max-tokens 32
 
-Pairs:
-  tiny-self          a tiny random Gemma 3 drafting for itself: overhead-bound, every draft
-                     accepted, so the loop's own cost decides
-  gemma270m-self     the real Gemma 3 270M (fp32) drafting for itself
-  gemma270m-q8draft  the 270M (fp32) with its own 8-bit copy as the draft
+tiny-self (a tiny random Gemma 3 drafting for itself: overhead-bound, every draft accepted)
+isolates the loop's own cost; pairs are defined in bench/pairs.py.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median, spread, timed_tokens, write_results  # noqa: E402
+from pairs import build  # noqa: E402
 
 from mlx_spec.drafters import ModelDrafter  # noqa: E402
 from mlx_spec.engine import Engine  # noqa: E402
@@ -31,25 +29,11 @@ from mlx_spec.sampling import SamplingParams  # noqa: E402
 
 
 def build_pair(name: str):
-    """(target, draft, prompt ids, description) for a named pair."""
-    if name == "tiny-self":
-        from mlx_spec.models.tiny import tiny_gemma3
-
-        target = tiny_gemma3(seed=0)
-        return target, target, [2] + list(range(10, 60)), "tiny Gemma 3 (4 layers, d=64), draft = target"
-    from mlx_spec.models import load_model
-
-    from pairs import gemma_prompt_ids  # noqa: E402
-
-    target = load_model(None, dtype="float32")
-    if name == "gemma270m-self":
-        draft, description = target, "Gemma 3 270M fp32, draft = target"
-    elif name == "gemma270m-q8draft":
-        draft = load_model(None, dtype="float32", quantize=8)
-        description = "Gemma 3 270M fp32, draft = its 8-bit copy"
-    else:
-        raise SystemExit(f"unknown pair {name!r}")
-    return target.model, draft.model, gemma_prompt_ids(target.tokenizer, "short"), description
+    """(target, draft, prompt ids, description) for a named pair of bench/pairs.py."""
+    pair = build(name, "short")
+    if pair.draft_model is None:
+        raise SystemExit("head-to-head needs a draft model (mlx-lm has no model-free drafter)")
+    return pair.target, pair.draft_model, pair.prompt, pair.description
 
 
 def main() -> None:

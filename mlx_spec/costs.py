@@ -28,12 +28,22 @@ HOPELESS = 0.95  # t(w) >= 0.95·w·t(1): a w-row verify costs about w single st
 
 @dataclass
 class CostCurve:
-    """Seconds per target forward by width (verify[w - 1] for w positions) and per draft
-    step, measured at `context` tokens of context."""
+    """Seconds per target forward by width (verify[w - 1] for w positions), per draft step,
+    and per two-token draft step, measured at `context` tokens of context.
+
+    The two-token step happens after a fully accepted round: the draft has not yet seen its
+    own last token x_γ and feeds it together with the bonus token.
+    """
 
     verify: list[float]
     draft_step: float
     context: int
+    draft_step2: float = 0.0
+
+    @property
+    def catch_up(self) -> float:
+        """Extra cost of a two-token draft step over a one-token step."""
+        return max(0.0, self.draft_step2 - self.draft_step)
 
     def verify_time(self, width: int) -> float:
         """Target forward time at `width` positions; past the measured range the last
@@ -43,9 +53,13 @@ class CostCurve:
         slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else self.verify[-1]
         return self.verify[-1] + max(slope, 0.0) * (width - len(self.verify))
 
-    def round_time(self, gamma: int) -> float:
-        """One round: γ draft steps, then a target forward over γ + 1 positions."""
-        return gamma * self.draft_step + self.verify_time(gamma + 1)
+    def round_time(self, gamma: int, full_acceptance: float = 0.0) -> float:
+        """One round: γ draft steps, then a target forward over γ + 1 positions; with
+        probability `full_acceptance` the round before accepted everything and the first
+        draft step feeds two tokens."""
+        if gamma == 0:
+            return self.verify_time(1)
+        return gamma * self.draft_step + full_acceptance * self.catch_up + self.verify_time(gamma + 1)
 
     @property
     def c(self) -> float:
@@ -129,14 +143,15 @@ def measure_costs(
             # lose, so stop measuring and let verify_time() extend the slope.
             break
     verify = non_decreasing(verify)
-    draft_step = 0.0
+    draft_step = draft_step2 = 0.0
     if draft is not None:
-        draft_seq = SequenceCache(draft, slack=2)
+        draft_seq = SequenceCache(draft, slack=3)
         draft_seq.prefill(prefix)
         draft_step = _median_time(_forward_timer(draft_seq, 1), repeats)
+        draft_step2 = _median_time(_forward_timer(draft_seq, 2), repeats)
         if progress:
             progress(total, total)
-    return CostCurve(verify, draft_step, context)
+    return CostCurve(verify, draft_step, context, draft_step2)
 
 
 def cache_path() -> Path:
@@ -147,7 +162,7 @@ def cache_path() -> Path:
 def cost_key(target, draft, max_width: int, context: int) -> str:
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
-    return f"{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
+    return f"v2|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
 
 
 def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False, progress=None) -> CostCurve:
@@ -161,7 +176,7 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
     entry = table.get(key)
     fresh = entry and time.time() - entry.get("measured_at", 0) < STALE_AFTER_DAYS * 86400
     if entry and fresh and not refresh:
-        return CostCurve(entry["verify"], entry["draft_step"], entry["context"])
+        return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"])
     curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress)
     table[key] = {**asdict(curve), "measured_at": time.time()}
     try:

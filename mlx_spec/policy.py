@@ -54,6 +54,14 @@ def expected_tokens(acceptance: list[float], gamma: int) -> float:
     return total
 
 
+def full_acceptance(acceptance: list[float], gamma: int) -> float:
+    """P(all γ draft tokens accepted) = Π_{i≤γ} a_i."""
+    chain = 1.0
+    for a in acceptance[:gamma]:
+        chain *= a
+    return chain
+
+
 class AutoGamma:
     """Bandwidth-aware γ from a measured cost curve and live per-position acceptance.
 
@@ -87,6 +95,9 @@ class AutoGamma:
         self.parked_for = 0
         self.probing = False
         self.last_choice = 0
+        # If even a draft that is always right cannot beat plain decoding (a draft step
+        # costs about a target step, or verify cost grows with every row), never probe.
+        self.can_pay = self._best([1.0] * max_gamma) > 0
 
     def acceptance(self) -> list[float]:
         """Smoothed conditional acceptance a_1..a_γmax. Each position's prior is the
@@ -101,7 +112,8 @@ class AutoGamma:
     def rate(self, gamma: int, acceptance: list[float] | None = None) -> float:
         """Expected tokens per second at γ."""
         acceptance = self.acceptance() if acceptance is None else acceptance
-        return expected_tokens(acceptance, gamma) / self.costs.round_time(gamma)
+        round_time = self.costs.round_time(gamma, full_acceptance(acceptance, gamma))
+        return expected_tokens(acceptance, gamma) / round_time
 
     def predicted_speedup(self, gamma: int) -> float:
         """Expected speedup over plain decoding at γ (Theorem 3.8 with measured costs and
@@ -109,12 +121,17 @@ class AutoGamma:
         return self.rate(gamma) / self.rate(0)
 
     def best(self, min_gamma: int = 0) -> int:
-        acceptance = self.acceptance()
+        return self._best(self.acceptance(), min_gamma)
+
+    def _best(self, acceptance: list[float], min_gamma: int = 0) -> int:
         return max(range(min_gamma, self.max_gamma + 1), key=lambda g: self.rate(g, acceptance))
 
     def choose(self, stats: Stats = None) -> int:
-        gamma = self.best()
         self.probing = False
+        if not self.can_pay:
+            self.last_choice = 0
+            return 0
+        gamma = self.best()
         if gamma > 0:
             self.parked_for, self.probe_every = 0, self.base_probe_every
         else:

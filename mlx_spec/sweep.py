@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_spec.costs import CostCurve, load_or_measure, weight_bytes
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.policy import FixedGamma, expected_tokens
+from mlx_spec.policy import FixedGamma, expected_tokens, full_acceptance
 from mlx_spec.runner import MAX_AUTO_GAMMA, build_engine, context_bucket, gamma_policy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
@@ -66,7 +66,7 @@ def cost_model_speedup(acceptance: Sequence[float], gamma: float, costs: CostCur
 
     def at(g: int) -> float:
         a = list(acceptance) + [acceptance[-1] if acceptance else 0.0] * max(0, g - len(acceptance))
-        return expected_tokens(a, g) / costs.round_time(g) * costs.verify_time(1)
+        return expected_tokens(a, g) / costs.round_time(g, full_acceptance(a, g)) * costs.verify_time(1)
 
     if lo == hi:
         return at(lo)
@@ -125,7 +125,8 @@ def parse_gammas(values: Sequence[str]) -> list[Gamma]:
 
 def committed_prompts() -> dict[str, str]:
     """The fixed bench prompts by name: short, long, window (longer than a 512-token
-    sliding window in the Gemma tokenizer)."""
+    sliding window in the Gemma tokenizer) and quote (asks for a passage to be copied, where
+    prompt-lookup drafting shines)."""
     return {p.stem: p.read_text() for p in sorted(PROMPT_DIR.glob("*.txt"))}
 
 

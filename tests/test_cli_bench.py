@@ -71,7 +71,7 @@ def test_recommendation_prefers_fastest_exact_setting():
 
 def test_committed_prompts():
     prompts = sweep.committed_prompts()
-    assert set(prompts) == {"short", "long", "window"}
+    assert set(prompts) == {"short", "long", "window", "quote"}
     assert len(prompts["short"]) < len(prompts["long"]) < len(prompts["window"])
     # Gemma averages ~1.3 tokens per English word: the window prompt is well past 512 tokens.
     assert len(prompts["window"].split()) > 600

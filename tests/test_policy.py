@@ -58,10 +58,22 @@ def test_falling_acceptance_stops_early():
     assert policy.best() == 2
 
 
-def test_compute_bound_costs_never_draft():
+def test_compute_bound_costs_never_draft_nor_probe():
     policy = trained(LINEAR, [0.95] * 6)
     assert policy.best() == 0
     assert policy.predicted_speedup(3) < 1.0
+    assert not policy.can_pay  # not even a draft that is always right would pay
+    assert [policy.choose(Stats()) for _ in range(300)] == [0] * 300
+
+
+def test_two_token_draft_steps_after_full_acceptance_are_priced():
+    cheap_catch_up = CostCurve(verify=[1.0 + 0.1 * w for w in range(7)], draft_step=0.2, context=256, draft_step2=0.2)
+    dear_catch_up = CostCurve(verify=[1.0 + 0.1 * w for w in range(7)], draft_step=0.2, context=256, draft_step2=0.6)
+    assert dear_catch_up.round_time(2, full_acceptance=1.0) == pytest.approx(0.4 + 0.4 + 1.2)
+    assert dear_catch_up.round_time(0) == cheap_catch_up.round_time(0) == 1.0
+    fast = trained(cheap_catch_up, [0.97] * 6)
+    slow = trained(dear_catch_up, [0.97] * 6)
+    assert slow.rate(3) < fast.rate(3)
 
 
 def test_parks_probes_with_backoff_and_resumes():
@@ -92,7 +104,7 @@ def test_cost_curve_noise_is_smoothed_to_non_decreasing():
 def test_measured_curve_has_one_entry_per_width(tiny_target, tiny_draft):
     curve = measure_costs(tiny_target, tiny_draft, max_width=4, context=32, repeats=1)
     assert len(curve.verify) == 4 and all(t > 0 for t in curve.verify)
-    assert curve.draft_step > 0
+    assert curve.draft_step > 0 and curve.draft_step2 > 0
     assert curve.verify == sorted(curve.verify)
     assert curve.verify_time(6) >= curve.verify_time(4)  # extrapolated, never shrinking
 
@@ -107,4 +119,4 @@ def test_auto_gamma_in_the_engine_keeps_output_identical(tiny_target, tiny_draft
     if expect_drafting:
         assert stats.drafted > 60
     else:
-        assert stats.drafted < 10  # probes only
+        assert stats.drafted == 0  # drafting cannot pay on this curve: no probes either

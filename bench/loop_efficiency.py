@@ -1,0 +1,82 @@
+"""Loop efficiency: measured decode tok/s versus the cost model's prediction.
+
+The cost model says a round at γ takes T(γ) = γ·t_draft + t_verify(γ+1) (measured cost
+curve) and commits L(γ) tokens (the measured mean accepted length), so it predicts
+L(γ)/T(γ) tok/s. What the loop adds on top — sampling, verification, rollback, host sync,
+Python — shows as measured/predicted < 1.
+
+    python bench/loop_efficiency.py --pair gemma270m-q8 --gammas 1 2 3 4 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, spread, write_results  # noqa: E402
+from pairs import build  # noqa: E402
+
+from mlx_spec.costs import measure_costs  # noqa: E402
+from mlx_spec.engine import Engine  # noqa: E402
+from mlx_spec.sampling import SamplingParams  # noqa: E402
+from mlx_spec.stats import Stats  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="gemma270m-q8")
+    parser.add_argument("--prompt", default="long")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    pair = build(args.pair, args.prompt)
+    curve = measure_costs(
+        pair.target, pair.draft_model, max_width=max(args.gammas) + 1,
+        context=len(pair.prompt), repeats=5, early_stop=False,
+    )
+    print("cost curve (s):", [round(t, 4) for t in curve.verify], "draft step", round(curve.draft_step, 4),
+          "two-token draft step", round(curve.draft_step2, 4))
+    rows = []
+    for gamma in args.gammas:
+        measured, predicted, lengths = [], [], []
+        for run in range(args.repeats + 1):  # run 0 warms up
+            stats = Stats()
+            engine = Engine(pair.target, pair.make_drafter())
+            rounds = list(engine.rounds(pair.prompt, SamplingParams(), gamma=gamma, max_tokens=args.max_tokens, stats=stats))
+            if run == 0:
+                continue
+            # Predict what ran: the last rounds draft fewer than γ when max_tokens is near,
+            # and a round after a fully accepted one starts with a two-token draft step.
+            round_time, previous_full = 0.0, False
+            for r in rounds:
+                round_time += curve.round_time(r.gamma, full_acceptance=float(previous_full))
+                previous_full = r.gamma > 0 and r.accepted == r.gamma
+            measured.append(stats.decode_tps)
+            predicted.append(stats.generated / round_time)
+            lengths.append(stats.mean_accepted_length)
+        ratio = median(measured) / median(predicted)
+        rows.append({
+            "gamma": gamma,
+            "measured_tps": {"median": median(measured), "spread": spread(measured)},
+            "predicted_tps": median(predicted),
+            "mean_accepted_length": median(lengths),
+            "measured_over_predicted": ratio,
+        })
+        print(f"γ={gamma}: measured {median(measured):.2f} tok/s, predicted {median(predicted):.2f}, ratio {ratio:.3f}, L={median(lengths):.2f}")
+    path = write_results(
+        f"loop_efficiency_{args.pair}",
+        {"pair": args.pair, "description": pair.description, "prompt": args.prompt,
+         "prompt_tokens": len(pair.prompt), "max_tokens": args.max_tokens,
+         "cost_curve": {"verify_s": curve.verify, "draft_step_s": curve.draft_step,
+                        "draft_step2_s": curve.draft_step2, "context": curve.context},
+         "rows": rows},
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
