@@ -180,14 +180,16 @@ class SequenceCache:
             self.reset()
             raise
 
-    def settle(self, kept: list[int]) -> None:
-        """Keep the first len(kept) unsettled positions (their ids are `kept`), forget the rest."""
-        extra = self.unsettled - len(kept)
-        if extra < 0:
-            raise ValueError(f"kept {len(kept)} tokens but only {self.unsettled} were fed")
+    def settle(self, kept: list[int], queued: int = 0) -> None:
+        """Keep the first len(kept) unsettled positions (their ids are `kept`) and forget the
+        rest, except the last `queued` ones: a pass already queued for the next round, whose
+        ids are not known on the host yet (they stay unsettled)."""
+        extra = self.unsettled - len(kept) - queued
+        if extra < 0 or (queued and extra):
+            raise ValueError(f"cannot keep {len(kept)} + {queued} of {self.unsettled} fed positions")
         self._trim(extra)
         self.ids.extend(kept)
-        self.unsettled = 0
+        self.unsettled = queued
 
     def rollback(self, n: int) -> None:
         """Forget the last n settled positions."""

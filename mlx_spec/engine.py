@@ -7,6 +7,10 @@ One round (Leviathan et al. 2023, Algorithm 1):
   4. accept                      n accepted, then the recovered or bonus token; one host sync
   5. stop                        cut at the first EOS id or at max_tokens, even mid-block
   6. roll back                   both caches forget every position that was not committed
+
+A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_step is: the
+next round's pass is queued on the device, fed the token still being computed, before the
+host waits for it (step 4b). A queued pass that turns out not to be needed is rolled back.
 """
 
 from __future__ import annotations
@@ -112,28 +116,35 @@ class Engine:
         drafting = drafter is not None and self._can_draft(cache)
 
         last, generated = prompt_ids[-1], 0
+        queued = None  # (n, token): a plain round already on the device (step 4b)
         while generated < max_tokens:
             start = perf_counter()
-            if not params.greedy:
-                key, key_draft, key_verify = mx.random.split(key, 3)
-            # 1. choose γ; the round adds one token of the target's own, hence the - 1
-            gamma_now = min(policy.choose(stats), self.max_gamma, max_tokens - generated - 1)
-            # 2. draft
-            draft = drafter.propose(gamma_now, history, key_draft) if drafting else Draft.empty()
-            x = draft.tokens
-            gamma_now = x.shape[0]
-            if self.profile:
-                mx.eval(x)
-            drafted = perf_counter()
-            # 3. one target pass over [last, x_1..x_γ]
-            logits = cache.target.forward(mx.concatenate([mx.array([last], mx.uint32), x]))
-            windows = processor.windows(history, x, gamma_now + 1)
-            # 4. accept
-            if params.greedy:
-                n, token = verify_greedy(x, processor.greedy(logits, windows))
+            if queued is not None:  # steps 1-4 of this plain round were queued last round
+                (n, token), queued = queued, None
+                gamma_now, draft = 0, Draft.empty()
             else:
-                p = processor.distribution(logits, windows)
-                n, token = verify_sampled(x, draft.q, p, key_verify)
+                if not params.greedy:
+                    key, key_draft, key_verify = mx.random.split(key, 3)
+                # 1. choose γ; the round adds one token of the target's own, hence the - 1
+                gamma_now = min(policy.choose(stats), self.max_gamma, max_tokens - generated - 1)
+                # 2. draft
+                draft = drafter.propose(gamma_now, history, key_draft) if drafting else Draft.empty()
+                gamma_now = draft.tokens.shape[0]
+                if self.profile:
+                    mx.eval(draft.tokens)
+                # 3. one target pass over [last, x_1..x_γ], then 4. accept (lazily)
+                block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
+                n, token = self._verify(cache, block, draft, history, None, processor, key_verify)
+            x = draft.tokens
+            drafted = perf_counter()
+            # 4b. another plain round next? Queue its pass, fed this round's token, so the
+            # device computes it while the host waits below.
+            if gamma_now == 0 and generated + 1 < max_tokens and (not drafting or policy.choose(stats) == 0):
+                if not params.greedy:
+                    key, key_verify = mx.random.split(key)
+                block = token.astype(mx.uint32).reshape(1)
+                queued = self._verify(cache, block, Draft.empty(), history, block, processor, key_verify)
+                mx.async_eval(queued)
             mx.eval(n, token, x)  # the round's one host synchronisation
             n = n.item()
             emitted = x.tolist()[:n] + [token.item()]
@@ -145,8 +156,10 @@ class Engine:
                     break
             if finish is None and generated + len(emitted) >= max_tokens:
                 emitted, finish = emitted[: max_tokens - generated], "length"
+            if finish:
+                queued = None  # not needed: settle() below forgets its position
             # 6. roll back: the target keeps [last] + emitted minus the new last token
-            cache.target.settle(([last] + emitted)[:-1])
+            cache.target.settle(([last] + emitted)[:-1], queued=1 if queued else 0)
             if drafting:
                 drafter.accept(emitted)
             history.extend(emitted)
@@ -158,6 +171,21 @@ class Engine:
             yield Round(emitted, gamma_now, n, finish)
             if finish:
                 return
+
+    def _verify(self, cache, block, draft, history, unseen, processor, key):
+        """Steps 3 and 4 without the sync: the target pass over `block` ([last, x_1..x_γ])
+        and the acceptance rule; returns lazy (n, token). `unseen`: tokens after `history`
+        not yet on the host (a queued round's input), for the repetition penalty."""
+        logits = cache.target.forward(block)
+        windows = None
+        if processor.params.penalized:
+            lead = 0 if unseen is None else unseen.shape[0]
+            after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
+            windows = processor.windows(history, after, lead + block.shape[0], first=lead)
+        if processor.params.greedy:
+            return verify_greedy(draft.tokens, processor.greedy(logits, windows))
+        p = processor.distribution(logits, windows)
+        return verify_sampled(draft.tokens, draft.q, p, key)
 
     def _can_draft(self, cache: PromptCache) -> bool:
         for name, ok in (("target", cache.target.rollbackable), ("draft", self.drafter.rollbackable)):

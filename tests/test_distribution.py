@@ -55,7 +55,7 @@ def sampled_joint(engine, params, gamma, draws=DRAWS):
     cache = engine.make_prompt_cache()  # reused: each draw rolls the last one's tokens back
     for seed in range(draws):
         run = SamplingParams(**{**params.__dict__, "seed": seed})
-        rounds = engine.rounds(PROMPT, run, gamma=gamma, max_tokens=gamma + 1, prompt_cache=cache)
+        rounds = engine.rounds(PROMPT, run, gamma=gamma, max_tokens=max(gamma + 1, 2), prompt_cache=cache)
         tokens = [t for r in rounds for t in r.tokens]
         key = (tokens[0], tokens[1])
         counts[key] = counts.get(key, 0) + 1
@@ -83,14 +83,20 @@ def chi_square(counts, expected_probs):
 
 @pytest.mark.parametrize(
     "drafter_kind,gamma",
-    [("model", 3), pytest.param("model", 1, marks=pytest.mark.slow), pytest.param("ngram", 3, marks=pytest.mark.slow)],
+    [
+        ("model", 3),
+        ("none", 0),  # plain rounds, the second queued while the first is computed
+        pytest.param("model", 1, marks=pytest.mark.slow),
+        pytest.param("ngram", 3, marks=pytest.mark.slow),
+    ],
 )
 def test_speculative_sampling_matches_target_distribution(models, drafter_kind, gamma):
     target, draft = models
     params = SamplingParams(**PARAMS)
-    drafter = ModelDrafter(draft, VOCAB) if drafter_kind == "model" else NgramDrafter(min_ngram=1)
-    engine = Engine(target, drafter)
-    stat, critical = chi_square(sampled_joint(engine, params, gamma), exact_joint(target, params))
+    drafters = {"model": lambda: ModelDrafter(draft, VOCAB), "ngram": lambda: NgramDrafter(min_ngram=1), "none": lambda: None}
+    engine = Engine(target, drafters[drafter_kind]())
+    draws = DRAWS if gamma else DRAWS // 2  # plain rounds are cheaper to check
+    stat, critical = chi_square(sampled_joint(engine, params, gamma, draws), exact_joint(target, params))
     assert stat < critical
 
 

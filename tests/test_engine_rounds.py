@@ -132,3 +132,31 @@ def test_empty_prompt_is_a_clear_error(tiny_target):
 
     with pytest.raises(MlxSpecError, match="empty"):
         collect(Engine(tiny_target), prompt=[])
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+def test_repetition_penalty_is_applied_alike_on_every_path(tiny_target, tiny_draft, drafter_kind):
+    """Greedy with a repetition penalty: drafted rows, verified rows and queued plain rounds
+    each see their own token history, so every γ gives plain decoding's output."""
+    params = SamplingParams(repetition_penalty=1.5, repetition_context=8)
+    plain, _ = collect(Engine(tiny_target), params=params, gamma=0, max_tokens=40)
+    unpenalized, _ = collect(Engine(tiny_target), gamma=0, max_tokens=40)
+    assert plain != unpenalized  # the penalty changes the text
+    for gamma in (1, 3, 5):
+        drafter = ModelDrafter(tiny_draft, TINY_VOCAB) if drafter_kind == "model" else NgramDrafter()
+        tokens, _ = collect(Engine(tiny_target, drafter), params=params, gamma=gamma, max_tokens=40)
+        assert tokens == plain
+
+
+def test_plain_rounds_are_pipelined_and_exact(tiny_target):
+    """γ = 0 queues each next pass before waiting: output equals mlx-lm, caches hold the
+    committed tokens after stops at EOS and at max_tokens."""
+    reference = greedy_reference(tiny_target, PROMPT, 30)
+    engine = Engine(tiny_target, eos_ids=[reference[20]])
+    cache = engine.make_prompt_cache()
+    tokens, _ = collect(engine, gamma=0, max_tokens=30, prompt_cache=cache)
+    assert tokens == reference[: reference.index(reference[20]) + 1]
+    assert cache.target.ids == PROMPT + tokens[:-1] and cache.target.unsettled == 0
+    tokens, _ = collect(Engine(tiny_target), gamma=0, max_tokens=17, prompt_cache=cache)
+    assert tokens == reference[:17]
+    assert cache.target.ids == PROMPT + tokens[:-1] and cache.target.unsettled == 0
