@@ -1,3 +1,43 @@
-"""mlx-spec: exact speculative decoding on MLX."""
+"""mlx-spec: exact speculative decoding on MLX.
+
+    from mlx_spec import load_pair, build_engine, gamma_policy, generate, SamplingParams
+
+    pair = load_pair(None)                  # the embedded Gemma 3 270M (or HF id, folder, .gguf)
+    engine = build_engine(pair)             # drafter: the draft model if loaded, else n-gram
+    result = generate(engine, pair.tokenizer, "The capital of France is",
+                      SamplingParams(temperature=0), gamma=gamma_policy("auto", engine))
+    print(result.text, result.stats.acceptance_rate)
+
+Layers: `Engine.rounds` (token ids) → `stream_generate` (text) → `generate` (one result);
+`ChatSession` carries both models' caches across turns.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Engine": "engine",
+    "Round": "engine",
+    "SamplingParams": "sampling",
+    "Stats": "stats",
+    "stream_generate": "stream",
+    "generate": "stream",
+    "ChatSession": "chat",
+    "build_engine": "runner",
+    "gamma_policy": "runner",
+    "AutoGamma": "policy",
+    "FixedGamma": "policy",
+    "ModelDrafter": "drafters",
+    "NgramDrafter": "drafters",
+    "load_model": "models",
+    "load_pair": "models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f"mlx_spec.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'mlx_spec' has no attribute {name!r}")

@@ -116,11 +116,11 @@ class Engine:
         drafting = drafter is not None and self._can_draft(cache)
 
         last, generated = prompt_ids[-1], 0
-        queued = None  # (n, token): a plain round already on the device (step 4b)
+        queued = None  # a plain round's verdict, already on the device (step 4b)
         while generated < max_tokens:
             start = perf_counter()
             if queued is not None:  # steps 1-4 of this plain round were queued last round
-                (n, token), queued = queued, None
+                verdict, queued = queued, None
                 gamma_now, draft = 0, Draft.empty()
             else:
                 if not params.greedy:
@@ -134,7 +134,7 @@ class Engine:
                     mx.eval(draft.tokens)
                 # 3. one target pass over [last, x_1..x_γ], then 4. accept (lazily)
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                n, token = self._verify(cache, block, draft, history, None, processor, key_verify)
+                verdict = self._verify(cache, block, draft, history, None, processor, key_verify)
             x = draft.tokens
             drafted = perf_counter()
             # 4b. another plain round next? Queue its pass, fed this round's token, so the
@@ -142,12 +142,15 @@ class Engine:
             if gamma_now == 0 and generated + 1 < max_tokens and (not drafting or policy.choose(stats) == 0):
                 if not params.greedy:
                     key, key_verify = mx.random.split(key)
-                block = token.astype(mx.uint32).reshape(1)
+                block = verdict[-1].astype(mx.uint32).reshape(1)  # this round's token, lazily
                 queued = self._verify(cache, block, Draft.empty(), history, block, processor, key_verify)
                 mx.async_eval(queued)
-            mx.eval(n, token, x)  # the round's one host synchronisation
-            n = n.item()
-            emitted = x.tolist()[:n] + [token.item()]
+            mx.eval(verdict, x)  # the round's one host synchronisation
+            if params.greedy:  # verdict: the target's own choice at each position
+                n, token = verify_greedy(x.tolist(), verdict[0].tolist())
+            else:  # verdict: (n, recovered or bonus token)
+                n, token = verdict[0].item(), verdict[1].item()
+            emitted = x.tolist()[:n] + [token]
             # 5. stop conditions, exact mid-block
             finish = None
             for i, t in enumerate(emitted):
@@ -172,10 +175,12 @@ class Engine:
             if finish:
                 return
 
-    def _verify(self, cache, block, draft, history, unseen, processor, key):
+    def _verify(self, cache, block, draft, history, unseen, processor, key) -> tuple:
         """Steps 3 and 4 without the sync: the target pass over `block` ([last, x_1..x_γ])
-        and the acceptance rule; returns lazy (n, token). `unseen`: tokens after `history`
-        not yet on the host (a queued round's input), for the repetition penalty."""
+        and, lazily, what the acceptance rule needs from the device: greedy, the target's
+        argmax at every position (compared on the host); sampled, (n, token). Its last
+        entry ends with the round's token when γ = 0. `unseen`: tokens after `history` not
+        yet on the host (a queued round's input), for the repetition penalty."""
         logits = cache.target.forward(block)
         windows = None
         if processor.params.penalized:
@@ -183,7 +188,7 @@ class Engine:
             after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
             windows = processor.windows(history, after, lead + block.shape[0], first=lead)
         if processor.params.greedy:
-            return verify_greedy(draft.tokens, processor.greedy(logits, windows))
+            return (processor.greedy(logits, windows),)
         p = processor.distribution(logits, windows)
         return verify_sampled(draft.tokens, draft.q, p, key)
 

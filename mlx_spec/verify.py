@@ -12,7 +12,8 @@ Every round emits x_1..x_n plus one recovered-or-bonus token, and the emitted to
 distributed exactly as if drawn from p alone (Appendix A.1). At temperature 0 the rule
 reduces to "accept while the draft token is the target's argmax".
 
-Everything stays on the device; the engine synchronises once per round on (n, token).
+The sampled rule stays on the device; the engine synchronises once per round on (n, token).
+The greedy rule compares a handful of ids, so it runs on the host after that same sync.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def accepted_prefix(accepted: mx.array) -> mx.array:
     return mx.sum(mx.cumprod(accepted.astype(mx.int32)))
 
 
-def verify_greedy(x: mx.array, target_tokens: mx.array) -> tuple[mx.array, mx.array]:
-    """Greedy verification.
+def verify_greedy(x: list[int], target_tokens: list[int]) -> tuple[int, int]:
+    """Greedy verification (host side: a few ids, no device work).
 
     Args:
         x: draft tokens [γ].
@@ -38,8 +39,9 @@ def verify_greedy(x: mx.array, target_tokens: mx.array) -> tuple[mx.array, mx.ar
     Returns:
         (n, token): accepted count and the target's own token after them.
     """
-    gamma = x.shape[0]
-    n = accepted_prefix(target_tokens[:gamma] == x) if gamma else mx.array(0)
+    n = 0
+    while n < len(x) and x[n] == target_tokens[n]:
+        n += 1
     return n, target_tokens[n]
 
 

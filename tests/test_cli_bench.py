@@ -124,7 +124,7 @@ def test_injected_mismatch_fails_loudly(models, monkeypatch):
 
     def corrupted(x, target_tokens):
         n, token = real(x, target_tokens)
-        if x.shape[0] > 0:
+        if x:
             token = (token + 1) % 200 + 6
         return n, token
 
