@@ -24,6 +24,8 @@ from mlx_spec.cache import SequenceCache
 
 STALE_AFTER_DAYS = 30
 HOPELESS = 0.95  # t(w) >= 0.95·w·t(1): a w-row verify costs about w single steps
+BUDGET_S = 1.0  # keep timing fast models for about this long (medians of many passes)
+MAX_PASSES = 50
 
 
 @dataclass
@@ -91,14 +93,22 @@ def non_decreasing(times: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: first call compiles kernels and allocates
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _median_times(runs: list[Callable[[], None]], repeats: int, budget_s: float) -> list[float]:
+    """Median seconds of each function, timed round-robin (so drift hits all alike) for
+    `repeats` passes, and for more passes while `budget_s` lasts (fast models are measured
+    many times, slow ones `repeats` times)."""
+    for run in runs:  # warm-up: the first call compiles kernels and allocates
+        run()
+    samples: list[list[float]] = [[] for _ in runs]
+    start = time.perf_counter()
+    for passes in range(MAX_PASSES):
+        if passes >= repeats and time.perf_counter() - start > budget_s:
+            break
+        for run, times in zip(runs, samples):
+            begin = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - begin)
+    return [statistics.median(times) for times in samples]
 
 
 def _forward_timer(seq: SequenceCache, width: int) -> Callable[[], None]:
@@ -133,22 +143,27 @@ def measure_costs(
     total = max_width + (draft is not None)
     target_seq = SequenceCache(target, slack=max_width + 1)
     target_seq.prefill(prefix)
-    verify = []
+    # A first look, width by width, finds how wide is worth measuring.
+    widths = max_width
+    first = []
     for width in range(1, max_width + 1):
-        verify.append(_median_time(_forward_timer(target_seq, width), repeats))
+        first.append(_median_times([_forward_timer(target_seq, width)], 1, 0.0)[0])
         if progress:
             progress(width, total)
-        if early_stop and width >= 2 and verify[-1] >= HOPELESS * width * verify[0]:
+        if early_stop and width >= 2 and first[-1] >= HOPELESS * width * first[0]:
             # Cost already grows with every row (compute-bound): wider verifies can only
             # lose, so stop measuring and let verify_time() extend the slope.
+            widths = width
             break
+    verify = _median_times([_forward_timer(target_seq, w) for w in range(1, widths + 1)], repeats, BUDGET_S)
     verify = non_decreasing(verify)
     draft_step = draft_step2 = 0.0
     if draft is not None:
         draft_seq = SequenceCache(draft, slack=3)
         draft_seq.prefill(prefix)
-        draft_step = _median_time(_forward_timer(draft_seq, 1), repeats)
-        draft_step2 = _median_time(_forward_timer(draft_seq, 2), repeats)
+        draft_step, draft_step2 = _median_times(
+            [_forward_timer(draft_seq, 1), _forward_timer(draft_seq, 2)], repeats, BUDGET_S / 2
+        )
         if progress:
             progress(total, total)
     return CostCurve(verify, draft_step, context, draft_step2)

@@ -146,11 +146,12 @@ class Engine:
                 queued = self._verify(cache, block, Draft.empty(), history, block, processor, key_verify)
                 mx.async_eval(queued)
             mx.eval(verdict, x)  # the round's one host synchronisation
+            drafts = x.tolist()
             if params.greedy:  # verdict: the target's own choice at each position
-                n, token = verify_greedy(x.tolist(), verdict[0].tolist())
+                n, token = verify_greedy(drafts, verdict[0].tolist())
             else:  # verdict: (n, recovered or bonus token)
                 n, token = verdict[0].item(), verdict[1].item()
-            emitted = x.tolist()[:n] + [token]
+            emitted = drafts[:n] + [token]
             # 5. stop conditions, exact mid-block
             finish = None
             for i, t in enumerate(emitted):

@@ -57,7 +57,11 @@ class ModelDrafter:
         qs: list[mx.array] = []
         y = mx.array(self.pending, dtype=mx.uint32)
         for j in range(gamma):
-            logits = self.state.forward(y)[-1:, : self.target_vocab]  # [1, V_draft∧V_target]
+            logits = self.state.forward(y)  # [len(y), V_draft]
+            if logits.shape[0] > 1:
+                logits = logits[-1:]
+            if logits.shape[-1] > self.target_vocab:  # ids the target cannot score
+                logits = logits[:, : self.target_vocab]
             windows = None
             if self.processor.params.penalized:
                 block = mx.concatenate(xs) if xs else None
@@ -68,7 +72,6 @@ class ModelDrafter:
                 q_j = self.processor.distribution(logits, windows)
                 y = draw(q_j, keys[j])
                 qs.append(q_j)
-            y = y.astype(mx.uint32)
             mx.async_eval(y)
             xs.append(y)
         self.fed_drafts = gamma - 1  # x_γ is sampled, not fed
