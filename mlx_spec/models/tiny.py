@@ -74,7 +74,7 @@ def tiny_gemma3(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **ove
 def perturbed_copy(model, noise: float = 0.05, seed: int = 1):
     """A draft that agrees with `model` most of the time: every parameter plus Gaussian
     noise of `noise` times that parameter's standard deviation."""
-    config = dict(model.config)
+    config = dict(getattr(model, "config", None) or vars(model.args))  # built here, or loaded
     copy = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
     copy.sanitize({})
     params = sorted(tree_flatten(model.parameters()))
