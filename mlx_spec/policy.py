@@ -79,7 +79,7 @@ class AutoGamma:
         self,
         costs: CostCurve,
         max_gamma: int = 6,
-        prior: float = 0.8,
+        prior: float = 0.9,
         prior_weight: float = 1.0,
         decay: float = 0.97,
         probe_every: int = 8,
