@@ -50,8 +50,11 @@ def main() -> None:
     settings["auto"] = "auto"
     tps = {name: [] for name in settings}
     outputs, chosen = {}, {}
+    names = list(settings)
     for run in range(args.repeats + 1):  # run 0 warms up
-        for name, gamma in settings.items():
+        # rotate the order each repetition, so no setting always runs first or last
+        for name in names[run % len(names):] + names[: run % len(names)]:
+            gamma = settings[name]
             policy = AutoGamma(costs, max_gamma=MAX_AUTO_GAMMA) if gamma == "auto" else gamma
             stats = Stats()
             rounds = list(
@@ -73,15 +76,21 @@ def main() -> None:
     identical = args.temp > 0 or len({tuple(v) for v in outputs.values()}) == 1
     for name, m in medians.items():
         print(f"{name:>5}: {m:8.2f} tok/s  (spread {spread(tps[name])[0]:.2f}–{spread(tps[name])[1]:.2f})")
+    # each repetition ran every setting back to back: per-repetition ratios cancel drift
+    paired = [a / b for a, b in zip(tps["auto"], tps[best])]
+    paired_plain = [a / b for a, b in zip(tps["auto"], tps["γ=0"])] if plain else []
     summary = {
         "best_fixed": best,
         "auto_over_best_fixed": medians["auto"] / fixed[best],
+        "auto_over_best_fixed_paired_median": median(paired),
+        "auto_over_plain_paired_median": median(paired_plain) if paired_plain else None,
         "auto_over_plain": medians["auto"] / plain if plain else None,
         "best_fixed_over_plain": fixed[best] / plain if plain else None,
         "outputs_identical": identical,
     }
     print(
-        f"best fixed {best}; auto/best {summary['auto_over_best_fixed']:.3f}x; "
+        f"best fixed {best}; auto/best {summary['auto_over_best_fixed']:.3f}x "
+        f"(paired median {summary['auto_over_best_fixed_paired_median']:.3f}x); "
         f"auto/plain {summary['auto_over_plain']:.3f}x; identical outputs: {identical}"
     )
     path = write_results(

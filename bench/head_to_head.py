@@ -73,8 +73,10 @@ def main() -> None:
         outputs = {}
         for name, make in systems.items():  # warm-up, and the outputs to compare
             outputs[name] = timed_tokens(lambda: make(gamma))[0]
-        for _ in range(args.repeats):  # interleaved, so drift hits every system alike
-            for name, make in systems.items():
+        names = list(systems)
+        for rep in range(args.repeats):  # interleaved, so drift hits every system alike,
+            for name in names[rep % 3 :] + names[: rep % 3]:  # in a rotating order
+                make = systems[name]
                 tokens, _, decode_s = timed_tokens(lambda: make(gamma))
                 decode_tps[name].append((len(tokens) - 1) / decode_s)
         identical = len({tuple(v) for v in outputs.values()}) == 1
