@@ -37,7 +37,7 @@ def test_json_schema(models):
                         "drafter", "gamma", "chat", "sampling", "stats"}
     assert out["finish_reason"] in ("stop", "length")
     assert out["prompt_tokens"] == len("Hello there") + 1  # byte tokens plus BOS
-    assert out["drafter"] == "model" and out["gamma"] == "3" and out["chat"] is False
+    assert out["drafter"] == "model" and out["gamma"] == 3 and out["chat"] is False
     assert out["models"]["target"].endswith("target") and out["models"]["draft"].endswith("draft")
     stats = out["stats"]
     assert STATS_KEYS <= set(stats)
@@ -75,7 +75,7 @@ def test_greedy_output_identical_across_drafters_and_gamma(models):
 
 def test_drafter_none_and_auto_gamma(models):
     plain = invoke_json(["generate", "Hello", *models, "-n", "10", "--raw", "--drafter", "none"])
-    assert plain["drafter"] == "none" and plain["gamma"] == "0"
+    assert plain["drafter"] == "none" and plain["gamma"] == 0
     assert plain["stats"]["drafted"] == 0 and plain["models"]["draft"] is None
     auto = invoke_json(["generate", "Hello", *models, "-n", "10", "--raw", "--gamma", "auto"])
     assert auto["gamma"] == "auto"
@@ -124,10 +124,10 @@ def test_preset_supplies_defaults_and_flags_override(models, tiny_dirs, monkeypa
     monkeypatch.setattr(loader, "get_preset", lambda name: preset if name == "tiny" else real(name))
     out = invoke_json(["generate", "Hello", "--preset", "tiny", "-n", "8", "--raw"])
     assert out["models"] == {"target": target, "draft": draft, "preset": "tiny"}
-    assert out["gamma"] == "2" and out["sampling"]["top_p"] == 0.9
+    assert out["gamma"] == 2 and out["sampling"]["top_p"] == 0.9
     over = invoke_json(["generate", "Hello", "--preset", "tiny", "-n", "8", "--raw", "--gamma", "1",
                         "--top-p", "1.0", "--drafter", "ngram"])
-    assert over["gamma"] == "1" and over["sampling"]["top_p"] == 1.0 and over["drafter"] == "ngram"
+    assert over["gamma"] == 1 and over["sampling"]["top_p"] == 1.0 and over["drafter"] == "ngram"
     assert over["models"]["draft"] is None  # ngram drafting: the draft model is not loaded
 
 

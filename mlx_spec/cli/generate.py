@@ -93,7 +93,7 @@ def generate(
             "generated_tokens": stats.generated,
             "models": setup.models,
             "drafter": views.drafter,
-            "gamma": gamma_mode,
+            "gamma": "auto" if gamma_mode == "auto" else int(gamma_mode),
             "chat": chat,
             "sampling": asdict(params),
             "stats": {**stats.as_dict(), **view.as_dict()},
