@@ -20,7 +20,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec.cache import SequenceCache
+from mlx_lm.models.cache import KVCache
+
+from mlx_spec.cache import SequenceCache, WindowKVCache
 
 STALE_AFTER_DAYS = 30
 HOPELESS = 0.85  # t(w) >= 0.85·w·t(1): a w-row verify costs nearly w single steps
@@ -93,22 +95,48 @@ def non_decreasing(times: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def _median_times(runs: list[Callable[[], None]], repeats: int, budget_s: float) -> list[float]:
-    """Median seconds of each function, timed round-robin (so drift hits all alike) for
-    `repeats` passes, and for more passes while `budget_s` lasts (fast models are measured
-    many times, slow ones `repeats` times)."""
-    for run in runs:  # warm-up: the first call compiles kernels and allocates
-        run()
-    samples: list[list[float]] = [[] for _ in runs]
+def _median_times(
+    runs: list[Callable[[], None]], repeats: int, budget_s: float, samples: Optional[list[list[float]]] = None
+) -> list[float]:
+    """Median seconds of each function, timed round-robin (so drift hits all alike) until
+    each has `repeats` samples, and for more passes while `budget_s` lasts (fast models are
+    measured many times, slow ones `repeats` times). `samples`: timings already taken of
+    warmed-up functions, which count toward `repeats`; without them each is first run
+    once untimed (the first call compiles kernels and allocates)."""
+    if samples is None:
+        for run in runs:
+            run()
+        samples = [[] for _ in runs]
     start = time.perf_counter()
-    for passes in range(MAX_PASSES):
-        if passes >= repeats and time.perf_counter() - start > budget_s:
+    while len(samples[0]) < MAX_PASSES:
+        if len(samples[0]) >= repeats and time.perf_counter() - start > budget_s:
             break
         for run, times in zip(runs, samples):
             begin = time.perf_counter()
             run()
             times.append(time.perf_counter() - begin)
     return [statistics.median(times) for times in samples]
+
+
+def _fill_context(seq: SequenceCache, context: int) -> None:
+    """Make `seq` hold `context` positions. A forward's cost depends on how many keys it
+    attends to, not on their values, so after one real token the KV layers are padded with
+    zeros: a real prefill would cost more than the measurement (21 s for 256 tokens of
+    the 270M in float32 on a 2-core CPU)."""
+    filler = [(31 * i) % 1000 + 10 for i in range(context)]
+    if not all(isinstance(layer, (KVCache, WindowKVCache)) for layer in seq.cache):
+        seq.prefill(filler)  # other state (recurrent layers) must be computed for real
+        return
+    seq.prefill(filler[:1])
+    for layer in seq.cache:
+        keys, values = layer.keys, layer.values  # [B, heads, capacity, head_dim]
+        B, heads = keys.shape[:2]
+        layer.update_and_fetch(
+            mx.zeros((B, heads, context - 1, keys.shape[3]), keys.dtype),
+            mx.zeros((B, heads, context - 1, values.shape[3]), values.dtype),
+        )
+    mx.eval([(layer.keys, layer.values) for layer in seq.cache])
+    seq.ids = filler
 
 
 def _forward_timer(seq: SequenceCache, width: int) -> Callable[[], None]:
@@ -139,28 +167,27 @@ def measure_costs(
         early_stop: stop widening once a verify costs about as many single steps as it
             has rows (nothing wider can pay); benchmarks pass False for the whole curve.
     """
-    prefix = [(31 * i) % 1000 + 10 for i in range(context)]
     total = max_width + (draft is not None)
     target_seq = SequenceCache(target, slack=max_width + 1)
-    target_seq.prefill(prefix)
-    # A first look, width by width, finds how wide is worth measuring.
-    widths = max_width
-    first = []
+    _fill_context(target_seq, context)
+    # A first look, width by width, finds how wide is worth measuring; its timings are
+    # the first samples of the round-robin that follows.
+    timers, first = [], []
     for width in range(1, max_width + 1):
-        first.append(_median_times([_forward_timer(target_seq, width)], 1, 0.0)[0])
+        timers.append(_forward_timer(target_seq, width))
+        first.append(_median_times(timers[-1:], 1, 0.0)[0])
         if progress:
             progress(width, total)
         if early_stop and width >= 2 and first[-1] >= HOPELESS * width * first[0]:
             # Cost already grows with every row (compute-bound): wider verifies can only
             # lose, so stop measuring and let verify_time() extend the slope.
-            widths = width
             break
-    verify = _median_times([_forward_timer(target_seq, w) for w in range(1, widths + 1)], repeats, BUDGET_S)
+    verify = _median_times(timers, repeats, BUDGET_S, samples=[[t] for t in first])
     verify = non_decreasing(verify)
     draft_step = draft_step2 = 0.0
     if draft is not None:
         draft_seq = SequenceCache(draft, slack=3)
-        draft_seq.prefill(prefix)
+        _fill_context(draft_seq, context)
         draft_step, draft_step2 = _median_times(
             [_forward_timer(draft_seq, 1), _forward_timer(draft_seq, 2)], repeats, BUDGET_S / 2
         )
@@ -177,7 +204,7 @@ def cache_path() -> Path:
 def cost_key(target, draft, max_width: int, context: int) -> str:
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
-    return f"v2|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
+    return f"v3|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
 
 
 def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False, progress=None) -> CostCurve:

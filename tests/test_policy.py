@@ -5,7 +5,10 @@ import random
 import pytest
 
 from conftest import greedy_reference
-from mlx_spec.costs import CostCurve, measure_costs
+import mlx.core as mx
+
+from mlx_spec.cache import SequenceCache
+from mlx_spec.costs import CostCurve, _fill_context, measure_costs
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.tiny import TINY_VOCAB
@@ -107,6 +110,27 @@ def test_measured_curve_has_one_entry_per_width(tiny_target, tiny_draft):
     assert curve.draft_step > 0 and curve.draft_step2 > 0
     assert curve.verify == sorted(curve.verify)
     assert curve.verify_time(6) >= curve.verify_time(4)  # extrapolated, never shrinking
+
+
+def test_timing_context_matches_a_real_prefill_in_shape(tiny_target):
+    """Calibration pads the caches with zeros instead of prefilling: every layer must then
+    hold what a real prefill leaves (offsets, attended keys), past the sliding window too."""
+    context = 40  # the tiny model's window is 16
+    real = SequenceCache(tiny_target, slack=8)
+    real.prefill([(31 * i) % 100 + 10 for i in range(context)])
+    filled = SequenceCache(tiny_target, slack=8)
+    _fill_context(filled, context)
+    assert [layer.offset for layer in filled.cache] == [layer.offset for layer in real.cache] == [context] * len(real.cache)
+
+    def attended_keys(layer, n=3):  # what the next n queries attend to, then undone
+        heads, k_dim, v_dim = layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3]
+        keys, _ = layer.update_and_fetch(mx.zeros((1, heads, n, k_dim)), mx.zeros((1, heads, n, v_dim)))
+        layer.trim(n)
+        return keys.shape
+
+    assert [attended_keys(a) for a in real.cache] == [attended_keys(b) for b in filled.cache]
+    block = mx.array([5, 6, 7], mx.uint32)
+    assert filled.forward(block).shape == real.forward(block).shape
 
 
 @pytest.mark.parametrize("costs,expect_drafting", [(FLAT, True), (LINEAR, False)])
