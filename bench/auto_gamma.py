@@ -93,8 +93,10 @@ def main() -> None:
         f"(paired median {summary['auto_over_best_fixed_paired_median']:.3f}x); "
         f"auto/plain {summary['auto_over_plain']:.3f}x; identical outputs: {identical}"
     )
+    # a narrower sweep than the default gets its own file
+    swept = "" if args.gammas == list(range(0, MAX_AUTO_GAMMA + 1)) else "_g" + "".join(map(str, args.gammas))
     path = write_results(
-        f"auto_gamma_{args.pair}_{args.prompt}",
+        f"auto_gamma_{args.pair}_{args.prompt}{swept}",
         {
             "pair": args.pair, "description": pair.description, "prompt": args.prompt,
             "prompt_tokens": len(pair.prompt), "max_tokens": args.max_tokens,

@@ -7,8 +7,9 @@ py() { echo "+ python $*"; python "$@"; }
 py head_to_head.py --pair tiny-self --gammas 2 4 --max-tokens 200 --repeats 21
 py auto_gamma.py --pair layered-tiny --max-tokens 300 --repeats 15
 py auto_gamma.py --pair gemma270m-bf16-ngram --prompt quote --max-tokens 96 --repeats 3
-py auto_gamma.py --pair gemma270m-ngram --prompt quote --gammas 0 1 2 3 --max-tokens 48 --repeats 3
-py auto_gamma.py --pair gemma270m-q8 --prompt short --max-tokens 48 --repeats 3
+py auto_gamma.py --pair gemma270m-ngram --prompt quote --gammas 0 1 2 3 --max-tokens 48 --repeats 6
+py auto_gamma.py --pair gemma270m-ngram --prompt quote --gammas 0 --max-tokens 48 --repeats 6
+py auto_gamma.py --pair gemma270m-q8 --prompt short --gammas 0 1 2 3 --max-tokens 48 --repeats 3
 py loop_efficiency.py --pair gemma270m-q8 --prompt short --gammas 1 2 3 4 5 --max-tokens 48 --repeats 3
 py acceptance_rules.py --draft q8
 py acceptance_rules.py --draft q4
