@@ -198,3 +198,20 @@ def test_dtype_and_quantize_flags(models, tiny_dirs):
                      "--draft-quantize", "4", "-n", "8", "--raw", "--gamma", "2"])
     assert d["drafter"] == "model" and d["stats"]["drafted"] > 0
     assert_one_line_error(invoke(["generate", "x", *models, "--dtype", "float64"]), "float64")
+
+
+def test_quantization_group_size_flag(models, tiny_dirs):
+    import mlx.nn as nn
+
+    from mlx_spec.cli.common import setup_models
+
+    target, _ = tiny_dirs
+    setup = setup_models(model=target, draft_model=None, drafter="none", preset=None, gamma=None,
+                         quantize=4, group_size=32)
+    quantized = [m for _, m in setup.pair.target.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert quantized and {m.group_size for m in quantized} == {32}
+    out = invoke_json(["generate", "Hello", *models, "-n", "4", "--raw", "--gamma", "2",
+                       "--quantize", "8", "--q-group-size", "128"])
+    assert out["generated_tokens"] == 4
+    assert_one_line_error(invoke(["generate", "x", *models, "--q-group-size", "32"]), "--quantize")
+    assert_one_line_error(invoke(["generate", "x", *models, "--quantize", "4", "--q-group-size", "48"]), "48")

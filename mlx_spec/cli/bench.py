@@ -16,8 +16,8 @@ import typer
 
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, MaxTokensOpt, ModelOpt, OUTPUT, PresetOpt, QuantizeOpt,
-    SeedOpt, sampling_params, setup_models,
+    OUTPUT, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
+    ModelOpt, PresetOpt, QuantizeOpt, SeedOpt, sampling_params, setup_models,
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.errors import MlxSpecError
@@ -37,6 +37,7 @@ def bench(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
     gammas: Annotated[Optional[list[str]], typer.Option(
         "--gamma", "-g", metavar="N[,N...]|auto",
         help="γ values to compare with drafting off (repeatable or comma-separated; 'auto' adds "
@@ -87,7 +88,7 @@ def bench(
 
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma="auto", dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize)
+                         draft_quantize=draft_quantize, group_size=group_size)
     params = sampling_params(None, temp=temp, seed=seed)
     tokenizer = setup.pair.tokenizer
     ids = {}

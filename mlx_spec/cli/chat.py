@@ -18,9 +18,9 @@ import typer
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt,
-    QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    check_gamma, sampling_params, setup_models,
+    ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
+    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt,
+    TempOpt, TopKOpt, TopPOpt, calibrate_gamma, check_gamma, sampling_params, setup_models,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.errors import MlxSpecError
@@ -186,6 +186,7 @@ def chat(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -204,7 +205,7 @@ def chat(
     """
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize)
+                         draft_quantize=draft_quantize, group_size=group_size)
     params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, seed=seed)
     engine = build_engine(setup.pair, setup.drafter)

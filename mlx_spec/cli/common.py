@@ -51,6 +51,9 @@ DraftQuantizeOpt = Annotated[Optional[int], typer.Option(
     "--draft-quantize", rich_help_panel=MODELS, min=2, max=8, metavar="BITS",
     help="Quantize only the draft model to this many bits; e.g. the target's own 4-bit copy "
          "as its draft: -m default -d default --draft-quantize 4.")]
+GroupSizeOpt = Annotated[Optional[int], typer.Option(
+    "--q-group-size", rich_help_panel=MODELS, metavar="32|64|128",
+    help="Group size for --quantize / --draft-quantize (weights sharing one scale). Default: 64.")]
 GammaOpt = Annotated[Optional[str], typer.Option(
     "--gamma", "-g", rich_help_panel=MODELS, metavar="N|auto",
     help="Draft tokens per round γ: a whole number (0 = plain decoding) or 'auto' (chosen each "
@@ -121,6 +124,7 @@ def setup_models(
     dtype: Optional[str] = None,
     quantize: Optional[int] = None,
     draft_quantize: Optional[int] = None,
+    group_size: Optional[int] = None,
 ) -> Setup:
     """Resolve preset and flags, then load the pair (the loader shows its own progress)."""
     from mlx_spec.models import get_preset, load_pair
@@ -143,7 +147,10 @@ def setup_models(
         gamma = str(_preset_value(chosen, "gamma", "auto"))
     if drafter == "none":
         gamma = "0"
-    kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize)) if v is not None}
+    if group_size is not None and quantize is None and draft_quantize is None:
+        raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
+    kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))
+              if v is not None}
     draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
     pair = load_pair(target, draft, progress=sys.stderr.isatty(), draft_options=draft_options, **kwargs)
     return Setup(pair, chosen, str(target), draft, drafter, gamma)

@@ -16,9 +16,10 @@ import typer
 
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ChatOpt, ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, MaxTokensOpt, MinPOpt, ModelOpt,
-    OUTPUT, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt,
-    calibrate_gamma, read_prompt, sampling_params, setup_models, stderr_progress, use_chat,
+    OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
+    GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt,
+    SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt, sampling_params,
+    setup_models, stderr_progress, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.runner import build_engine
@@ -41,6 +42,7 @@ def generate(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -62,7 +64,7 @@ def generate(
     text = read_prompt(prompt)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize)
+                         draft_quantize=draft_quantize, group_size=group_size)
     params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, seed=seed)
     engine = build_engine(setup.pair, setup.drafter)
