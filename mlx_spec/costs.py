@@ -20,9 +20,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_lm.models.cache import KVCache
-
-from mlx_spec.cache import SequenceCache, WindowKVCache
+from mlx_spec.cache import SequenceCache
 
 STALE_AFTER_DAYS = 30
 HOPELESS = 0.85  # t(w) >= 0.85·w·t(1): a w-row verify costs nearly w single steps
@@ -124,8 +122,8 @@ def _fill_context(seq: SequenceCache, context: int) -> None:
     zeros: a real prefill would cost more than the measurement (21 s for 256 tokens of
     the 270M in float32 on a 2-core CPU)."""
     filler = [(31 * i) % 1000 + 10 for i in range(context)]
-    if not all(isinstance(layer, (KVCache, WindowKVCache)) for layer in seq.cache):
-        seq.prefill(filler)  # other state (recurrent layers) must be computed for real
+    if not seq.rollbackable:  # not all plain/windowed KV: recurrent state must be computed
+        seq.prefill(filler)
         return
     seq.prefill(filler[:1])
     for layer in seq.cache:

@@ -13,6 +13,7 @@ turns predictable.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from mlx_spec.costs import CostCurve
@@ -56,10 +57,7 @@ def expected_tokens(acceptance: list[float], gamma: int) -> float:
 
 def full_acceptance(acceptance: list[float], gamma: int) -> float:
     """P(all γ draft tokens accepted) = Π_{i≤γ} a_i."""
-    chain = 1.0
-    for a in acceptance[:gamma]:
-        chain *= a
-    return chain
+    return math.prod(acceptance[:gamma])
 
 
 class AutoGamma:
