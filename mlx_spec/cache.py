@@ -138,17 +138,38 @@ def _max_trim(layer) -> int:
     return 0  # recurrent state or an overwriting ring: no exact rollback
 
 
+def logits_and_hidden(model, inputs: mx.array, cache) -> tuple[mx.array, mx.array]:
+    """One forward that also returns the final (post-norm) hidden states, for drafters that
+    read them. mlx-lm's Gemma-family models are a decoder `model.model` ending in its final
+    norm, then a tied embedding or an `lm_head`, then an optional logit soft-cap."""
+    lm = getattr(model, "language_model", model)  # multimodal wrappers hold the text model
+    hidden = lm.model(inputs, cache=cache)
+    if getattr(lm, "tie_word_embeddings", not hasattr(lm, "lm_head")):
+        logits = lm.model.embed_tokens.as_linear(hidden)
+    else:
+        logits = lm.lm_head(hidden)
+    cap = getattr(lm, "final_logit_softcapping", None)
+    if cap:
+        logits = mx.tanh(logits / cap) * cap
+    return logits, hidden
+
+
 class SequenceCache:
     """One model, its per-layer cache, and the token ids that cache holds.
 
     `ids` is what the cache holds once a round is settled. Tokens fed with `forward` during
     a round (draft tokens, still lazy on the device) are unsettled until `settle(kept)`
     keeps a prefix of them and rolls the rest back.
+
+    `vocab`: the model's embedding rows, when ids it lacks can reach it (a draft narrower
+    than the target); such ids are fed as id 0 (MLX does not bounds-check gathers). `ids`
+    keeps the real ids, so prefix reuse still compares what was said.
     """
 
-    def __init__(self, model, slack: int):
+    def __init__(self, model, slack: int, vocab: Optional[int] = None):
         self.model = model
         self.slack = slack
+        self.vocab = vocab
         self.cache = make_cache(model, slack)
         self.ids: list[int] = []
         self.unsettled = 0
@@ -166,13 +187,19 @@ class SequenceCache:
         self.ids = []
         self.unsettled = 0
 
-    def forward(self, tokens: mx.array) -> mx.array:
-        """Feed `tokens` ([n] int) and return logits [n, V], lazily."""
+    def forward(self, tokens: mx.array, hidden: bool = False):
+        """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
+        (logits [n, V], final hidden states [n, H])."""
         self.unsettled += tokens.shape[0]
-        return self._call(tokens[None])[0]
+        out = self._call(tokens[None], hidden)
+        return (out[0][0], out[1][0]) if hidden else out[0]
 
-    def _call(self, tokens: mx.array) -> mx.array:
+    def _call(self, tokens: mx.array, hidden: bool = False):
+        if self.vocab is not None:
+            tokens = mx.where(tokens < self.vocab, tokens, 0)
         try:
+            if hidden:
+                return logits_and_hidden(self.model, tokens, self.cache)
             return self.model(tokens, cache=self.cache)
         except BaseException:
             # Interrupted half-way through the layers (Ctrl-C): their offsets disagree now,
@@ -249,10 +276,10 @@ class PromptCache:
         self.target = SequenceCache(target_model, slack)
         self.draft: Optional[SequenceCache] = None
 
-    def draft_for(self, draft_model) -> SequenceCache:
-        """The draft model's cache, created on first use."""
+    def draft_for(self, draft_model, vocab: Optional[int] = None) -> SequenceCache:
+        """The draft model's cache, created on first use (`vocab` as in `SequenceCache`)."""
         if self.draft is None or self.draft.model is not draft_model:
-            self.draft = SequenceCache(draft_model, self.slack)
+            self.draft = SequenceCache(draft_model, self.slack, vocab)
         return self.draft
 
     def reset(self) -> None:

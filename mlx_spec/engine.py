@@ -1,16 +1,17 @@
 """The speculative round loop. Token ids in, token ids out: the engine knows no text.
 
 One round (Leviathan et al. 2023, Algorithm 1):
-  1. choose γ                    policy, capped so no round can pass max_tokens
+  1. choose γ                    the policy is asked once per round, capped by max_tokens
   2. draft                       x_1..x_γ and q_1..q_γ from the drafter (lazy, on device)
-  3. verify pass                 one target forward over [last, x_1..x_γ] → p_1..p_γ+1
-  4. accept                      n accepted, then the recovered or bonus token; one host sync
-  5. stop                        cut at the first EOS id or at max_tokens, even mid-block
-  6. roll back                   both caches forget every position that was not committed
+  3. verify pass                 one target forward over [last, x_1..x_γ] → p_1..p_γ+1, and
+                                 the acceptance rule → Verdict(n, token), still lazy
+  4. accept                      the round's one host sync on the verdict
+  5. commit                      cut at the first EOS id or at max_tokens, even mid-block;
+                                 both caches forget every position that was not committed
 
 A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_step is: the
 next round's pass is queued on the device, fed the token still being computed, before the
-host waits for it (step 4b). A queued pass that turns out not to be needed is rolled back.
+host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import GammaPolicy, as_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
-from mlx_spec.verify import verify_greedy, verify_sampled
+from mlx_spec.verify import Verdict, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Engine:
         prefill_chunk: prompt tokens per prefill forward.
         profile: synchronise after drafting so draft and verify time are measured apart
             (costs one extra host sync per round; off by default).
+        agree: applied to each round's lazy `Verdict` before the sync, so that processes
+            sharing a sharded target make the same decision (e.g. rank 0's, broadcast).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Engine:
         max_gamma: int = 16,
         prefill_chunk: int = 512,
         profile: bool = False,
+        agree: Optional[Callable[[Verdict], Verdict]] = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -68,6 +72,10 @@ class Engine:
         self.max_gamma = max_gamma
         self.prefill_chunk = prefill_chunk
         self.profile = profile
+        self.agree = agree
+        # Drafters that read the target's final hidden states (MTP heads) get them with
+        # accept(); the target pass computes them only for those.
+        self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
 
     def make_prompt_cache(self) -> PromptCache:
         return PromptCache(self.target, slack=self.max_gamma + 1)
@@ -116,82 +124,97 @@ class Engine:
         drafting = drafter is not None and self._can_draft(cache)
 
         last, generated = prompt_ids[-1], 0
-        queued = None  # a plain round's verdict, already on the device (step 4b)
+        queued = None  # the next plain round's (verdict, hidden), already on the device (3b)
+        gamma_next = None  # the next round's γ, when this round already asked the policy
         while generated < max_tokens:
             start = perf_counter()
-            if queued is not None:  # steps 1-4 of this plain round were queued last round
-                verdict, queued = queued, None
-                gamma_now, draft = 0, Draft.empty()
+            if queued is not None:  # steps 1-3 of this plain round were queued last round
+                (verdict, hidden), queued = queued, None
+                gamma, draft = 0, Draft.empty()
             else:
                 if not params.greedy:
                     key, key_draft, key_verify = mx.random.split(key, 3)
                 # 1. choose γ; the round adds one token of the target's own, hence the - 1
-                gamma_now = min(policy.choose(stats), self.max_gamma, max_tokens - generated - 1)
+                gamma = policy.choose(stats) if gamma_next is None else gamma_next
+                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1)
                 # 2. draft
-                draft = drafter.propose(gamma_now, history, key_draft) if drafting else Draft.empty()
-                gamma_now = draft.tokens.shape[0]
+                draft = drafter.propose(gamma, history, key_draft) if drafting and gamma else Draft.empty()
+                gamma = draft.tokens.shape[0]
                 if self.profile:
                     mx.eval(draft.tokens)
-                # 3. one target pass over [last, x_1..x_γ], then 4. accept (lazily)
+                # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                verdict = self._verify(cache, block, draft, history, None, processor, key_verify)
-            x = draft.tokens
+                verdict, hidden = self._verify(cache, block, draft, history, None, processor, key_verify)
             drafted = perf_counter()
-            # 4b. another plain round next? Queue its pass, fed this round's token, so the
-            # device computes it while the host waits below.
-            if gamma_now == 0 and generated + 1 < max_tokens and (not drafting or policy.choose(stats) == 0):
-                if not params.greedy:
-                    key, key_verify = mx.random.split(key)
-                block = verdict[-1].astype(mx.uint32).reshape(1)  # this round's token, lazily
-                queued = self._verify(cache, block, Draft.empty(), history, block, processor, key_verify)
-                mx.async_eval(queued)
-            mx.eval(verdict, x)  # the round's one host synchronisation
-            drafts = x.tolist()
-            if params.greedy:  # verdict: the target's own choice at each position
-                n, token = verify_greedy(drafts, verdict[0].tolist())
-            else:  # verdict: (n, recovered or bonus token)
-                n, token = verdict[0].item(), verdict[1].item()
-            emitted = drafts[:n] + [token]
-            # 5. stop conditions, exact mid-block
-            finish = None
-            for i, t in enumerate(emitted):
-                if t in self.eos_ids:
-                    emitted, finish = emitted[: i + 1], "stop"
-                    break
-            if finish is None and generated + len(emitted) >= max_tokens:
-                emitted, finish = emitted[: max_tokens - generated], "length"
+            # 3b. Another plain round next? Then queue its pass, fed this round's token, so
+            # the device computes it while the host waits below. A plain round teaches the
+            # policy nothing, so asking it now for the next round's γ is asking it once.
+            gamma_next = None
+            if gamma == 0 and generated + 1 < max_tokens:
+                gamma_next = policy.choose(stats) if drafting else 0
+                if gamma_next == 0:
+                    if not params.greedy:
+                        key, key_verify = mx.random.split(key)
+                    block = verdict.token.astype(mx.uint32).reshape(1)
+                    queued = self._verify(cache, block, Draft.empty(), history, block, processor, key_verify)
+                    mx.async_eval(queued[0])
+            # 4. accept: the round's one host synchronisation
+            mx.eval(verdict)
+            n, token = verdict.n.item(), verdict.token.item()
+            # 5. commit
+            emitted, finish = self._commit(cache, last, draft.tokens.tolist()[:n] + [token],
+                                           max_tokens - generated, queued is not None, drafting, hidden)
             if finish:
-                queued = None  # not needed: settle() below forgets its position
-            # 6. roll back: the target keeps [last] + emitted minus the new last token
-            cache.target.settle(([last] + emitted)[:-1], queued=1 if queued else 0)
-            if drafting:
-                drafter.accept(emitted)
+                queued = None  # its position was rolled back with the rest
             history.extend(emitted)
             last, generated = emitted[-1], generated + len(emitted)
-            policy.observe(gamma_now, n)
-            stats.observe_round(gamma_now, n, len(emitted), drafted - start, perf_counter() - drafted)
-            stats.draft_forwards += gamma_now * drafter.passes_per_token if drafting else 0
+            policy.observe(gamma, n)
+            stats.observe_round(gamma, n, len(emitted), drafted - start, perf_counter() - drafted)
+            stats.draft_forwards += gamma * drafter.passes_per_token if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
-            yield Round(emitted, gamma_now, n, finish)
+            yield Round(emitted, gamma, n, finish)
             if finish:
                 return
 
     def _verify(self, cache, block, draft, history, unseen, processor, key) -> tuple:
-        """Steps 3 and 4 without the sync: the target pass over `block` ([last, x_1..x_γ])
-        and, lazily, what the acceptance rule needs from the device: greedy, the target's
-        argmax at every position (compared on the host); sampled, (n, token). Its last
-        entry ends with the round's token when γ = 0. `unseen`: tokens after `history` not
-        yet on the host (a queued round's input), for the repetition penalty."""
-        logits = cache.target.forward(block)
+        """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
+        acceptance rule, as a lazy (`Verdict`, hidden states or None). `unseen`: tokens after
+        `history` not yet on the host (a queued round's input), for the repetition penalty."""
+        if self.wants_hidden:
+            logits, hidden = cache.target.forward(block, hidden=True)
+        else:
+            logits, hidden = cache.target.forward(block), None
         windows = None
         if processor.params.penalized:
             lead = 0 if unseen is None else unseen.shape[0]
             after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
             windows = processor.windows(history, after, lead + block.shape[0], first=lead)
         if processor.params.greedy:
-            return (processor.greedy(logits, windows),)
-        p = processor.distribution(logits, windows)
-        return verify_sampled(draft.tokens, draft.q, p, key)
+            verdict = verify_greedy(draft.tokens, processor.greedy(logits, windows))
+        else:
+            verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
+        if self.agree is not None:
+            verdict = self.agree(verdict)
+        return verdict, hidden
+
+    def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
+                drafting: bool, hidden: Optional[mx.array]):
+        """Step 5: cut `emitted` (accepted drafts + the recovered or bonus token) at the first
+        EOS id, or to the `room` left before max_tokens; roll the target's cache back to
+        [last] + emitted minus the new last token (plus a queued pass, if it is still
+        needed), and tell the drafter, which rolls back its own state. Returns (emitted,
+        finish reason or None)."""
+        finish = None
+        for i, t in enumerate(emitted):
+            if t in self.eos_ids:
+                emitted, finish = emitted[: i + 1], "stop"
+                break
+        if finish is None and len(emitted) >= room:
+            emitted, finish = emitted[:room], "length"
+        cache.target.settle(([last] + emitted)[:-1], queued=1 if queued and not finish else 0)
+        if drafting:
+            self.drafter.accept(emitted, **({"target_hidden": hidden} if self.wants_hidden else {}))
+        return emitted, finish
 
     def _can_draft(self, cache: PromptCache) -> bool:
         for name, ok in (("target", cache.target.rollbackable), ("draft", self.drafter.rollbackable)):

@@ -17,6 +17,8 @@ import mlx.core as mx
 
 from mlx_spec.errors import MlxSpecError
 
+NO_TOKEN = 2**31 - 1  # pads penalty windows; past every vocabulary, so never penalized
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -75,6 +77,9 @@ class LogitProcessor:
     ) -> Optional[mx.array]:
         """Token windows [rows - first, C] for the repetition penalty, or None when it is off.
 
+        Row i holds the last C tokens of history + block[:i]; while that is shorter than C,
+        the row is padded with `NO_TOKEN`, which `penalize` ignores.
+
         Args:
             history: committed token ids (host).
             block: tokens that follow the history in this block (lazy); row i sees block[:i].
@@ -82,20 +87,27 @@ class LogitProcessor:
         """
         if not self.params.penalized or not history:
             return None
-        C = min(self.params.repetition_context, len(history))
-        recent = mx.array(history[-C:], dtype=mx.uint32)
+        C = self.params.repetition_context
+        recent = history[-C:]
+        tokens = mx.array([NO_TOKEN] * (C - len(recent)) + recent, dtype=mx.uint32)
         if rows > 1:
-            recent = mx.concatenate([recent, block[: rows - 1].astype(mx.uint32)])
+            tokens = mx.concatenate([tokens, block[: rows - 1].astype(mx.uint32)])
         index = mx.arange(first, rows)[:, None] + mx.arange(C)[None, :]
-        return recent[index]
+        return tokens[index]
 
     def penalize(self, logits: mx.array, windows: Optional[mx.array]) -> mx.array:
+        """Apply the repetition penalty to the ids in each row's window. Ids past the width
+        of `logits` (padding, or ids a narrower draft vocabulary lacks) are ignored: they
+        go to a scratch column, since MLX does not bounds-check gathers."""
         if windows is None:
             return logits
         penalty = self.params.repetition_penalty
-        seen = mx.take_along_axis(logits, windows, axis=-1)
+        V = logits.shape[-1]
+        scratch = mx.concatenate([logits, mx.zeros((logits.shape[0], 1), logits.dtype)], axis=-1)
+        index = mx.minimum(windows, V)
+        seen = mx.take_along_axis(scratch, index, axis=-1)
         seen = mx.where(seen < 0, seen * penalty, seen / penalty)
-        return mx.put_along_axis(logits, windows, seen, axis=-1)
+        return mx.put_along_axis(scratch, index, seen, axis=-1)[:, :V]
 
     def greedy(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
         """Argmax tokens [rows] of logits [rows, V]."""

@@ -12,17 +12,24 @@ Every round emits x_1..x_n plus one recovered-or-bonus token, and the emitted to
 distributed exactly as if drawn from p alone (Appendix A.1). At temperature 0 the rule
 reduces to "accept while the draft token is the target's argmax".
 
-The sampled rule stays on the device; the engine synchronises once per round on (n, token).
-The greedy rule compares a handful of ids, so it runs on the host after that same sync.
+Both rules stay on the device and return a lazy `Verdict`; the engine synchronises once per
+round on it.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
 from mlx_spec.sampling import draw
+
+
+class Verdict(NamedTuple):
+    """A round's outcome, lazy on the device until the round's one host sync."""
+
+    n: mx.array  # accepted draft tokens, a scalar
+    token: mx.array  # the recovered (n < γ) or bonus (n = γ) token, a scalar
 
 
 def accepted_prefix(accepted: mx.array) -> mx.array:
@@ -30,24 +37,20 @@ def accepted_prefix(accepted: mx.array) -> mx.array:
     return mx.sum(mx.cumprod(accepted.astype(mx.int32)))
 
 
-def verify_greedy(x: list[int], target_tokens: list[int]) -> tuple[int, int]:
-    """Greedy verification (host side: a few ids, no device work).
+def verify_greedy(x: mx.array, target_tokens: mx.array) -> Verdict:
+    """Greedy verification: accept while the draft token is the target's argmax.
 
     Args:
         x: draft tokens [γ].
         target_tokens: the target's argmax at each of the γ+1 positions [γ+1].
     Returns:
-        (n, token): accepted count and the target's own token after them.
+        The `Verdict`: n accepted, and the target's own token after them.
     """
-    n = 0
-    while n < len(x) and x[n] == target_tokens[n]:
-        n += 1
-    return n, target_tokens[n]
+    n = accepted_prefix(x == target_tokens[: x.shape[0]].astype(x.dtype))
+    return Verdict(n, mx.take(target_tokens, n))
 
 
-def verify_sampled(
-    x: mx.array, q: Optional[mx.array], p: mx.array, key: mx.array
-) -> tuple[mx.array, mx.array]:
+def verify_sampled(x: mx.array, q: Optional[mx.array], p: mx.array, key: mx.array) -> Verdict:
     """Leviathan verification at temperature > 0.
 
     Args:
@@ -56,12 +59,12 @@ def verify_sampled(
         p: target distributions [γ+1, V], processed exactly as q was.
         key: PRNG key for this round's acceptance draws and the final token.
     Returns:
-        (n, token): accepted count and the recovered (n < γ) or bonus (n = γ) token.
+        The `Verdict`: n accepted, and the recovered (n < γ) or bonus (n = γ) token.
     """
     gamma, V = x.shape[0], p.shape[-1]
     key_accept, key_token = mx.random.split(key)
     if gamma == 0:
-        return mx.array(0), draw(p[0], key_token)
+        return Verdict(mx.array(0), draw(p[0], key_token))
 
     p_x = mx.take_along_axis(p[:gamma], x[:, None], axis=-1)[:, 0]
     q_x = mx.ones((gamma,)) if q is None else mx.take_along_axis(q, x[:, None], axis=-1)[:, 0]
@@ -82,4 +85,4 @@ def verify_sampled(
     mass = mx.sum(residual)
     # mass is > 0 whenever a rejection can happen; the guard only covers float round-off.
     final = mx.where(mass > 0, residual / mass, p_n)
-    return n, draw(final, key_token)
+    return Verdict(n, draw(final, key_token))

@@ -124,9 +124,9 @@ def test_injected_mismatch_fails_loudly(models, monkeypatch):
 
     def corrupted(x, target_tokens):
         n, token = real(x, target_tokens)
-        if x:
+        if x.shape[0]:
             token = (token + 1) % 200 + 6
-        return n, token
+        return engine.Verdict(n, token)
 
     monkeypatch.setattr(engine, "verify_greedy", corrupted)
     result = invoke(["bench", *models, *FAST, "--gamma", "2"])

@@ -16,7 +16,7 @@ from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.tiny import tiny_gemma3
 from mlx_spec.sampling import LogitProcessor, SamplingParams, draw
-from mlx_spec.verify import accepted_prefix, verify_sampled
+from mlx_spec.verify import Verdict, accepted_prefix, verify_sampled
 
 VOCAB = 8
 PROMPT = [2, 5, 3, 5, 1]
@@ -109,7 +109,7 @@ def recovered_from_p(x, q, p, key):
     p_x = mx.take_along_axis(p[:gamma], x[:, None], axis=-1)[:, 0]
     q_x = mx.take_along_axis(q, x[:, None], axis=-1)[:, 0]
     n = accepted_prefix(mx.random.uniform(shape=(gamma,), key=key_accept) * q_x < p_x)
-    return n, draw(mx.take(p, n, axis=0), key_token)
+    return Verdict(n, draw(mx.take(p, n, axis=0), key_token))
 
 
 def p_rows_off_by_one(x, q, p, key):
@@ -127,7 +127,7 @@ def deterministic_acceptance(x, q, p, key):
     n = accepted_prefix(q_x <= p_x)
     q_n = mx.take(mx.concatenate([q, mx.zeros((1, p.shape[-1]))]), n, axis=0)
     residual = mx.maximum(mx.take(p, n, axis=0) - q_n, 0)
-    return n, draw(residual / residual.sum(), key)
+    return Verdict(n, draw(residual / residual.sum(), key))
 
 
 @pytest.mark.parametrize(

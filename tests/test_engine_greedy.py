@@ -5,10 +5,14 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_repetition_penalty
+
 from conftest import greedy_reference
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.tiny import TINY_VOCAB, perturbed_copy, tiny_gemma3
+from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 
 WINDOW = 16
@@ -103,3 +107,72 @@ def test_grouped_query_attention_and_other_window(tiny_draft):
     for gamma in (2, 5):
         tokens, _ = run(Engine(target, ModelDrafter(draft, TINY_VOCAB)), LONG_PROMPT, gamma, 40)
         assert tokens == reference
+
+
+PENALTY, PENALTY_CONTEXT = 1.5, 16
+
+
+@pytest.fixture(scope="module")
+def penalty_prompts(tiny_target):
+    """A prompt shorter than the penalty context that starts with the token this model
+    likes to repeat (a window that loses the oldest history token lets it through), and
+    one longer than the context."""
+    favourite = max(set(plain := greedy_reference(tiny_target, [2, 40, 41, 42], 20)), key=plain.count)
+    return {"short": [favourite, 40, 41, 42, 43], "long": LONG_PROMPT}
+
+
+@pytest.fixture(scope="module")
+def penalized_references(tiny_target, penalty_prompts):
+    """mlx-lm's own generate_step with its repetition-penalty processor (the history it
+    penalizes includes the prompt, as ours does)."""
+    processor = make_repetition_penalty(PENALTY, PENALTY_CONTEXT)
+    return {
+        name: [t for t, _ in generate_step(mx.array(prompt), tiny_target, max_tokens=40,
+                                          logits_processors=[processor])]
+        for name, prompt in penalty_prompts.items()
+    }
+
+
+@pytest.mark.parametrize("prompt_name", ["short", "long"])  # shorter / longer than the context
+@pytest.mark.parametrize("gamma", [0, 1, 3])
+@pytest.mark.parametrize("drafter_name", ["model", "ngram"])
+def test_repetition_penalty_matches_mlx_lm(tiny_target, tiny_draft, penalty_prompts, penalized_references,
+                                           prompt_name, gamma, drafter_name):
+    prompt = penalty_prompts[prompt_name]
+    assert (len(prompt) < PENALTY_CONTEXT) == (prompt_name == "short")
+    drafter = ModelDrafter(tiny_draft, TINY_VOCAB) if drafter_name == "model" else NgramDrafter()
+    params = SamplingParams(repetition_penalty=PENALTY, repetition_context=PENALTY_CONTEXT)
+    tokens, _ = run(Engine(tiny_target, drafter), prompt, gamma, 40, params=params)
+    assert tokens == penalized_references[prompt_name]
+    assert tokens != greedy_reference(tiny_target, prompt, 40)  # the penalty changed the text
+
+
+class RecordingModel:
+    """Wraps a model and records the largest token id it was fed."""
+
+    def __init__(self, model):
+        self.model, self.largest = model, -1
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        self.largest = max(self.largest, int(mx.max(inputs).item()))
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_ids_the_draft_lacks_never_reach_it(tiny_target, penalty):
+    """The target emits ids past the draft's vocabulary (as a 262208-wide Gemma 3 12B can
+    past a 262144-wide 270M): they must not index the draft's embedding (MLX does not
+    bounds-check gathers; with a penalty the old code aborted the process), and output
+    stays the target's."""
+    width = 200
+    params = SamplingParams(repetition_penalty=penalty, repetition_context=16)
+    reference = run(Engine(tiny_target), LONG_PROMPT, 0, 40, params=params)[0]
+    assert max(reference) >= width  # the target does emit ids the draft lacks
+    draft = RecordingModel(resized_vocab(tiny_target, width))
+    tokens, stats = run(Engine(tiny_target, ModelDrafter(draft, TINY_VOCAB)), LONG_PROMPT, 3, 40, params=params)
+    assert tokens == reference
+    assert 0 <= draft.largest < width
+    assert stats.drafted > 0

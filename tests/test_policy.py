@@ -144,3 +144,22 @@ def test_auto_gamma_in_the_engine_keeps_output_identical(tiny_target, tiny_draft
         assert stats.drafted > 60
     else:
         assert stats.drafted == 0  # drafting cannot pay on this curve: no probes either
+
+
+def test_a_parked_policy_probes_and_resumes_drafting_through_the_engine(tiny_target):
+    """Parked after a bad stretch, then the text turns predictable (the target drafting for
+    itself: every draft is right). Driven by the real round loop, the policy must probe and
+    go back to drafting; probes must not be spent where the engine only asks "plain again?"."""
+    policy = AutoGamma(FLAT, probe_every=4)
+    for _ in range(40):  # a bad stretch: every draft rejected
+        policy.observe(3, 0)
+    assert policy.best() == 0  # parked
+    stats = Stats()
+    engine = Engine(tiny_target, ModelDrafter(tiny_target, TINY_VOCAB))
+    prompt = [2] + list(range(40, 60))
+    rounds = list(engine.rounds(prompt, gamma=policy, max_tokens=100, stats=stats))
+    assert [t for r in rounds for t in r.tokens] == greedy_reference(tiny_target, prompt, 100)
+    drafting = [i for i, r in enumerate(rounds) if r.gamma > 0]
+    assert drafting and drafting[0] <= 8  # the first probe comes after about probe_every rounds
+    assert all(r.gamma > 0 for r in rounds[drafting[0] + 4 : -1])  # and drafting resumed for good
+    assert stats.accepted == stats.drafted > 50

@@ -3,6 +3,7 @@
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_spec.errors import MlxSpecError
@@ -59,11 +60,15 @@ def test_bad_parameters_are_one_line_errors(bad):
 
 
 def test_greedy_verification():
+    def verdict(x, target_tokens):
+        n, token = verify_greedy(mx.array(x, mx.uint32), mx.array(target_tokens))
+        return n.item(), token.item()
+
     x = [5, 6, 7]
-    assert verify_greedy(x, [5, 6, 9, 1]) == (2, 9)
-    assert verify_greedy(x, [5, 6, 7, 1]) == (3, 1)  # bonus
-    assert verify_greedy(x, [4, 6, 7, 1]) == (0, 4)
-    assert verify_greedy([], [8]) == (0, 8)
+    assert verdict(x, [5, 6, 9, 1]) == (2, 9)
+    assert verdict(x, [5, 6, 7, 1]) == (3, 1)  # bonus
+    assert verdict(x, [4, 6, 7, 1]) == (0, 4)
+    assert verdict([], [8]) == (0, 8)
 
 
 def test_leviathan_rule_emits_p_and_accepts_min_p_q():
@@ -113,3 +118,15 @@ def test_top_p_on_a_large_vocabulary_matches_a_full_sort(temperature):
     full = processor.distribution(logits)
     assert mx.array_equal(fast > 0, full > 0)
     assert mx.allclose(fast, full, atol=1e-7)
+
+
+def test_penalty_windows_see_all_history_and_ignore_ids_past_the_vocabulary():
+    """Row i penalizes the last C tokens of history + block[:i], however short the history;
+    ids the logits lack (a narrower draft vocabulary) are skipped, never gathered."""
+    processor = LogitProcessor(SamplingParams(repetition_penalty=2.0, repetition_context=64))
+    windows = processor.windows([1, 2], mx.array([3, 9], mx.uint32), rows=3)
+    logits = mx.array([[4.0, 4.0, 4.0, 4.0, -4.0, 4.0]] * 3)
+    expected = np.array([[4.0, 4.0, 4.0, 4.0, -4.0, 4.0]] * 3)
+    for row, seen in enumerate([[1, 2], [1, 2, 3], [1, 2, 3]]):  # 9 is past the 6 columns
+        expected[row, seen] = [v / 2.0 if v > 0 else v * 2.0 for v in expected[row, seen]]
+    assert np.array_equal(np.array(processor.penalize(logits, windows)), expected)

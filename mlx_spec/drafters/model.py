@@ -28,6 +28,7 @@ class ModelDrafter:
         q is aligned to p when padded vocabulary widths differ."""
         self.model = model
         self.target_vocab = target_vocab
+        self.draft_vocab = int(model(mx.array([[0]])).shape[-1])
         self.state = None
         self.pending: list[int] = []
         self.fed_drafts: Optional[int] = None  # draft tokens fed to the cache this round
@@ -37,7 +38,10 @@ class ModelDrafter:
         return self.state is None or self.state.rollbackable
 
     def begin(self, prompt_ids: list[int], prompt_cache, processor) -> int:
-        self.state = prompt_cache.draft_for(self.model)
+        # The target can commit ids a narrower draft lacks (Gemma 3 12B: 262208 wide, 270M:
+        # 262144); the draft cache feeds those as a placeholder (exactness never needs q).
+        narrower = self.draft_vocab if self.draft_vocab < self.target_vocab else None
+        self.state = prompt_cache.draft_for(self.model, narrower)
         self.processor = processor
         processed = self.state.prefill(prompt_ids[:-1])
         self.pending = list(prompt_ids[len(self.state.ids) :])
