@@ -43,18 +43,31 @@ class ChatSession:
         (Ctrl-C) keeps the partial answer and leaves the caches consistent."""
         messages = self.messages + [{"role": "user", "content": content}]
         prompt_ids, text = self._prompt_ids(messages)
+        shown: list[str] = []
         generated: list[int] = []
         try:
             for response in stream_generate(
                 self.engine, self.tokenizer, prompt_ids, params, prompt_cache=self.cache, **kwargs
             ):
-                generated += response.round.tokens
+                shown.append(response.text)
+                generated += response.tokens
                 yield response
         finally:
-            # The history holds the answer as decode() renders its ids, so that the next
-            # turn's template text starts with `rendered` whenever the template is faithful.
-            answer = [t for t in generated if t not in self.engine.eos_ids]
-            reply = self.tokenizer.decode(answer)
-            self.messages = messages + [{"role": "assistant", "content": reply}]
-            self.ids = prompt_ids + generated
-            self.rendered = text + self.tokenizer.decode(generated, skip_special_tokens=False)
+            self._remember(messages, prompt_ids, text, "".join(shown), generated)
+
+    def _remember(self, messages, prompt_ids, text, reply, generated) -> None:
+        """Keep the turn as the user saw it: the answer text shown (cut before a stop
+        string) and the ids behind it. A stop string may begin inside a token; the shown
+        part of that token is encoded on its own."""
+        said = self.tokenizer.decode([t for t in generated if t not in self.engine.eos_ids])
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        if reply != said and not reply.startswith(said):
+            # The ids do not spell what was shown: let the next turn tokenize afresh (the
+            # caches still keep their longest common prefix).
+            self.ids, self.rendered = [], ""
+            return
+        generated = generated + list(self.tokenizer.encode(reply[len(said):], add_special_tokens=False))
+        self.ids = prompt_ids + generated
+        # The template's text for exactly those ids, so the next turn's template text starts
+        # with it whenever the template renders history faithfully.
+        self.rendered = text + self.tokenizer.decode(generated, skip_special_tokens=False)

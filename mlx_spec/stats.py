@@ -64,6 +64,10 @@ class Stats:
         self.verify_time += verify_s
         self.decode_time += draft_s + verify_s
 
+    def retract(self, tokens: int) -> None:
+        """Tokens generated past a stop string are not part of the answer: uncount them."""
+        self.generated -= tokens
+
     def snapshot(self) -> "Stats":
         return copy.deepcopy(self)
 

@@ -24,6 +24,7 @@ class Response:
     stats: Stats  # live statistics (updated in place; `.snapshot()` to keep)
     finish_reason: Optional[str] = None  # "stop", "length" or None while generating
     from_draft: list[bool] = field(default_factory=list)  # per character of text
+    tokens: list[int] = field(default_factory=list)  # the token ids whose text this releases
 
     def segments(self) -> list[tuple[str, bool]]:
         """`text` split into runs of (text, came from accepted draft tokens)."""
@@ -59,23 +60,49 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat: bool = Fal
 
 class _StopText:
     """Finds stop strings in streamed text; holds back a tail that may still grow into one.
-    A flag per character (came from a draft token) travels with the text."""
+
+    A flag per character (came from a draft token) travels with the text, and each token id
+    is released together with the last character of its text, so the tokens released are
+    exactly the text released: a stop string and what follows it are neither shown nor
+    kept (a chat's next turn continues from what was shown).
+    """
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.text = ""
         self.flags: list[bool] = []
         self.released = 0
+        self.tokens: list[tuple[int, int]] = []  # unreleased (id, end of its text in self.text)
+        self.textless: list[int] = []  # ids whose text has not appeared yet (partial UTF-8, EOS)
+        self.dropped = 0  # tokens cut with a stop string
 
-    def push(self, piece: str, flags: list[bool]) -> tuple[str, list[bool], bool]:
-        """Add text; returns (text safe to release, its flags, whether a stop string was found)."""
+    def add(self, token: Optional[int], piece: str, flags: list[bool]) -> None:
+        """Add a token (None: text alone, e.g. the detokenizer's final flush) and its text."""
         self.text += piece
         self.flags += flags
+        if token is not None:
+            self.textless.append(token)
+        if piece:
+            self.tokens += [(t, len(self.text)) for t in self.textless]
+            self.textless = []
+
+    def release(self, final: bool = False) -> tuple[str, list[bool], list[int], bool]:
+        """(text safe to release, its flags, the tokens released with it, whether a stop
+        string was found). `final`: generation ended, so nothing more is held back."""
         found = [self.text.find(s, max(0, self.released - len(s))) for s in self.stops]
         found = [i for i in found if i >= 0]
         if found:
-            self.text, self.flags = self.text[: min(found)], self.flags[: min(found)]
-            return (*self.flush(), True)
+            cut = min(found)
+            self.text, self.flags = self.text[:cut], self.flags[:cut]
+            out = self._release(cut)
+            self.dropped = len(self.tokens) + len(self.textless)
+            self.tokens, self.textless = [], []
+            return (*out, True)
+        if final:
+            text, flags, tokens = self._release(len(self.text))
+            tokens += self.textless
+            self.textless = []
+            return text, flags, tokens, False
         hold = 0
         for s in self.stops:  # the longest tail that is a proper prefix of a stop string
             for k in range(min(len(s) - 1, len(self.text)), 0, -1):
@@ -84,13 +111,15 @@ class _StopText:
                     break
         return (*self._release(max(self.released, len(self.text) - hold)), False)
 
-    def _release(self, end: int) -> tuple[str, list[bool]]:
-        out = self.text[self.released : end], self.flags[self.released : end]
+    def _release(self, end: int) -> tuple[str, list[bool], list[int]]:
+        text, flags = self.text[self.released : end], self.flags[self.released : end]
         self.released = end
-        return out
-
-    def flush(self) -> tuple[str, list[bool]]:
-        return self._release(len(self.text))
+        done = 0
+        while done < len(self.tokens) and self.tokens[done][1] <= end:
+            done += 1
+        tokens = [t for t, _ in self.tokens[:done]]
+        del self.tokens[:done]
+        return text, flags, tokens
 
 
 def stream_generate(
@@ -134,24 +163,23 @@ def stream_generate(
         prefill_progress=prefill_progress,
     )
     for rnd in rounds:
-        pieces, flags = [], []
         for i, t in enumerate(rnd.tokens):
             if t in engine.eos_ids:
+                stops.add(t, "", [])
                 continue
             detokenizer.add_token(t)
-            pieces.append(detokenizer.last_segment)
+            piece = detokenizer.last_segment
             # accepted draft tokens lead the round: token i came from the draft iff i < n
-            flags += [i < rnd.accepted] * len(pieces[-1])
+            stops.add(t, piece, [i < rnd.accepted] * len(piece))
         if rnd.finish_reason:
             detokenizer.finalize()
-            pieces.append(detokenizer.last_segment)
-            flags += [False] * len(pieces[-1])
-        text, text_flags, stopped = stops.push("".join(pieces), flags)
+            piece = detokenizer.last_segment  # a property that consumes the segment
+            stops.add(None, piece, [False] * len(piece))
+        text, text_flags, tokens, stopped = stops.release(final=rnd.finish_reason is not None)
+        if stopped:
+            stats.retract(stops.dropped)
         finish = "stop" if stopped else rnd.finish_reason
-        if finish and not stopped:
-            rest, rest_flags = stops.flush()
-            text, text_flags = text + rest, text_flags + rest_flags
-        yield Response(text, rnd, stats, finish, text_flags)
+        yield Response(text, rnd, stats, finish, text_flags, tokens)
         if finish:
             rounds.close()
             return
@@ -168,7 +196,7 @@ def generate(
     text, tokens, rounds, finish, stats = [], [], [], None, None
     for response in stream_generate(engine, tokenizer, prompt, params, **kwargs):
         text.append(response.text)
-        tokens.extend(response.round.tokens)
+        tokens.extend(response.tokens)
         rounds.append(response.round)
         finish, stats = response.finish_reason, response.stats
     return Result("".join(text), tokens, stats, finish, stats.prompt_tokens if stats else 0, rounds)
