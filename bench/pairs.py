@@ -10,17 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Optional
-from importlib.resources import files
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 
+from mlx_spec.prompts import committed_prompts
+
 PROMPTS = ("short", "long", "window")
 
 
 def prompt_text(name: str) -> str:
-    return files("mlx_spec.prompts").joinpath(f"{name}.txt").read_text()
+    return committed_prompts()[name]
 
 
 def gemma_prompt_ids(tokenizer, name: str) -> list[int]:

@@ -74,6 +74,15 @@ def weight_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def weight_bandwidth(stats, target_bytes: int, draft_bytes: int) -> float:
+    """Achieved weight bandwidth in bytes/s during decode (`stats`: a `Stats`): weights read
+    by every target and draft forward, over decode time (KV-cache reads not counted)."""
+    if stats.decode_time <= 0:
+        return 0.0
+    read = target_bytes * stats.target_forwards + draft_bytes * stats.draft_forwards
+    return read / stats.decode_time
+
+
 def fingerprint(model) -> str:
     """A short identity for a model: class, shapes and dtypes of its parameters."""
     shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in tree_flatten(model.parameters())]

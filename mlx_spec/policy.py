@@ -14,10 +14,12 @@ turns predictable.
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from mlx_spec.costs import CostCurve
 from mlx_spec.stats import Stats
+
+MAX_GAMMA = 16  # the largest γ anywhere; caches keep MAX_GAMMA + 1 positions of rollback slack
 
 
 class GammaPolicy(Protocol):
@@ -58,6 +60,36 @@ def expected_tokens(acceptance: list[float], gamma: int) -> float:
 def full_acceptance(acceptance: list[float], gamma: int) -> float:
     """P(all γ draft tokens accepted) = Π_{i≤γ} a_i."""
     return math.prod(acceptance[:gamma])
+
+
+def tokens_per_second(costs: CostCurve, acceptance: Sequence[float], gamma: int) -> float:
+    """The cost model: E(γ) / (γ·t_draft + t_verify(γ+1)), with conditional acceptances
+    a_1..a_γ (the last one repeats past the end of the list)."""
+    acceptance = list(acceptance)
+    if len(acceptance) < gamma:
+        acceptance += [acceptance[-1] if acceptance else 0.0] * (gamma - len(acceptance))
+    return expected_tokens(acceptance, gamma) / costs.round_time(gamma, full_acceptance(acceptance, gamma))
+
+
+def cost_model_speedup(costs: CostCurve, acceptance: Sequence[float], gamma: float) -> float:
+    """Expected speedup over plain decoding at γ from the measured cost curve and per-position
+    acceptance. A fractional γ (auto's mean) interpolates between its neighbours."""
+    if gamma <= 0:
+        return 1.0
+    lo, hi = math.floor(gamma), math.ceil(gamma)
+    plain = tokens_per_second(costs, acceptance, 0)
+    at_lo, at_hi = (tokens_per_second(costs, acceptance, g) / plain for g in (lo, hi))
+    return at_lo + (gamma - lo) * (at_hi - at_lo)
+
+
+def theorem_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Theorem 3.8 (Leviathan et al. 2023): expected walltime improvement
+    (1 − α^(γ+1)) / ((1 − α)(γc + 1)), assuming independent acceptances and a verify pass
+    over γ+1 positions that costs one target step. γ = 0 gives 1."""
+    if gamma <= 0:
+        return 1.0
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
 
 
 class AutoGamma:
@@ -109,14 +141,12 @@ class AutoGamma:
 
     def rate(self, gamma: int, acceptance: list[float] | None = None) -> float:
         """Expected tokens per second at γ."""
-        acceptance = self.acceptance() if acceptance is None else acceptance
-        round_time = self.costs.round_time(gamma, full_acceptance(acceptance, gamma))
-        return expected_tokens(acceptance, gamma) / round_time
+        return tokens_per_second(self.costs, self.acceptance() if acceptance is None else acceptance, gamma)
 
     def predicted_speedup(self, gamma: int) -> float:
         """Expected speedup over plain decoding at γ (Theorem 3.8 with measured costs and
         per-position acceptance)."""
-        return self.rate(gamma) / self.rate(0)
+        return cost_model_speedup(self.costs, self.acceptance(), gamma)
 
     def best(self, min_gamma: int = 0) -> int:
         return self._best(self.acceptance(), min_gamma)

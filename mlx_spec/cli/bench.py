@@ -21,10 +21,18 @@ from mlx_spec.cli.common import (
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.progress import StderrProgress
+from mlx_spec.prompts import committed_prompts, resolve_prompt
+from mlx_spec.runner import parse_gamma
 from mlx_spec.stream import encode_prompt
-from mlx_spec.sweep import (
-    BASELINE, DEFAULT_GAMMAS, SweepResult, committed_prompts, csv_rows, CSV_FIELDS, parse_gammas,
-    recommendation_text, resolve_prompt, run_sweep,
+from mlx_spec.sweep import BASELINE, DEFAULT_GAMMAS, SweepResult, run_sweep
+
+CSV_FIELDS = (
+    "prompt", "setting", "gamma", "runs", "decode_tps", "tps_min", "tps_max", "spread",
+    "speedup", "predicted_speedup", "cost_model_speedup", "cold_tps", "acceptance_rate",
+    "acceptance_by_position", "mean_accepted_length", "mean_gamma", "prefill_time",
+    "prefill_share", "bandwidth", "peak_memory", "generated", "md5", "identical", "mismatch_at",
+    "near_tie",
 )
 
 
@@ -98,10 +106,11 @@ def bench(
             key, k = f"{name}{k}", k + 1
         ids[key] = encode_prompt(tokenizer, text, chat)
 
-    with _Progress() as progress:
+    with StderrProgress() as progress:
         result = run_sweep(setup.pair, ids, drafter=setup.drafter, gammas=gamma_list, warm_runs=runs,
-                           max_tokens=max_tokens, params=params, progress=progress.runs,
-                           calibration_progress=progress.calibrate)
+                           max_tokens=max_tokens, params=params,
+                           progress=progress.task("bench", each=True),
+                           calibration_progress=progress.task("calibrating the cost curve"))
 
     if json_out:
         print(json.dumps({"models": setup.models, **result.as_dict()}, ensure_ascii=False))
@@ -112,56 +121,32 @@ def bench(
     if plot is not None:
         _plot(result, plot, f"{setup.target}" + (f" + {setup.draft}" if setup.draft else ""))
         print(f"plot written to {plot}", file=sys.stderr)
+    for near_tie in result.near_ties:
+        _warn(f"numerical near-tie, not an exactness failure: {near_tie}", "yellow")
     if not result.ok:
-        for mismatch in result.mismatches:
-            _red(f"IDENTITY CHECK FAILED: {mismatch}")
+        for mismatch in result.failures:
+            _warn(f"IDENTITY CHECK FAILED: {mismatch}", "bold red")
         raise typer.Exit(1)
 
 
-class _Progress:
-    """Progress on stderr: calibration of the cost curve, then the runs. A bar on a terminal,
-    plain lines otherwise."""
-
-    def __enter__(self):
-        self.progress, self.tasks = None, {}
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(),
-                                     console=Console(stderr=True), transient=True)
-            self.progress.start()
-        return self
-
-    def _update(self, name: str, done: int, total: int, description: str) -> None:
-        if self.progress is None:  # not a terminal: one plain line per step, for logs
-            if name == "runs" and done < total:
-                print(f"[{done + 1}/{total}] {description}", file=sys.stderr, flush=True)
-            elif name == "calibrate" and name not in self.tasks:
-                self.tasks[name] = None
-                print(description, file=sys.stderr, flush=True)
-            return
-        if name not in self.tasks:
-            self.tasks[name] = self.progress.add_task(description, total=total)
-        self.progress.update(self.tasks[name], completed=done, total=total, description=description)
-
-    def calibrate(self, done: int, total: int) -> None:
-        self._update("calibrate", done, total, "calibrating cost curve")
-
-    def runs(self, done: int, total: int, what: str) -> None:
-        self._update("runs", done, total, f"bench {what}")
-
-    def __exit__(self, *exc):
-        if self.progress:
-            self.progress.stop()
-        return False
+def parse_gammas(values: list[str]) -> list:
+    """'1,2,3' / ['1', '2', 'auto'] → [1, 2, 3, 'auto'], validated, duplicates dropped."""
+    out: list = []
+    for value in values:
+        for part in str(value).replace(" ", ",").split(","):
+            if part:
+                gamma = parse_gamma(part, name="γ in a sweep (γ = 0 is the baseline)", minimum=1)
+                if gamma not in out:
+                    out.append(gamma)
+    if not out:
+        raise MlxSpecError("the γ list is empty")
+    return out
 
 
-def _red(line: str) -> None:
+def _warn(line: str, style: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True, highlight=False).print(line, style="bold red", markup=False, soft_wrap=True)
+    Console(stderr=True, highlight=False).print(line, style=style, markup=False, soft_wrap=True)
 
 
 def _fmt_positions(values: list[float]) -> str:
@@ -205,7 +190,9 @@ def _print_table(result: SweepResult, setup) -> None:
                           f"{s.prefill_time:.2f} ({s.prefill_share:.0%})",
                           f"{s.bandwidth / 1e9:.2f}")
             identity = (s.md5[:12] if s.identical is None else
-                        f"{s.md5[:12]} ✓" if s.identical else f"[red]✗ differs at token {s.mismatch_at}[/red]")
+                        f"{s.md5[:12]} ✓" if s.identical else
+                        f"[yellow]≈ near-tie at token {s.mismatch_at}[/yellow]" if s.near_tie else
+                        f"[red]✗ differs at token {s.mismatch_at}[/red]")
             accept.add_row(label,
                            "—" if is_base else f"{s.acceptance_rate:.3f}",
                            "—" if is_base else _fmt_positions(s.acceptance_by_position),
@@ -221,11 +208,36 @@ def _print_table(result: SweepResult, setup) -> None:
                   "(it assumes a verify costs one step); cost model = measured verify curve and per-position "
                   "acceptance", style="dim")
     if result.identity_checked:
-        verdict = "all outputs token-identical to drafting off" if result.ok else "[red]OUTPUT MISMATCH[/red]"
+        verdict = ("[red]OUTPUT MISMATCH[/red]" if not result.ok else
+                   "token-identical to drafting off except at numerical near-ties (see stderr)"
+                   if result.near_ties else "all outputs token-identical to drafting off")
         console.print(f"identity (md5 of token ids, T = 0): {verdict}")
     else:
         console.print(f"T = {params.temperature:g}: sampled outputs differ by design; no identity check")
     console.print(f"[bold]{recommendation_text(result)}[/bold]")
+
+
+def recommendation_text(result: SweepResult) -> str:
+    """One line for people: which setting to use, and whether the gain is within the noise."""
+    best = result.recommendation
+    if best == BASELINE:
+        return "recommendation: drafting does not pay here; use --gamma 0 (or --gamma auto, which parks at 0)"
+    flag = "--gamma auto" if best == "auto" else f"--gamma {best.split('=')[1]}"
+    line = f"recommendation: {flag} ({result.recommended_speedup:.2f}× vs drafting off)"
+    noise = max((s.spread / 2 for s in result.summaries if s.setting in (best, BASELINE)), default=0.0)
+    if result.recommended_speedup - 1 <= noise:
+        line += f", within the run-to-run spread (±{noise:.0%}): drafting does not clearly pay here"
+    return line
+
+
+def csv_rows(result: SweepResult) -> list[dict]:
+    """One flat row per (prompt, setting); per-position acceptance as 'a1;a2;...'."""
+    rows = []
+    for s in result.summaries:
+        row = {k: getattr(s, k) for k in CSV_FIELDS}
+        row["acceptance_by_position"] = ";".join(f"{a:.4f}" for a in s.acceptance_by_position)
+        rows.append(row)
+    return rows
 
 
 def _write_csv(result: SweepResult, path: Path) -> None:

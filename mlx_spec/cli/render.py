@@ -14,10 +14,9 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from mlx_spec.costs import weight_bytes
+from mlx_spec.costs import weight_bandwidth, weight_bytes
 from mlx_spec.policy import AutoGamma
 from mlx_spec.stats import Stats
-from mlx_spec.sweep import weight_bandwidth
 
 BAR_WIDTH = 20
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
