@@ -1,24 +1,97 @@
-"""From loaded models to a running engine: choose the drafter and the γ policy.
+"""From flags and loaded models to a running engine: resolve presets, choose the drafter and
+the γ policy.
 
-The CLI and the benchmarks build engines here, so `--drafter` and `--gamma auto` mean the
-same thing everywhere.
+The CLI, the server and the benchmarks build engines here, so `--preset`, `--drafter` and
+`--gamma auto` mean the same thing everywhere, and everything here can be tested without
+Typer.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 from mlx_spec.costs import load_or_measure
-from mlx_spec.drafters import ModelDrafter, NgramDrafter
+from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.policy import AutoGamma, FixedGamma, GammaPolicy
+from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy
 
-DRAFTERS = ("model", "ngram", "none")
 MAX_AUTO_GAMMA = 6
 
 
-def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = 16) -> Engine:
+def parse_gamma(value: Union[int, str], *, name: str = "--gamma", minimum: int = 0,
+                limit: int = MAX_GAMMA) -> Union[int, str]:
+    """'auto', or a whole number in [minimum, limit]; anything else is a one-line error
+    that names the flag or command (`name`) the user typed."""
+    if value == "auto":
+        return value
+    try:
+        gamma = int(value)
+    except (TypeError, ValueError):
+        raise MlxSpecError(f"{name} must be a whole number or 'auto', not {value!r}") from None
+    if not minimum <= gamma <= limit:
+        raise MlxSpecError(f"{name} must be between {minimum} and {limit}, or 'auto' (got {gamma})")
+    return gamma
+
+
+@dataclass
+class Choice:
+    """What a preset and the flags resolve to, before anything is loaded.
+
+    Attributes:
+        preset: the `Preset` used for defaults, or None.
+        target: the target model's source; draft: the draft model's, or None.
+        drafter: "model" | "ngram" | "none", or None for `build_engine`'s default.
+        gamma: "auto" or a whole number.
+    """
+
+    preset: Any
+    target: str
+    draft: Optional[str]
+    drafter: Optional[str]
+    gamma: Union[int, str]
+
+    @property
+    def models(self) -> dict:
+        return {"target": self.target, "draft": self.draft, "preset": getattr(self.preset, "name", None)}
+
+
+def _preset_value(preset, name: str, default=None):
+    value = getattr(preset, name, None) if preset is not None else None
+    return default if value is None else value
+
+
+def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = None,
+                   drafter: Optional[str] = None, preset: Optional[str] = None,
+                   gamma: Optional[str] = None) -> Choice:
+    """Presets supply defaults and flags override them; with no --model and no --preset the
+    "default" preset (the embedded Gemma 3 270M) is used. An explicit --draft-model means
+    drafting with it; a model-free drafter loads no draft model."""
+    from mlx_spec.models import get_preset
+
+    if drafter is not None and drafter not in DRAFTER_NAMES:
+        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
+    if gamma is not None:
+        gamma = parse_gamma(gamma)
+    chosen = get_preset(preset or "default") if (preset or model is None) else None
+    target = model or _preset_value(chosen, "target", "default")
+    draft = draft_model if draft_model is not None else (
+        _preset_value(chosen, "draft") if model is None or preset else None)
+    if drafter is None:
+        drafter = "model" if draft_model is not None else _preset_value(chosen, "drafter")
+    if drafter == "model" and not draft:
+        raise MlxSpecError("--drafter model needs a draft model: give --draft-model or a preset with one")
+    if drafter in ("none", "ngram"):
+        draft = None  # no need to load (or hold in memory) a draft model that will not draft
+    if gamma is None:
+        gamma = parse_gamma(_preset_value(chosen, "gamma", "auto"))
+    if drafter == "none":
+        gamma = 0
+    return Choice(chosen, str(target), draft, drafter, gamma)
+
+
+def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GAMMA) -> Engine:
     """An `Engine` for a loaded `ModelPair`.
 
     Args:
@@ -28,8 +101,8 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = 16) ->
     """
     if drafter is None:
         drafter = "model" if pair.draft is not None else "ngram"
-    if drafter not in DRAFTERS:
-        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+    if drafter not in DRAFTER_NAMES:
+        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
     if drafter == "model":
         if pair.draft is None:
             raise MlxSpecError("--drafter model needs a draft model (--draft-model or a preset with one)")
@@ -57,24 +130,20 @@ def gamma_policy(
     context: int = 256,
     refresh: bool = False,
     progress: Optional[Callable[[int, int], None]] = None,
+    name: str = "--gamma",
 ) -> GammaPolicy:
-    """`FixedGamma(n)` for an integer, `AutoGamma` from the measured cost curve for "auto"
-    (measured once per pair and machine, then read from the cache)."""
-    if isinstance(gamma, str) and gamma != "auto":
-        try:
-            gamma = int(gamma)
-        except ValueError:
-            raise MlxSpecError(f"--gamma must be a whole number or 'auto', not {gamma!r}") from None
-    if gamma == "auto":
-        if engine.drafter is None:
-            return FixedGamma(0)
-        max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
-        draft_model = getattr(engine.drafter, "model", None)
-        costs = load_or_measure(
-            engine.target, draft_model, max_width=max_gamma + 1,
-            context=context_bucket(context), refresh=refresh, progress=progress,
-        )
-        return AutoGamma(costs, max_gamma=max_gamma)
-    if not 0 <= gamma <= engine.max_gamma:
-        raise MlxSpecError(f"--gamma must be between 0 and {engine.max_gamma}, or 'auto'")
-    return FixedGamma(gamma)
+    """`FixedGamma(n)` for a whole number, `AutoGamma` from the measured cost curve for
+    "auto" (measured once per pair and machine, then read from the cache). `name`: the flag
+    or command that set γ, for error messages."""
+    gamma = parse_gamma(gamma, name=name, limit=engine.max_gamma)
+    if gamma != "auto":
+        return FixedGamma(gamma)
+    if engine.drafter is None:
+        return FixedGamma(0)
+    max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
+    draft_model = getattr(engine.drafter, "model", None)
+    costs = load_or_measure(
+        engine.target, draft_model, max_width=max_gamma + 1,
+        context=context_bucket(context), refresh=refresh, progress=progress,
+    )
+    return AutoGamma(costs, max_gamma=max_gamma)

@@ -28,7 +28,7 @@ def test_turns_and_slash_commands_piped(models):
     assert "γ 3" in out and "γ set to 2" in out and "γ 2 ·" in out
     assert "temperature set to 0.7" in out
     assert "conversation: 2 turns" in out  # /stats after two turns
-    assert "error: --gamma must be" in out and "unknown command /bogus" in out
+    assert "error: /gamma must be a whole number or 'auto'" in out and "unknown command /bogus" in out
     assert "conversation cleared" in out and "conversation: 0 turns" in out
     assert not has_ansi(out)
 

@@ -5,6 +5,7 @@ import pytest
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models import Preset, get_preset, list_presets
 from mlx_spec.models.hub import looks_like_repo_id
+from mlx_spec.runner import resolve_choice
 
 
 def test_default_preset_is_the_offline_embedded_model():
@@ -54,3 +55,37 @@ def test_base_model_preset_defaults_to_raw_prompts():
     assert use_chat(with_template, True, default) is True  # --chat wins
     assert use_chat(with_template, None, get_preset("gemma3-1b")) is True
     assert use_chat(SimpleNamespace(chat_template=None), None, None) is False
+
+
+# -- presets and flags resolve to a choice before anything loads (runner.resolve_choice) --
+
+
+def test_no_flags_mean_the_default_preset():
+    choice = resolve_choice()
+    assert (choice.target, choice.draft, choice.drafter, choice.gamma) == ("default", None, "ngram", "auto")
+    assert choice.models == {"target": "default", "draft": None, "preset": "default"}
+
+
+def test_a_preset_supplies_its_pair_and_flags_override_it():
+    choice = resolve_choice(preset="gemma3-12b")
+    preset = get_preset("gemma3-12b")
+    assert (choice.target, choice.draft, choice.drafter) == (preset.target, preset.draft, "model")
+    assert resolve_choice(preset="gemma3-12b", gamma="3").gamma == 3
+    assert resolve_choice(preset="gemma3-12b", drafter="ngram").draft is None  # not loaded
+    # --model alone leaves the presets out; --draft-model alone means drafting with it
+    assert resolve_choice(model="some/target").draft is None
+    explicit = resolve_choice(model="some/target", draft_model="some/draft")
+    assert (explicit.draft, explicit.drafter, explicit.models["preset"]) == ("some/draft", "model", None)
+    assert resolve_choice(model="some/target", drafter="none", gamma="5").gamma == 0
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    ({"gamma": "17"}, "--gamma must be between 0 and 16"),
+    ({"gamma": "x"}, "--gamma must be a whole number or 'auto'"),
+    ({"drafter": "beam"}, "unknown drafter 'beam'"),
+    ({"model": "some/target", "drafter": "model"}, "--drafter model needs a draft model"),
+    ({"preset": "nope"}, "nope"),
+])
+def test_bad_choices_are_one_line_errors_before_loading(flags, fragment):
+    with pytest.raises(MlxSpecError, match=fragment):
+        resolve_choice(**flags)

@@ -20,11 +20,11 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt,
-    TempOpt, TopKOpt, TopPOpt, calibrate_gamma, check_gamma, sampling_params, setup_models,
+    TempOpt, TopKOpt, TopPOpt, calibrate_gamma, sampling_params, setup_models,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.runner import build_engine
+from mlx_spec.runner import build_engine, parse_gamma
 from mlx_spec.stats import Stats
 
 PROMPT = ">>> "
@@ -72,16 +72,16 @@ class ChatRepl:
         self.tty = self.console.is_terminal
         self.last_view = None
         self.turns = 0
-        self.set_gamma(gamma)
+        self.set_gamma(gamma, name="--gamma")
 
     # -- state changes ---------------------------------------------------------------
 
-    def set_gamma(self, gamma: str) -> None:
-        gamma = check_gamma(gamma)
+    def set_gamma(self, gamma: str, name: str = "/gamma") -> None:
+        gamma = str(parse_gamma(gamma, name=name))
         if self.engine.drafter is None and gamma != "0":
             raise MlxSpecError("drafting is off (--drafter none): only /gamma 0 applies")
         context = max(len(self.session.ids), 1)
-        self.policy = calibrate_gamma(self.setup, self.engine, gamma, context)
+        self.policy = calibrate_gamma(self.engine, gamma, context, name=name)
         self.gamma = gamma if self.engine.drafter is not None else "0"
         self.views = ViewMaker(self.engine, self.policy, self.gamma)
 
@@ -210,4 +210,4 @@ def chat(
                              repetition_penalty=repetition_penalty, seed=seed)
     engine = build_engine(setup.pair, setup.drafter)
     session = ChatSession(engine, setup.pair.tokenizer, system=system)
-    ChatRepl(session, setup, engine, params, setup.gamma, max_tokens, stop, color_drafts).run()
+    ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts).run()

@@ -1,21 +1,18 @@
-"""Options and set-up shared by `generate`, `chat` and `bench`: model and preset choice,
-sampling flags, prompt input, progress on stderr.
-
-Presets supply defaults and flags override them; with no model flag at all the "default"
-preset (the embedded Gemma 3 270M) is used.
+"""Options and set-up shared by `generate`, `chat` and `bench`: the option types, loading
+what `runner.resolve_choice` chose, sampling flags, prompt input.
 """
 
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Iterator, Optional
+from typing import Annotated, Any, Optional, Union
 
 import typer
 
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.runner import DRAFTERS
+from mlx_spec.progress import StderrProgress
+from mlx_spec.runner import Choice, gamma_policy, resolve_choice
 from mlx_spec.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------
@@ -95,23 +92,13 @@ ColorOpt = Annotated[bool, typer.Option(
 
 @dataclass
 class Setup:
-    """What the flags and the preset resolved to, and the loaded pair."""
+    """What the flags and the preset resolved to (`runner.Choice`), and the loaded pair."""
 
+    choice: Choice
     pair: Any  # mlx_spec.models.ModelPair
-    preset: Any  # mlx_spec.models.Preset or None
-    target: str
-    draft: Optional[str]
-    drafter: Optional[str]  # None: build_engine's default
-    gamma: str  # "auto" or a whole number, as text
 
-    @property
-    def models(self) -> dict:
-        return {"target": self.target, "draft": self.draft, "preset": getattr(self.preset, "name", None)}
-
-
-def _preset_value(preset, name: str, default=None):
-    value = getattr(preset, name, None) if preset is not None else None
-    return default if value is None else value
+    def __getattr__(self, name):  # preset, target, draft, drafter, gamma, models
+        return getattr(self.choice, name)
 
 
 def setup_models(
@@ -127,46 +114,16 @@ def setup_models(
     group_size: Optional[int] = None,
 ) -> Setup:
     """Resolve preset and flags, then load the pair (the loader shows its own progress)."""
-    from mlx_spec.models import get_preset, load_pair
+    from mlx_spec.models import load_pair
 
-    if drafter is not None and drafter not in DRAFTERS:
-        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
-    if gamma is not None:
-        check_gamma(gamma)
-    chosen = get_preset(preset or "default") if (preset or model is None) else None
-    target = model or _preset_value(chosen, "target", "default")
-    draft = draft_model if draft_model is not None else (
-        _preset_value(chosen, "draft") if model is None or preset else None)
-    if drafter is None:  # an explicit --draft-model means drafting with it
-        drafter = "model" if draft_model is not None else _preset_value(chosen, "drafter")
-    if drafter == "model" and not draft:
-        raise MlxSpecError("--drafter model needs a draft model: give --draft-model or a preset with one")
-    if drafter in ("none", "ngram"):
-        draft = None  # no need to load (or hold in memory) a draft model that will not draft
-    if gamma is None:
-        gamma = str(_preset_value(chosen, "gamma", "auto"))
-    if drafter == "none":
-        gamma = "0"
+    choice = resolve_choice(model=model, draft_model=draft_model, drafter=drafter, preset=preset, gamma=gamma)
     if group_size is not None and quantize is None and draft_quantize is None:
         raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
     kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))
               if v is not None}
     draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
-    pair = load_pair(target, draft, progress=sys.stderr.isatty(), draft_options=draft_options, **kwargs)
-    return Setup(pair, chosen, str(target), draft, drafter, gamma)
-
-
-def check_gamma(gamma: str) -> str:
-    """'auto' or a whole number 0..16, else a one-line error."""
-    if gamma == "auto":
-        return gamma
-    try:
-        value = int(gamma)
-    except ValueError:
-        raise MlxSpecError(f"--gamma must be a whole number or 'auto', not {gamma!r}") from None
-    if not 0 <= value <= 16:
-        raise MlxSpecError(f"--gamma must be between 0 and 16, or 'auto' (got {value})")
-    return gamma
+    pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
+    return Setup(choice, pair)
 
 
 def sampling_params(
@@ -183,7 +140,10 @@ def sampling_params(
     base = SamplingParams()
 
     def pick(flag, name):
-        return flag if flag is not None else _preset_value(preset, name, getattr(base, name))
+        if flag is not None:
+            return flag
+        value = getattr(preset, name, None) if preset is not None else None
+        return getattr(base, name) if value is None else value
 
     return SamplingParams(
         temperature=pick(temp, "temperature"),
@@ -200,7 +160,8 @@ def use_chat(tokenizer, chat: Optional[bool], preset=None) -> bool:
     when the tokenizer has a template."""
     if chat is not None:
         return chat
-    return _preset_value(preset, "chat", True) and bool(getattr(tokenizer, "chat_template", None))
+    wanted = getattr(preset, "chat", True) if preset is not None else True
+    return wanted and bool(getattr(tokenizer, "chat_template", None))
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,37 +180,8 @@ def read_prompt(prompt: Optional[str]) -> str:
     return prompt
 
 
-@contextmanager
-def stderr_progress(title: str, *, enabled: Optional[bool] = None) -> Iterator[Callable[[int, int], None]]:
-    """A transient progress bar on stderr, shown only when stderr is a terminal and only once
-    the callback is first called (cached work shows nothing); yields a (done, total) callback."""
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    state: dict = {}
-
-    def update(done: int, total: int) -> None:
-        if not enabled:
-            return
-        if not state:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            state["progress"] = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            state["progress"].start()
-            state["task"] = state["progress"].add_task(title, total=total)
-        state["progress"].update(state["task"], completed=done, total=total)
-
-    try:
-        yield update
-    finally:
-        if state:
-            state["progress"].stop()
-
-
-def calibrate_gamma(setup: Setup, engine, gamma: str, context: int):
+def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma"):
     """The γ policy; 'auto' may first measure the cost curve (seconds, with progress)."""
-    from mlx_spec.runner import gamma_policy
-
-    with stderr_progress("calibrating cost curve for --gamma auto") as progress:
-        return gamma_policy(gamma, engine, context=context, progress=progress)
+    with StderrProgress() as progress:
+        return gamma_policy(gamma, engine, context=context, name=name,
+                            progress=progress.task("calibrating the cost curve for γ = auto"))

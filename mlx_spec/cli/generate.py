@@ -19,9 +19,10 @@ from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt,
     SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt, sampling_params,
-    setup_models, stderr_progress, use_chat,
+    setup_models, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.progress import StderrProgress
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
 from mlx_spec.stream import encode_prompt, stream_generate
@@ -71,8 +72,8 @@ def generate(
     tokenizer = setup.pair.tokenizer
     chat = use_chat(tokenizer, chat, setup.preset)
     prompt_ids = encode_prompt(tokenizer, text, chat)
-    gamma_mode = setup.gamma if engine.drafter is not None else "0"
-    policy = calibrate_gamma(setup, engine, gamma_mode, len(prompt_ids))
+    gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
+    policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids))
     views = ViewMaker(engine, policy, gamma_mode)
     stats = Stats()
 
@@ -82,9 +83,9 @@ def generate(
                                prefill_progress=prefill_progress)
 
     if json_out:
-        with stderr_progress("prefill") as progress:
+        with StderrProgress(_bars_only()) as progress:
             pieces, finish = [], None
-            for response in responses(progress):
+            for response in responses(progress.task("prefill")):
                 pieces.append(response.text)
                 finish = response.finish_reason
         view = views(stats)
@@ -107,11 +108,16 @@ def generate(
         _piped(responses, views, stats)
 
 
+def _bars_only() -> str:
+    """Prefill progress: a bar on a terminal; piped, stderr keeps its one summary line."""
+    return "bars" if sys.stderr.isatty() else "off"
+
+
 def _piped(responses, views, stats) -> None:
     """Plain text on stdout as it comes; one summary line on stderr; no control codes."""
-    with stderr_progress("prefill") as progress:
+    with StderrProgress(_bars_only()) as progress:
         ended_line = True
-        for response in responses(progress):
+        for response in responses(progress.task("prefill")):
             sys.stdout.write(response.text)
             sys.stdout.flush()
             ended_line = response.text.endswith("\n") if response.text else ended_line

@@ -15,6 +15,9 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 
+# What `--drafter` accepts: a draft model, prompt lookup, or plain decoding.
+DRAFTER_NAMES = ("model", "ngram", "none")
+
 
 @dataclass
 class Draft:
@@ -43,4 +46,4 @@ class Drafter(Protocol):
 from mlx_spec.drafters.model import ModelDrafter  # noqa: E402
 from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "ModelDrafter", "NgramDrafter"]

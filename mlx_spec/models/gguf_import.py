@@ -25,7 +25,7 @@ import numpy as np
 
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
-from mlx_spec.models.progress import progress_bar
+from mlx_spec.progress import StderrProgress, progress_mode
 
 # Bump when the converted layout changes, so stale cache folders are not reused.
 FORMAT_VERSION = 1
@@ -178,7 +178,8 @@ def file_sha256(path: Path, cache_root: Path) -> str:
 
 def _convert(path: Path, out: Path, progress: bool) -> None:
     """Read, dequantize, rename and write one GGUF file into the empty folder `out`."""
-    with progress_bar(progress, f"Importing {path.name}") as bar:
+    with StderrProgress(progress_mode(progress)) as display:
+        bar = display.task(f"Importing {path.name}")
         bar.phase("reading GGUF header")
         reader = _open_reader(path)
         meta = _metadata(reader)
@@ -198,7 +199,7 @@ def _convert(path: Path, out: Path, progress: bool) -> None:
         model = _skeleton(config)
         names = _gguf_names(arch_name, model, config["num_hidden_layers"])
         norms = _norm_parameters(model, arch.norm_class)
-        bar.start("dequantizing", total=len(names))
+        bar.phase("dequantizing", total=len(names))
         shard, shard_bytes, shard_files = {}, 0, []
         for mlx_name, (gguf_name, shape) in names.items():
             shard[mlx_name] = _dequantize(path, tensors, shapes, gguf_name, shape,

@@ -11,9 +11,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from mlx_spec.drafters import DRAFTER_NAMES
 from mlx_spec.errors import MlxSpecError
-
-DRAFTERS = ("model", "ngram", "none")
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,8 @@ def _parse(name: str, table: dict) -> Preset:
         family=table.get("family", ""),
         chat=bool(table.get("chat", True)),
     )
-    if preset.drafter not in DRAFTERS:
-        raise MlxSpecError(f"preset '{name}': drafter must be one of {DRAFTERS}")
+    if preset.drafter not in DRAFTER_NAMES:
+        raise MlxSpecError(f"preset '{name}': drafter must be one of {DRAFTER_NAMES}")
     if preset.drafter == "model" and not preset.draft:
         raise MlxSpecError(f"preset '{name}': drafter 'model' needs a draft model")
     if not (preset.gamma == "auto" or (isinstance(preset.gamma, int) and preset.gamma >= 0)):
