@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_spec.cache import PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.policy import GammaPolicy, as_policy
+from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
 from mlx_spec.verify import Verdict, verify_greedy, verify_sampled
@@ -43,6 +43,9 @@ class Round:
 class Engine:
     """A target model, an optional drafter, and the loop that joins them.
 
+    `pipeline_plain_rounds` (on by default) queues a plain round's successor before the
+    sync (step 3b); benchmarks switch it off to measure what it buys.
+
     Args:
         target: an mlx-lm model (called as model(ids[None], cache=...) -> logits).
         drafter: a `Drafter`, or None for plain decoding.
@@ -55,13 +58,15 @@ class Engine:
             sharing a sharded target make the same decision (e.g. rank 0's, broadcast).
     """
 
+    pipeline_plain_rounds = True
+
     def __init__(
         self,
         target,
         drafter: Optional[Drafter] = None,
         *,
         eos_ids: Iterable[int] = (),
-        max_gamma: int = 16,
+        max_gamma: int = MAX_GAMMA,
         prefill_chunk: int = 512,
         profile: bool = False,
         agree: Optional[Callable[[Verdict], Verdict]] = None,
@@ -152,7 +157,7 @@ class Engine:
             gamma_next = None
             if gamma == 0 and generated + 1 < max_tokens:
                 gamma_next = policy.choose(stats) if drafting else 0
-                if gamma_next == 0:
+                if gamma_next == 0 and self.pipeline_plain_rounds:
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
