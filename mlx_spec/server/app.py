@@ -158,10 +158,10 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             return StreamingResponse(
                 stream(job, chat, rid, include_usage, extra_base), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        pieces = []
+        pieces, checked = [], [time.monotonic()]
         try:
             while True:
-                event = await next_event(job, request)
+                event = await next_event(job, request, checked)
                 if isinstance(event, Piece):
                     pieces.append(event.text)
                 elif isinstance(event, Failed):
@@ -202,15 +202,20 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     return app
 
 
-async def next_event(job: Job, request: Request):
-    """The job's next event; cancels the job if the client disconnects meanwhile."""
+async def next_event(job: Job, request: Request, checked: list):
+    """The job's next event; cancels the job if the client has disconnected. Events may come
+    every few milliseconds, so the client is checked by the clock (`checked` holds the time
+    of the last check), not only when the queue is quiet."""
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
+        if time.monotonic() - checked[0] > DISCONNECT_POLL_S:
+            checked[0] = time.monotonic()
             if await request.is_disconnected():
                 job.cancelled.set()
                 raise ApiError(499, "client closed the request")
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            pass
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
