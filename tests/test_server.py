@@ -264,6 +264,18 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(path, cases
     assert spec_server.health()["failed"] == 0 and "Traceback" not in spec_server.log
 
 
+def test_nulls_and_unknown_fields_are_accepted(spec_server, tiny_dirs):
+    """Clients send null for options they leave unset, and fields we do not know."""
+    body = {"model": tiny_dirs[0], "messages": [{"role": "developer", "content": "Be brief."},
+                                                {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            "max_tokens": 3, "n": None, "stop": None, "stream": None, "temperature": None,
+            "frequency_penalty": 0, "presence_penalty": None, "logprobs": False, "user": "u1",
+            "response_format": {"type": "text"}, "some_future_field": [1, 2]}
+    response = spec_server.post("/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
 def test_api_key_and_a_public_host(tiny_dirs, server_env):
     server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", "0.0.0.0",
                      "--api-key", "sekret"], server_env)

@@ -43,7 +43,7 @@ class ServerOptions:
         context_length: prompt plus completion tokens the model takes.
         queue_size: requests that may wait while one generates.
         api_key: if set, every /v1 request needs "Authorization: Bearer <key>".
-        info: extra facts for /health and the mlx_spec field (drafter, models).
+        info: what /health reports about the loaded models (target, draft, preset).
     """
 
     model_name: str
@@ -104,8 +104,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": options.model_name, "drafter": drafter,
-                "gamma": gamma_mode, **worker.health()}
+        return {"status": "ok", "model": options.model_name, "models": options.info,
+                "drafter": drafter, "gamma": gamma_mode, **worker.health()}
 
     @app.get("/v1/models")
     async def models(request: Request):

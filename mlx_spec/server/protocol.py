@@ -81,11 +81,12 @@ class _Common(_Strict):
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Union[str, list[str], None] = None
-    stream: bool = False
+    # Clients send null for options they leave unset, so every optional field accepts it.
+    stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    n: Optional[int] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
     logprobs: Union[bool, int, None] = None
 
     def requested_tokens(self) -> Optional[int]:
@@ -99,11 +100,11 @@ class _Common(_Strict):
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The request's values over the server's defaults, checked by `SamplingParams`."""
-        unsupported = [("n", self.n != 1, "only n = 1 is supported"),
+        unsupported = [("n", self.n not in (None, 1), "only n = 1 is supported"),
                        ("logprobs", bool(self.logprobs), "logprobs are not supported"),
-                       ("frequency_penalty", self.frequency_penalty != 0,
+                       ("frequency_penalty", bool(self.frequency_penalty),
                         "frequency_penalty is not supported; use repetition_penalty"),
-                       ("presence_penalty", self.presence_penalty != 0,
+                       ("presence_penalty", bool(self.presence_penalty),
                         "presence_penalty is not supported; use repetition_penalty")]
         for param, bad, message in unsupported:
             if bad:
