@@ -136,6 +136,10 @@ def test_stop_strings_streamed_and_not(spec_server, tiny_dirs):
     cut = client.completions.create(**ask, stop=["#never#", stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full[: full.find(stop)]
+    cli = invoke_json(["generate", "Hello", "--raw", "-n", 40, "--temp", 0, "--stop", stop,
+                       *_cli_flags(tiny_dirs, True)])
+    # only the tokens shown are counted: not the stop string, nor what followed it
+    assert cut.usage.completion_tokens == cli["generated_tokens"] < 40
     pieces = list(client.completions.create(**ask, stop=stop, stream=True))
     assert "".join(p.choices[0].text for p in pieces) == full[: full.find(stop)]
     assert pieces[-1].choices[0].finish_reason == "stop"

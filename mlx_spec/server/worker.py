@@ -182,8 +182,9 @@ class Worker:
         tokens, finish = 0, None
         try:
             for response in responses:
-                # The tokens a response reports are the ones the answer keeps.
-                tokens += len(response.round.tokens)
+                # The ids released with the text: a stop string and what followed it are
+                # neither shown nor counted.
+                tokens += len(response.tokens)
                 finish = response.finish_reason
                 if response.text:
                     job.emit(Piece(response.text))
