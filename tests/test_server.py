@@ -143,6 +143,8 @@ def test_stop_strings_streamed_and_not(spec_server, tiny_dirs):
     pieces = list(client.completions.create(**ask, stop=stop, stream=True))
     assert "".join(p.choices[0].text for p in pieces) == full[: full.find(stop)]
     assert pieces[-1].choices[0].finish_reason == "stop"
+    # without include_usage the finish chunk still carries the statistics
+    assert pieces[-1].model_extra["mlx_spec"]["generated"] == cut.usage.completion_tokens
 
 
 def test_seeded_sampling_reproduces_generate(spec_server, tiny_dirs):

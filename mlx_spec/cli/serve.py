@@ -40,7 +40,7 @@ def serve(
         "--api-key", rich_help_panel=SERVER, envvar="MLX_SPEC_API_KEY",
         help="Require 'Authorization: Bearer KEY' on /v1 requests (or set MLX_SPEC_API_KEY).")] = None,
     queue_size: Annotated[int, typer.Option(
-        "--queue-size", rich_help_panel=SERVER, min=0,
+        "--queue-size", rich_help_panel=SERVER, min=1,
         help="Requests that may wait while one generates; more are answered 503 with "
              "Retry-After.")] = 8,
     max_tokens: Annotated[int, typer.Option(

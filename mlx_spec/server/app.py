@@ -187,8 +187,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                 elif isinstance(event, Failed):
                     yield sse(ApiError(event.status, event.message, type="server_error").body())
                     break
-                else:
-                    yield sse(chunk_object(chat, rid, name, created, finish=event.finish_reason))
+                else:  # the finish chunk carries the statistics, usage or not
+                    last = chunk_object(chat, rid, name, created, finish=event.finish_reason)
+                    yield sse({**last, "mlx_spec": {**extra_base, **statistics(event)}})
                     if include_usage:
                         yield sse(usage_chunk(chat, rid, name, created, usage_of(job, event),
                                               {**extra_base, **statistics(event)}))

@@ -97,6 +97,8 @@ class Worker:
     def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8):
         self.engine = engine
         self.tokenizer = tokenizer
+        if queue_size < 1:  # queue.Queue(0) would be unbounded
+            raise ValueError("queue_size must be at least 1")
         self.gamma = gamma if engine.drafter is not None else "0"
         self.cache = engine.make_prompt_cache()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
