@@ -44,6 +44,7 @@ class SamplingParams:
             (0.0 <= self.min_p < 1.0, "min-p must be in [0, 1)"),
             (self.repetition_penalty > 0, "repetition penalty must be > 0"),
             (self.repetition_context >= 1, "repetition context must be >= 1"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be between 0 and 2^64 - 1"),
         ]
         for ok, message in checks:
             if not ok:

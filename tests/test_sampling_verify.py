@@ -52,7 +52,8 @@ def test_greedy_ignores_filters():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1), dict(top_k=-2), dict(repetition_penalty=0)],
+    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1), dict(top_k=-2), dict(repetition_penalty=0),
+     dict(seed=-1), dict(seed=2**64)],
 )
 def test_bad_parameters_are_one_line_errors(bad):
     with pytest.raises(MlxSpecError):

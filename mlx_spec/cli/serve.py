@@ -1,0 +1,142 @@
+"""`mlx-spec serve`: the OpenAI-compatible server (mlx_spec.server) on uvicorn.
+
+Takes the model, drafter, γ, dtype and preset flags of `generate`; sampling flags set the
+defaults for fields a request leaves out. The socket is bound here, before uvicorn starts,
+so a taken port is a one-line error and `--port 0` picks a free port (printed).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from mlx_spec.cli import app
+from mlx_spec.cli.common import (
+    DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
+    PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma,
+    sampling_params, setup_models,
+)
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.runner import build_engine
+
+SERVER = "Server"
+DEFAULT_CONTEXT = 8192  # when the model's config names no context length
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(
+        "--host", rich_help_panel=SERVER,
+        help="Address to listen on. 127.0.0.1 (default) is this machine only; 0.0.0.0 is every "
+             "interface (use --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        "--port", "-p", rich_help_panel=SERVER, min=0, max=65535,
+        help="TCP port; 0 picks a free one (printed at start).")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", rich_help_panel=SERVER, envvar="MLX_SPEC_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 requests (or set MLX_SPEC_API_KEY).")] = None,
+    queue_size: Annotated[int, typer.Option(
+        "--queue-size", rich_help_panel=SERVER, min=1,
+        help="Requests that may wait while one generates; more are answered 503 with "
+             "Retry-After.")] = 8,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", "-n", rich_help_panel=SERVER, min=1,
+        help="Completion tokens when a request does not say (always within the context).")] = 512,
+    log_level: Annotated[str, typer.Option(
+        "--log-level", rich_help_panel=SERVER, metavar="warning|info|debug",
+        help="uvicorn's log level; info adds one line per request.")] = "warning",
+    model: ModelOpt = None,
+    draft_model: DraftOpt = None,
+    drafter: DrafterOpt = None,
+    preset: PresetOpt = None,
+    gamma: GammaOpt = None,
+    dtype: DtypeOpt = None,
+    quantize: QuantizeOpt = None,
+    draft_quantize: DraftQuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
+    temp: TempOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepPenaltyOpt = None,
+    seed: SeedOpt = None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streamed or
+    not), with exact speculative decoding and its statistics in each answer.
+
+    Example:  mlx-spec serve --port 8080  ·  then point any OpenAI client at
+    http://127.0.0.1:8080/v1
+    """
+    import uvicorn
+
+    from mlx_spec.server import ServerOptions, create_app
+
+    if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+    sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
+    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
+                         gamma=gamma, dtype=dtype, quantize=quantize,
+                         draft_quantize=draft_quantize, group_size=group_size)
+    params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repetition_penalty, seed=seed)
+    engine = build_engine(setup.pair, setup.drafter)
+    gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
+    calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
+    preset_name = getattr(setup.preset, "name", None)
+    options = ServerOptions(
+        model_name=setup.target,
+        aliases=(preset_name,) if preset_name and preset_name != setup.target else (),
+        gamma=gamma_mode,
+        defaults=params,
+        max_tokens=max_tokens,
+        context_length=_context_length(setup.pair.target.config),
+        queue_size=queue_size,
+        api_key=api_key,
+        info=setup.models,
+    )
+    application = create_app(engine, setup.pair.tokenizer, options)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    drafter_name = engine.drafter.name if engine.drafter is not None else "none"
+    print(f"mlx-spec serve: {options.model_name!r} (drafter {drafter_name}, γ {gamma_mode}) "
+          f"at http://{shown}:{bound_port}/v1  (Ctrl-C stops)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _bind(host: str, port: int, keyed: bool) -> socket.socket:
+    """A listening socket, with a warning when it is reachable from other machines."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise MlxSpecError(f"cannot resolve --host {host!r}: {error.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as error:
+        sock.close()
+        raise MlxSpecError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    if not _loopback(address[0]):
+        print(f"warning: listening on {host}, which other machines can reach; anyone who can "
+              "connect can use the model" + ("" if keyed else " (add --api-key to require "
+              "a key)"), file=sys.stderr)
+    return sock
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _context_length(config: dict) -> int:
+    text = config.get("text_config") or config
+    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings")
+               or DEFAULT_CONTEXT)

@@ -1,0 +1,13 @@
+"""`mlx-spec serve`: an OpenAI-compatible HTTP server over one engine.
+
+    app = create_app(engine, tokenizer, ServerOptions(model_name="default"))
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+`protocol` has the wire format (request checks, response objects, error shape), `worker`
+the single generation thread with its bounded queue and long-lived caches, `app` the routes.
+"""
+
+from mlx_spec.server.app import ServerOptions, create_app
+from mlx_spec.server.protocol import ApiError
+
+__all__ = ["ApiError", "ServerOptions", "create_app"]

@@ -1,0 +1,257 @@
+"""The HTTP side: FastAPI routes for `/v1/models`, `/v1/chat/completions`,
+`/v1/completions` and `/health`, streaming as Server-Sent Events.
+
+Handlers run on the event loop and never touch MLX: they parse and check the request,
+tokenize the prompt (here, so errors such as a prompt over the context are answered before
+queueing), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
+Retry-After; a client that goes away cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.server.protocol import (
+    ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, new_id,
+    parse_body, sse, usage, usage_chunk,
+)
+from mlx_spec.server.worker import Busy, Done, Failed, Job, Piece, Worker
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
+
+
+@dataclass
+class ServerOptions:
+    """What the server serves and how.
+
+    Attributes:
+        model_name: the id in `/v1/models`; requests must name it (or an alias).
+        aliases: other names accepted in a request's "model" field (e.g. the preset).
+        gamma: "auto" or a whole number as text.
+        defaults: sampling values for fields a request leaves out.
+        max_tokens: completion length when a request gives none.
+        context_length: prompt plus completion tokens the model takes.
+        queue_size: requests that may wait while one generates.
+        api_key: if set, every /v1 request needs "Authorization: Bearer <key>".
+        info: what /health reports about the loaded models (target, draft, preset).
+    """
+
+    model_name: str
+    aliases: tuple[str, ...] = ()
+    gamma: str = "auto"
+    defaults: SamplingParams = SamplingParams()
+    max_tokens: int = 512
+    context_length: int = 8192
+    queue_size: int = 8
+    api_key: Optional[str] = None
+    info: dict = field(default_factory=dict)
+
+
+def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
+    """An ASGI app serving `engine` (run it with uvicorn). The generation worker starts and
+    stops with the app's lifespan."""
+    worker = Worker(engine, tokenizer, options.gamma, options.queue_size)
+    drafter = engine.drafter.name if engine.drafter is not None else "none"
+    vocab_size = len(tokenizer.get_vocab())  # ids the detokenizer knows
+    gamma_mode = worker.gamma
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="mlx-spec", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.worker = worker
+
+    # -- errors in OpenAI's shape --------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, error: HTTPException):  # unknown routes, wrong methods
+        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(),
+                            status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, error: Exception):
+        return JSONResponse(ApiError(500, "internal server error", type="server_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request) -> None:
+        if options.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), options.api_key):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+
+    # -- routes --------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": options.model_name, "models": options.info,
+                "drafter": drafter, "gamma": gamma_mode, **worker.health()}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        card = {"id": options.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "mlx-spec"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = parse_body(await request.body(), ChatRequest)
+        check_model(body)
+        messages = [m.as_template_message() for m in body.messages]
+        return await serve(request, body, chat_prompt(tokenizer, messages), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        body = parse_body(await request.body(), CompletionRequest)
+        check_model(body)
+        if isinstance(body.prompt, str):
+            ids = list(tokenizer.encode(body.prompt))
+        else:
+            ids = list(body.prompt)
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+        return await serve(request, body, ids, chat=False)
+
+    def check_model(body) -> None:
+        if body.model != options.model_name and body.model not in options.aliases:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{options.model_name!r}", param="model", code="model_not_found")
+
+    async def serve(request: Request, body, prompt_ids: list[int], chat: bool):
+        params = body.sampling(options.defaults)
+        max_tokens = completion_budget(len(prompt_ids), body.requested_tokens(), options,
+                                       "messages" if chat else "prompt")
+        job = Job(prompt_ids, params, max_tokens, body.stops(), asyncio.get_running_loop())
+        try:
+            worker.submit(job)
+        except Busy as busy:
+            raise ApiError(503, f"the server is busy ({options.queue_size} requests waiting); "
+                                "retry later", type="server_error", code="server_busy",
+                           headers={"Retry-After": str(busy.retry_after)}) from None
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        extra_base = {"drafter": drafter, "gamma": gamma_mode}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                stream(job, chat, rid, include_usage, extra_base), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        pieces, checked = [], [time.monotonic()]
+        try:
+            while True:
+                event = await next_event(job, request, checked)
+                if isinstance(event, Piece):
+                    pieces.append(event.text)
+                elif isinstance(event, Failed):
+                    raise ApiError(event.status, event.message,
+                                   type="server_error" if event.status >= 500 else "invalid_request_error")
+                else:
+                    break
+        finally:
+            job.cancelled.set()  # a no-op once done; stops the job if this request was dropped
+        return completion_object(chat, rid, options.model_name, "".join(pieces), event.finish_reason,
+                                 usage_of(job, event), {**extra_base, **statistics(event)})
+
+    async def stream(job: Job, chat: bool, rid: str, include_usage: bool, extra_base: dict):
+        created = int(time.time())
+        name = options.model_name
+        try:
+            if chat:
+                yield sse(chunk_object(chat, rid, name, created, text="", role=True))
+            while True:
+                event = await job.events.get()
+                if isinstance(event, Piece):
+                    yield sse(chunk_object(chat, rid, name, created, text=event.text))
+                elif isinstance(event, Failed):
+                    yield sse(ApiError(event.status, event.message, type="server_error").body())
+                    break
+                else:  # the finish chunk carries the statistics, usage or not
+                    last = chunk_object(chat, rid, name, created, finish=event.finish_reason)
+                    yield sse({**last, "mlx_spec": {**extra_base, **statistics(event)}})
+                    if include_usage:
+                        yield sse(usage_chunk(chat, rid, name, created, usage_of(job, event),
+                                              {**extra_base, **statistics(event)}))
+                    break
+            yield sse("[DONE]")
+        finally:
+            # Reached when the answer is complete and when Starlette cancels this generator
+            # because the client disconnected: either way the worker may stop the job.
+            job.cancelled.set()
+
+    return app
+
+
+async def next_event(job: Job, request: Request, checked: list):
+    """The job's next event; cancels the job if the client has disconnected. Events may come
+    every few milliseconds, so the client is checked by the clock (`checked` holds the time
+    of the last check), not only when the queue is quiet."""
+    while True:
+        if time.monotonic() - checked[0] > DISCONNECT_POLL_S:
+            checked[0] = time.monotonic()
+            if await request.is_disconnected():
+                job.cancelled.set()
+                raise ApiError(499, "client closed the request")
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The messages through the model's chat template, as `mlx-spec generate --chat` encodes
+    a single user message (`stream.encode_prompt`)."""
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as error:  # jinja's TemplateError (roles must alternate, ...), ValueError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ApiError(400, f"messages: the chat template rejected them: {reason}",
+                       param="messages") from None
+    return list(ids)
+
+
+def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,
+                      param: str) -> int:
+    """Tokens the answer may have: the request's (or the server's default), within context."""
+    room = options.context_length - prompt_tokens
+    if prompt_tokens == 0:
+        raise ApiError(400, "the prompt is empty", param=param)
+    if room < 1 or (requested is not None and requested > room):
+        asked = f" plus {requested} completion tokens" if requested is not None else ""
+        raise ApiError(400, f"this model's context is {options.context_length} tokens, but the "
+                            f"request needs {prompt_tokens} prompt tokens{asked}",
+                       param=param, code="context_length_exceeded")
+    return min(requested or options.max_tokens, room)
+
+
+def usage_of(job: Job, done: Done) -> dict:
+    prompt = len(job.prompt_ids)
+    # The target prefills all but the prompt's last token (the first verify pass feeds it).
+    cached = max(0, prompt - 1 - done.prefilled_target)
+    return usage(prompt, done.completion_tokens, cached)
+
+
+def statistics(done: Done) -> dict:
+    """The speculative statistics in the response's extra `mlx_spec` field."""
+    return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target}

@@ -1,0 +1,246 @@
+"""The OpenAI wire format: request bodies in, response objects and error bodies out.
+
+Requests are checked here before they reach the device: the body must be UTF-8 JSON whose
+strings are valid Unicode (a lone surrogate such as "\\ud800" cannot be tokenized), known
+fields must have the right types, and sampling values go through `SamplingParams`. Unknown
+fields are ignored, as clients send many we have no use for. Every failure becomes an
+`ApiError`, which the app turns into OpenAI's error shape
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import replace
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.sampling import SamplingParams
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape; `headers` travel with it (e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------
+# Request bodies
+# ---------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and true is not 1, as in OpenAI's own API
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+
+    def as_template_message(self) -> dict:
+        """The message as chat templates take it: "developer" is OpenAI's newer "system"."""
+        content = self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    # Clients send null for options they leave unset, so every optional field accepts it.
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logprobs: Union[bool, int, None] = None
+
+    def requested_tokens(self) -> Optional[int]:
+        """max_completion_tokens (OpenAI's current name) over max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        """The request's values over the server's defaults, checked by `SamplingParams`."""
+        unsupported = [("n", self.n not in (None, 1), "only n = 1 is supported"),
+                       ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+                       ("frequency_penalty", bool(self.frequency_penalty),
+                        "frequency_penalty is not supported; use repetition_penalty"),
+                       ("presence_penalty", bool(self.presence_penalty),
+                        "presence_penalty is not supported; use repetition_penalty")]
+        for param, bad, message in unsupported:
+            if bad:
+                raise ApiError(400, message, param=param, code="unsupported_parameter")
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        try:
+            return replace(defaults, **given)
+        except MlxSpecError as error:
+            raise ApiError(400, str(error), param=_sampling_param(str(error)),
+                           code="invalid_value") from None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int]]
+
+
+def _sampling_param(message: str) -> Optional[str]:
+    for name in ("temperature", "top-k", "top-p", "min-p", "repetition penalty", "seed"):
+        if message.startswith(name):
+            return name.replace("-", "_").replace(" ", "_")
+    return None
+
+
+def parse_body(raw: bytes, model: type[_Common]) -> _Common:
+    """A request model from a raw body, or an `ApiError` that says what is wrong."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {error.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error.msg} "
+                            f"(line {error.lineno}, column {error.colno})") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_unicode(data, "")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = _param_path(first["loc"])
+        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+
+
+def _check_unicode(value, path: str) -> None:
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode one."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            where = path or "body"
+            raise ApiError(400, f"{where}: the text holds a lone surrogate "
+                                f"(U+{ord(value[error.start]):04X}), which is not valid Unicode",
+                           param=path or None, code="invalid_unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path)
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*\[.*\])$")
+
+
+def _param_path(loc) -> Optional[str]:
+    """'messages[1].content' from pydantic's location, without its union-member tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _TYPE_TAG.match(part) and not part.startswith("function-"):
+            path += f".{part}" if path else part
+    return path or None
+
+
+# ---------------------------------------------------------------------------------------
+# Response objects
+# ---------------------------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_object(chat: bool, rid: str, model: str, text: str, finish: Optional[str],
+                      usage_: dict, extra: dict) -> dict:
+    """A whole answer: `chat.completion` or `text_completion`; `extra` is the mlx_spec field."""
+    choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_, "mlx_spec": extra}
+
+
+def chunk_object(chat: bool, rid: str, model: str, created: int, *, text: Optional[str] = None,
+                 role: bool = False, finish: Optional[str] = None) -> dict:
+    """One streamed piece: `chat.completion.chunk` (a delta) or `text_completion`."""
+    choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
+    if chat:
+        delta: dict = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(chat: bool, rid: str, model: str, created: int, usage_: dict, extra: dict) -> dict:
+    """The last streamed object when stream_options.include_usage is set: no choices."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage_,
+            "mlx_spec": extra}
+
+
+def sse(obj) -> bytes:
+    """One Server-Sent Event carrying a JSON object (or the literal [DONE])."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")

@@ -1,0 +1,198 @@
+"""One generation at a time: a worker thread owns the device, both models' caches and the
+detokenizer; requests wait in a bounded queue in front of it.
+
+All MLX work runs on this one thread (mlx-lm's server does the same), so no two requests
+ever share a cache. The caches live as long as the server: each request prefills only the
+tokens after the longest common prefix of its prompt and what the caches hold, so a
+conversation that grows by a turn reuses everything before it, and a request that diverges
+earlier rolls back to where it diverges.
+
+A request is cancelled by setting `Job.cancelled` (its client went away). The worker checks
+it between rounds and closes the `stream_generate` generator, which leaves both caches
+holding exactly the tokens committed so far, ready for the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.runner import gamma_policy
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.stats import Stats
+from mlx_spec.stream import stream_generate
+
+log = logging.getLogger("mlx_spec.server")
+
+
+@dataclass
+class Piece:
+    text: str  # new text (may be empty)
+
+
+@dataclass
+class Done:
+    finish_reason: Optional[str]  # "stop", "length", or None when cancelled
+    completion_tokens: int
+    prefilled_target: int  # prompt tokens the target processed (the rest came from its cache)
+    stats: Stats
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+Event = Union[Piece, Done, Failed]
+
+
+@dataclass
+class Job:
+    """One request's work, and the channel its events travel back on."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's coroutine (called from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class Busy(Exception):
+    """The queue is full; `retry_after` estimates when a place frees up (seconds)."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"busy, retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Worker:
+    """The generation thread and its bounded queue.
+
+    Args:
+        engine: the `Engine`; its prompt cache is made once and kept.
+        tokenizer: mlx-lm's `TokenizerWrapper` (only this thread uses its detokenizer).
+        gamma: "auto" or a whole number as text; "auto" builds a fresh `AutoGamma` per
+            request from the cached cost curve, exactly as `mlx-spec generate` does, so a
+            seeded request draws the same tokens as the same command would.
+        queue_size: requests that may wait while one generates; more get `Busy`.
+    """
+
+    def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        if queue_size < 1:  # queue.Queue(0) would be unbounded
+            raise ValueError("queue_size must be at least 1")
+        self.gamma = gamma if engine.drafter is not None else "0"
+        self.cache = engine.make_prompt_cache()
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.current: Optional[Job] = None
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+        self._mean_seconds = 1.0  # running mean of a request's time on the device
+        self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
+        self._stopping = False
+
+    # -- the request side (event-loop thread) ---------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            self.counts["refused"] += 1
+            wait = self._mean_seconds * (self.jobs.qsize() + 1)
+            raise Busy(max(1, min(60, math.ceil(wait)))) from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what runs and what waits, then end the thread."""
+        self._stopping = True
+        if self.current is not None:
+            self.current.cancelled.set()
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            job.cancelled.set()
+            job.emit(Failed(503, "the server is shutting down"))
+        try:
+            self.jobs.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def health(self) -> dict:
+        return {"busy": self.current is not None, "queued": self.jobs.qsize(),
+                "queue_size": self.jobs.maxsize, **self.counts}
+
+    # -- the device side (worker thread) -------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client left while it waited
+                self.counts["cancelled"] += 1
+                continue
+            self.current, start = job, time.perf_counter()
+            try:
+                self._generate(job)
+            except MlxSpecError as error:
+                self.counts["failed"] += 1
+                job.emit(Failed(400, str(error)))
+            except Exception as error:  # keep serving; the log has the traceback
+                log.exception("generation failed")
+                self.counts["failed"] += 1
+                self.cache.reset()  # whatever state the error left, start clean
+                job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
+            finally:
+                self.current = None
+                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - start)
+
+    def _generate(self, job: Job) -> None:
+        stats = Stats()
+        prefilled = [0]
+
+        def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
+            prefilled[0] = total
+
+        policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids))
+        responses = stream_generate(
+            self.engine, self.tokenizer, job.prompt_ids, job.params, gamma=policy,
+            max_tokens=job.max_tokens, stop=job.stop, prompt_cache=self.cache, stats=stats,
+            prefill_progress=on_prefill,
+        )
+        tokens, finish = 0, None
+        try:
+            for response in responses:
+                # The ids released with the text: a stop string and what followed it are
+                # neither shown nor counted.
+                tokens += len(response.tokens)
+                finish = response.finish_reason
+                if response.text:
+                    job.emit(Piece(response.text))
+                if job.cancelled.is_set() and finish is None:
+                    break
+        finally:
+            responses.close()  # between rounds: the caches hold exactly what was committed
+        self.counts["completed" if finish else "cancelled"] += 1
+        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot()))

@@ -1,0 +1,107 @@
+"""A live `mlx-spec serve` in a subprocess for the server tests: started as users start it
+(`python -m mlx_spec.cli serve ... --port 0`), its stderr collected so tests can check that no
+traceback was ever printed, stopped at the end."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+BANNER = re.compile(r"at (http://\S+)/v1")
+
+
+class Server:
+    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 90):
+        command = [sys.executable, "-m", "mlx_spec.cli", "serve", "--port", "0", *map(str, args)]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        lines: queue.Queue = queue.Queue()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        self.url = None
+        while self.url is None:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{self.log}")
+            match = BANNER.search(line)
+            self.url = match.group(1) if match else None
+        self.base = self.url + "/v1"
+        self._wait_healthy(deadline)
+
+    def _wait_healthy(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError(f"the server never became healthy:\n{self.log}")
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float) -> dict:
+        """/health once nothing generates or waits; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.health()
+            if not state["busy"] and state["queued"] == 0:
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still busy after {timeout} s: {state}")
+            time.sleep(0.05)
+
+    def client(self, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base, api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                      timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        """A raw POST: `body` as bytes is sent unchanged (malformed bodies), else as JSON."""
+        payload = {"content": body} if isinstance(body, bytes) else {"json": body}
+        return httpx.post(self.base + path, headers={"content-type": "application/json"},
+                          timeout=kwargs.pop("timeout", 60), **payload, **kwargs)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def assert_openai_error(response: httpx.Response, status: int, *fragments: str) -> dict:
+    """`status`, OpenAI's error shape, a one-line message holding `fragments`, no traceback."""
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert "\n" not in error["message"] and "Traceback" not in response.text
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+    return error

@@ -1,0 +1,61 @@
+"""`mlx-spec serve` on the embedded Gemma 3 270M (slow: real weights on a CPU): the default
+preset's model and n-gram drafter with γ forced to 3 (`auto` never drafts for this float32
+model on a CPU, and drafting is what must stay exact), through the official openai client,
+against mlx-lm's own greedy `generate`."""
+
+import pytest
+from mlx_lm import generate
+
+from server_support import Server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three most useful habits for a new programmer are"
+
+
+@pytest.fixture(scope="module")
+def server(gemma270m):
+    """The default preset with γ 3. `gemma270m` has imported the GGUF into this session's
+    MLX_SPEC_CACHE, which the server process inherits."""
+    server = Server(["--gamma", "3"], timeout=240)
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log, server.log
+
+
+def test_completion_equals_mlx_lm(server, gemma270m):
+    """(Equality with `mlx-spec generate` is tested on tiny models; a second load of the
+    real model here would double this test's time.)"""
+    client = server.client(timeout=120)
+    assert [m.id for m in client.models.list().data] == ["default"]
+    answer = client.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=0)
+    ids = gemma270m.tokenizer.encode(PROMPT)
+    reference = generate(gemma270m.model, gemma270m.tokenizer, ids, max_tokens=12)
+    assert answer.choices[0].text == reference
+    assert answer.usage.completion_tokens == 12
+    stats = answer.model_extra["mlx_spec"]
+    assert stats["drafter"] == "ngram" and stats["gamma"] == "3"
+
+
+def test_chat_second_turn_reuses_the_first(server, gemma270m):
+    """Turn 2 (streamed) prefills only what follows turn 1's prompt, and still answers
+    exactly as mlx-lm does from scratch."""
+    client = server.client(timeout=120)
+    tokenizer = gemma270m.tokenizer
+    turn1 = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model="default", messages=turn1, max_tokens=8,
+                                           temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And of Italy?"}]
+    chunks = list(client.chat.completions.create(
+        model="default", messages=turn2, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    p1 = list(tokenizer.apply_chat_template(turn1, add_generation_prompt=True))
+    p2 = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
+    usage, stats = chunks[-1].usage, chunks[-1].model_extra["mlx_spec"]
+    assert usage.prompt_tokens == len(p2)
+    assert usage.prompt_tokens_details.cached_tokens >= len(p1)
+    assert stats["prefill_tokens_target"] == len(p2) - 1 - usage.prompt_tokens_details.cached_tokens
+    assert text == generate(gemma270m.model, tokenizer, p2, max_tokens=8)
+    assert stats["drafted"] > 0  # the n-gram drafter found the conversation repeating itself
