@@ -22,11 +22,14 @@ class Task:
         self.logged = False
 
     def phase(self, text: Optional[str] = None, total: Optional[int] = None) -> None:
-        """A new step of this task: `total` units, or an indeterminate one."""
+        """A new step of this task: `total` units, or an indeterminate one (a spinner)."""
         description = f"{self.title}: {text}" if text else self.title
         if self.owner.lines:
             self.owner.line(description)
             self.logged = True
+        if self.id is not None:  # Rich keeps an old total when given None: start a fresh line
+            self.owner.bars.remove_task(self.id)
+            self.id = None
         self._bar(description=description, total=total, completed=0)
 
     def update(self, done: int, total: Optional[int] = None, text: Optional[str] = None) -> None:

