@@ -249,6 +249,8 @@ class SequenceCache:
             self.reset()
             common = 0
         todo = ids[common:]
+        if progress is not None and todo:
+            progress(0, len(todo))  # shown before the first chunk, which can take a while
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
             self._call(mx.array(chunk)[None])

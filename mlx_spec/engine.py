@@ -56,6 +56,8 @@ class Engine:
             (costs one extra host sync per round; off by default).
         agree: applied to each round's lazy `Verdict` before the sync, so that processes
             sharing a sharded target make the same decision (e.g. rank 0's, broadcast).
+        context_length: positions the target takes; a longer prompt is refused before any
+            work, and generation stops ("length") where the context ends.
     """
 
     pipeline_plain_rounds = True
@@ -70,6 +72,7 @@ class Engine:
         prefill_chunk: int = 512,
         profile: bool = False,
         agree: Optional[Callable[[Verdict], Verdict]] = None,
+        context_length: Optional[int] = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -78,6 +81,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.profile = profile
         self.agree = agree
+        self.context_length = context_length
         # Drafters that read the target's final hidden states (MTP heads) get them with
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
@@ -109,8 +113,9 @@ class Engine:
         Yields:
             `Round`s; the last has a finish_reason.
         """
-        if not prompt_ids:
-            raise MlxSpecError("the prompt is empty")
+        self.check_prompt(prompt_ids)
+        if self.context_length is not None:
+            max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
         cache = prompt_cache or self.make_prompt_cache()
         stats = stats if stats is not None else Stats()
         policy = as_policy(gamma)
@@ -180,6 +185,14 @@ class Engine:
             yield Round(emitted, gamma, n, finish)
             if finish:
                 return
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Refuse, in one line, a prompt the target cannot take (empty, or past its context)."""
+        if not prompt_ids:
+            raise MlxSpecError("the prompt is empty")
+        if self.context_length is not None and len(prompt_ids) >= self.context_length:
+            raise MlxSpecError(f"the prompt is {len(prompt_ids):,} tokens, but the model's context "
+                               f"is {self.context_length:,} tokens")
 
     def _verify(self, cache, block, draft, history, unseen, processor, key) -> tuple:
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the

@@ -112,7 +112,8 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
     else:
         chosen = None
     eos_ids = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
-    return Engine(pair.target.model, chosen, eos_ids=eos_ids, max_gamma=max_gamma)
+    return Engine(pair.target.model, chosen, eos_ids=eos_ids, max_gamma=max_gamma,
+                  context_length=pair.target.context_length)
 
 
 def context_bucket(tokens: int) -> int:

@@ -13,6 +13,7 @@ from typing import Iterator, Optional, Sequence, Union
 from mlx_spec.cache import PromptCache
 from mlx_spec.engine import Engine, Round
 from mlx_spec.policy import GammaPolicy
+from mlx_spec.prompts import valid_text
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 
@@ -52,6 +53,7 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat: bool = Fal
     tokenizer's chat template, ending with the assistant's turn opener."""
     if not isinstance(prompt, str):
         return list(prompt)
+    prompt = valid_text(prompt)[0]  # lone surrogates (undecodable bytes) would break the tokenizer
     if chat:
         messages = [{"role": "user", "content": prompt}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))

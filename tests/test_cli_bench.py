@@ -79,7 +79,7 @@ def test_committed_prompts():
     # Gemma averages ~1.3 tokens per English word: the window prompt is well past 512 tokens.
     assert len(prompts["window"].split()) > 600
     assert resolve_prompt("short")[0] == "short"
-    assert resolve_prompt("some text") == ("custom", "some text")
+    assert resolve_prompt("some text") == ("custom", "some text", 0)
 
 
 # -- the command -------------------------------------------------------------------------
@@ -94,6 +94,7 @@ def test_table_output(models):
         assert needle in out, needle
     assert not has_ansi(out) and not has_ansi(result.stderr)
     assert "[1/6] bench custom off cold" in result.stderr  # plain progress lines when piped
+    assert "±0%" not in out and "—" in out  # one warm run has no spread to show
 
 
 def test_json_schema_and_identity(models):

@@ -79,7 +79,9 @@ def test_drafter_none_and_auto_gamma(models):
     assert plain["stats"]["drafted"] == 0 and plain["models"]["draft"] is None
     auto = invoke_json(["generate", "Hello", *models, "-n", "10", "--raw", "--gamma", "auto"])
     assert auto["gamma"] == "auto"
-    assert auto["stats"]["predicted_speedup"] > 0 and auto["stats"]["measured_speedup"] > 0
+    assert auto["stats"]["predicted_speedup"] > 0
+    # a measured speedup only once something was drafted (else it is timing noise)
+    assert (auto["stats"]["measured_speedup"] is None) == (auto["stats"]["drafted"] == 0)
 
 
 def test_ngram_without_a_draft_model(tiny_dirs):
@@ -167,7 +169,8 @@ def test_render_stats_is_a_pure_function_of_the_snapshot():
     console.print(render_stats(view))
     text = console.export_text()
     assert "auto (now 3)" in text and "position 3" in text and "2.50 GB/s" in text
-    assert "predicted 1.80×, measured 1.60×" in text and "3.0 MB" in text
+    assert "speedup 1.60× vs plain ≈ 20.0 tok/s from the cost curve (predicted 1.80×)" in text
+    assert "3.0 MB" in text
     assert bar(1.0).strip() == "█" * 20 and bar(0.0).strip() == ""
     line = summary_line(view)
     assert not has_ansi(line) and "α̂ 0.75" in line and "by position 1.00 0.75 0.50" in line

@@ -69,6 +69,7 @@ def test_different_token_text_is_rejected_naming_the_token(tmp_path, tiny_pair_d
     with pytest.raises(IncompatibleModelsError) as error:
         check_compatible(target_loaded, draft_loaded)
     assert str(error.value) == (
+        "the draft and target models do not share a tokenizer, so they cannot pair: "
         f"draft token 17 is {expected_dft!r} but target token 17 is {expected_tgt!r}")
     with pytest.raises(IncompatibleModelsError, match="draft token 17 is"):
         load_pair(str(tiny_pair_dirs[0]), str(draft))
@@ -105,4 +106,5 @@ def test_gemma270m_and_tiny_differ_at_token_4(gemma270m, tiny_pair_dirs):
     tiny = load_model(str(tiny_pair_dirs[0]))
     with pytest.raises(IncompatibleModelsError) as error:
         check_compatible(gemma270m, tiny)
-    assert str(error.value) == "draft token 4 is '<start_of_turn>' but target token 4 is '<mask>'"
+    assert str(error.value) == ("the draft and target models do not share a tokenizer, so they cannot "
+                                "pair: draft token 4 is '<start_of_turn>' but target token 4 is '<mask>'")

@@ -17,7 +17,7 @@ import typer
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
-    ModelOpt, PresetOpt, QuantizeOpt, SeedOpt, sampling_params, setup_models,
+    ModelOpt, PresetOpt, QuantizeOpt, SeedOpt, setup_models, warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.errors import MlxSpecError
@@ -88,16 +88,22 @@ def bench(
     specs = prompts or ["long"]
     if "all" in specs:
         specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
-    named = [resolve_prompt(s) for s in specs]
+    named = []
+    for spec in specs:
+        name, text, replaced = resolve_prompt(spec)
+        warn_replaced(replaced, f"prompt {name!r}")
+        named.append((name, text))
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise MlxSpecError("--plot needs a .png, .svg or .pdf file name")
     if plot is not None:
         _require_matplotlib()
 
+    # the sweep's own temperature and seed, not the preset's sampling defaults
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma="auto", dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size)
-    params = sampling_params(None, temp=temp, seed=seed)
+                         draft_quantize=draft_quantize, group_size=group_size,
+                         sampling=dict(temp=temp, seed=seed), preset_sampling=False)
+    params = setup.params
     tokenizer = setup.pair.tokenizer
     ids = {}
     for name, text in named:
@@ -183,7 +189,8 @@ def _print_table(result: SweepResult, setup) -> None:
         for s in rows:
             is_base = s.setting == BASELINE
             label = f"[bold]{s.setting}[/bold]" + (" ★" if s.setting == result.recommendation else "")
-            speed.add_row(label, f"{s.decode_tps:.1f}", f"±{s.spread / 2:.0%}", f"{s.cold_tps:.1f}",
+            spread = f"±{s.spread / 2:.0%}" if s.runs > 1 else "—"  # one warm run has no spread
+            speed.add_row(label, f"{s.decode_tps:.1f}", spread, f"{s.cold_tps:.1f}",
                           f"{s.speedup:.2f}×",
                           "—" if is_base else f"{s.predicted_speedup:.2f}×",
                           "—" if is_base else f"{s.cost_model_speedup:.2f}×",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Annotated, Optional
 
@@ -20,7 +21,7 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt,
-    TempOpt, TopKOpt, TopPOpt, calibrate_gamma, sampling_params, setup_models,
+    TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.errors import MlxSpecError
@@ -56,6 +57,26 @@ class _Interrupt:
     def __exit__(self, *exc):
         signal.signal(signal.SIGINT, self._previous)
         return False
+
+
+@contextmanager
+def _no_echo():
+    """While an answer streams, keystrokes are not echoed into it; what was typed meanwhile
+    is discarded (it was never shown, so the user could not have checked it)."""
+    if not sys.stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    quiet = termios.tcgetattr(fd)
+    quiet[3] &= ~termios.ECHO
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # drops the unread typed-ahead input
 
 
 class ChatRepl:
@@ -115,6 +136,7 @@ class ChatRepl:
         elif name == "reset":
             self.session.reset()
             self.turns = 0
+            self.last_view = None
             self.say("conversation cleared")
         else:
             raise MlxSpecError(f"unknown command /{name}; /help lists them")
@@ -137,7 +159,7 @@ class ChatRepl:
     def answer(self, text: str) -> None:
         stats = Stats()
         stopped = False
-        with _Interrupt() as interrupt:
+        with _Interrupt() as interrupt, _no_echo():
             responses = self.session.ask(text, self.params, gamma=self.policy,
                                          max_tokens=self.max_tokens, stop=self.stop, stats=stats)
             try:
@@ -156,6 +178,8 @@ class ChatRepl:
         self.say(f"[{'stopped · ' if stopped else ''}{footer}]")
 
     def run(self) -> None:
+        if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 arrive as surrogates,
+            sys.stdin.reconfigure(errors="surrogateescape")  # which checked_text replaces
         self.say("mlx-spec chat: /help for commands, /quit to leave", style="bold")
         while True:
             try:
@@ -163,7 +187,7 @@ class ChatRepl:
             except (EOFError, KeyboardInterrupt):
                 self.write("\n")
                 return
-            line = line.strip()
+            line = checked_text(line, "your message").strip()
             if not line:
                 continue
             try:
@@ -205,9 +229,10 @@ def chat(
     """
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size)
-    params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed)
+                         draft_quantize=draft_quantize, group_size=group_size,
+                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                       repetition_penalty=repetition_penalty, seed=seed))
+    params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
     session = ChatSession(engine, setup.pair.tokenizer, system=system)
     ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts).run()

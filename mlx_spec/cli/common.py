@@ -12,6 +12,7 @@ import typer
 
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.progress import StderrProgress
+from mlx_spec.prompts import valid_text
 from mlx_spec.runner import Choice, gamma_policy, resolve_choice
 from mlx_spec.sampling import SamplingParams
 
@@ -60,17 +61,20 @@ TempOpt = Annotated[Optional[float], typer.Option(
     "--temp", "-t", rich_help_panel=SAMPLING, min=0.0,
     help="Sampling temperature; 0 is greedy (output identical to the target alone).")]
 TopPOpt = Annotated[Optional[float], typer.Option(
-    "--top-p", rich_help_panel=SAMPLING, min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
+    "--top-p", rich_help_panel=SAMPLING, metavar="(0,1]",
+    help="Nucleus sampling: keep the likeliest tokens until their probability reaches this "
+         "mass; greater than 0, at most 1 (1 = off).")]
 TopKOpt = Annotated[Optional[int], typer.Option(
     "--top-k", rich_help_panel=SAMPLING, min=0, help="Keep the k most likely tokens (0 = off).")]
 MinPOpt = Annotated[Optional[float], typer.Option(
-    "--min-p", rich_help_panel=SAMPLING, min=0.0, max=1.0,
-    help="Drop tokens below min-p times the top probability (0 = off).")]
+    "--min-p", rich_help_panel=SAMPLING, metavar="[0,1)",
+    help="Drop tokens below min-p times the top probability; at least 0, below 1 (0 = off).")]
 RepPenaltyOpt = Annotated[Optional[float], typer.Option(
     "--repetition-penalty", rich_help_panel=SAMPLING, min=0.0,
     help="Penalty for recently seen tokens (1 = off).")]
 SeedOpt = Annotated[Optional[int], typer.Option(
-    "--seed", "-s", rich_help_panel=SAMPLING, help="PRNG seed; the same seed reproduces a sampled run.")]
+    "--seed", "-s", rich_help_panel=SAMPLING, metavar="0..2^64-1",
+    help="PRNG seed; the same seed reproduces a sampled run.")]
 MaxTokensOpt = Annotated[int, typer.Option(
     "--max-tokens", "-n", rich_help_panel=SAMPLING, min=1, help="Most tokens to generate.")]
 StopOpt = Annotated[Optional[list[str]], typer.Option(
@@ -92,9 +96,11 @@ ColorOpt = Annotated[bool, typer.Option(
 
 @dataclass
 class Setup:
-    """What the flags and the preset resolved to (`runner.Choice`), and the loaded pair."""
+    """What the flags and the preset resolved to (`runner.Choice`), the sampling
+    parameters, and the loaded pair."""
 
     choice: Choice
+    params: SamplingParams
     pair: Any  # mlx_spec.models.ModelPair
 
     def __getattr__(self, name):  # preset, target, draft, drafter, gamma, models
@@ -112,18 +118,30 @@ def setup_models(
     quantize: Optional[int] = None,
     draft_quantize: Optional[int] = None,
     group_size: Optional[int] = None,
+    sampling: Optional[dict] = None,
+    preset_sampling: bool = True,
 ) -> Setup:
-    """Resolve preset and flags, then load the pair (the loader shows its own progress)."""
-    from mlx_spec.models import load_pair
+    """Resolve preset and flags and check everything that can be checked without a model
+    (γ, sampling values, model paths), then load the pair (the loader shows progress).
+
+    Args:
+        sampling: `sampling_params` keywords from the flags; `preset_sampling`: whether the
+            preset's sampling defaults apply under them.
+    """
+    from mlx_spec.models import check_source, load_pair
 
     choice = resolve_choice(model=model, draft_model=draft_model, drafter=drafter, preset=preset, gamma=gamma)
+    params = sampling_params(choice.preset if preset_sampling else None, **(sampling or {}))
     if group_size is not None and quantize is None and draft_quantize is None:
         raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
+    check_source(choice.target, "target model")
+    if choice.draft is not None:
+        check_source(choice.draft, "draft model")
     kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))
               if v is not None}
     draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
     pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
-    return Setup(choice, pair)
+    return Setup(choice, params, pair)
 
 
 def sampling_params(
@@ -170,14 +188,30 @@ def use_chat(tokenizer, chat: Optional[bool], preset=None) -> bool:
 
 
 def read_prompt(prompt: Optional[str]) -> str:
-    """The prompt argument, or stdin when it is '-' or absent and stdin is not a terminal."""
+    """The prompt argument, or stdin when it is '-' or absent and stdin is not a terminal.
+    Bytes that are not UTF-8 become U+FFFD, with a warning."""
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise MlxSpecError("no prompt: give PROMPT as an argument or pipe text on stdin")
-        prompt = sys.stdin.read()
+        stdin = getattr(sys.stdin, "buffer", None)
+        prompt = stdin.read() if stdin is not None else sys.stdin.read()
+    prompt = checked_text(prompt, "the prompt")
     if not prompt.strip():
         raise MlxSpecError("the prompt is empty")
     return prompt
+
+
+def checked_text(text, what: str) -> str:
+    """`valid_text`, warning on stderr when something had to be replaced."""
+    text, replaced = valid_text(text)
+    warn_replaced(replaced, what)
+    return text
+
+
+def warn_replaced(replaced: int, what: str) -> None:
+    if replaced:
+        print(f"warning: {what} had {replaced} byte{'s' if replaced > 1 else ''} that are not "
+              "valid UTF-8; each became U+FFFD", file=sys.stderr)
 
 
 def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma"):

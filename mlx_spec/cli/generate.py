@@ -18,7 +18,7 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt,
-    SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt, sampling_params,
+    SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt,
     setup_models, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
@@ -65,13 +65,15 @@ def generate(
     text = read_prompt(prompt)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size)
-    params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed)
+                         draft_quantize=draft_quantize, group_size=group_size,
+                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                       repetition_penalty=repetition_penalty, seed=seed))
+    params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
     tokenizer = setup.pair.tokenizer
     chat = use_chat(tokenizer, chat, setup.preset)
     prompt_ids = encode_prompt(tokenizer, text, chat)
+    engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids))
     views = ViewMaker(engine, policy, gamma_mode)
@@ -85,10 +87,13 @@ def generate(
     if json_out:
         with StderrProgress(_bars_only()) as progress:
             pieces, finish = [], None
-            for response in responses(progress.task("prefill")):
-                pieces.append(response.text)
-                finish = response.finish_reason
-        view = views(stats)
+            try:
+                for response in responses(progress.task("prefill")):
+                    pieces.append(response.text)
+                    finish = response.finish_reason
+            except KeyboardInterrupt:
+                finish = "interrupted"
+        view = views(stats, interrupted=finish == "interrupted")
         out = {
             "text": "".join(pieces),
             "finish_reason": finish,
@@ -102,10 +107,13 @@ def generate(
             "stats": {**stats.as_dict(), **view.as_dict()},
         }
         print(json.dumps(out, ensure_ascii=False))
+        interrupted = view.interrupted
     elif sys.stdout.isatty():
-        _live(responses, views, stats, color_drafts)
+        interrupted = _live(responses, views, stats, color_drafts)
     else:
-        _piped(responses, views, stats)
+        interrupted = _piped(responses, views, stats)
+    if interrupted:
+        raise typer.Exit(130)  # what a shell reports for Ctrl-C
 
 
 def _bars_only() -> str:
@@ -113,23 +121,29 @@ def _bars_only() -> str:
     return "bars" if sys.stderr.isatty() else "off"
 
 
-def _piped(responses, views, stats) -> None:
-    """Plain text on stdout as it comes; one summary line on stderr; no control codes."""
+def _piped(responses, views, stats) -> bool:
+    """Plain text on stdout as it comes; one summary line on stderr; no control codes.
+    Returns whether Ctrl-C stopped it."""
+    interrupted, ended_line = False, True
     with StderrProgress(_bars_only()) as progress:
-        ended_line = True
-        for response in responses(progress.task("prefill")):
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-            ended_line = response.text.endswith("\n") if response.text else ended_line
+        try:
+            for response in responses(progress.task("prefill")):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                ended_line = response.text.endswith("\n") if response.text else ended_line
+        except KeyboardInterrupt:
+            interrupted = True
     if not ended_line:
         sys.stdout.write("\n")
     sys.stdout.flush()
-    print(summary_line(views(stats)), file=sys.stderr)
+    print(summary_line(views(stats, interrupted)), file=sys.stderr)
+    return interrupted
 
 
-def _live(responses, views, stats, color_drafts: bool) -> None:
+def _live(responses, views, stats, color_drafts: bool) -> bool:
     """Streamed text above a live stats panel. Completed screen rows are printed above the
-    panel (they scroll normally); the row in progress stays inside the live region."""
+    panel (they scroll normally); the row in progress stays inside the live region.
+    Returns whether Ctrl-C stopped it."""
     from rich.cells import chop_cells
     from rich.console import Console, Group
     from rich.live import Live
@@ -138,9 +152,10 @@ def _live(responses, views, stats, color_drafts: bool) -> None:
     console = Console()
     tail = Text()
     prefill = {"done": 0, "total": 0}
+    interrupted = False
 
     def frame():
-        panel = render_stats(views(stats))
+        panel = render_stats(views(stats, interrupted))
         if prefill["total"] and not stats.rounds:
             status = Text(f"prefill {prefill['done']}/{prefill['total']} tokens", style="dim")
             return Group(status, panel)
@@ -156,20 +171,24 @@ def _live(responses, views, stats, color_drafts: bool) -> None:
                 live.update(frame(), refresh=True)
                 last = time.monotonic()
 
-        for response in responses(on_prefill):
-            for piece, from_draft in response.segments():
-                tail.append(piece, style=DRAFT_STYLE if (color_drafts and from_draft) else None)
-            # Move finished rows (explicit newlines, or full terminal rows) out of the live region.
-            if "\n" in tail.plain:
-                cut = tail.plain.rindex("\n")
-                live.console.print(tail[:cut], soft_wrap=True)
-                tail = tail[cut + 1 :]
-            rows = chop_cells(tail.plain, max(console.width, 20))
-            if len(rows) > 2:  # a long paragraph: print its full rows one by one, as a terminal wraps
-                for row in rows[:-1]:
-                    live.console.print(tail[: len(row)], no_wrap=True, overflow="ignore")
-                    tail = tail[len(row) :]
-            if time.monotonic() - last > REFRESH_S or response.finish_reason:
-                live.update(frame(), refresh=True)
-                last = time.monotonic()
+        try:
+            for response in responses(on_prefill):
+                for piece, from_draft in response.segments():
+                    tail.append(piece, style=DRAFT_STYLE if (color_drafts and from_draft) else None)
+                # Move finished rows (explicit newlines, or full terminal rows) out of the live region.
+                if "\n" in tail.plain:
+                    cut = tail.plain.rindex("\n")
+                    live.console.print(tail[:cut], soft_wrap=True)
+                    tail = tail[cut + 1 :]
+                rows = chop_cells(tail.plain, max(console.width, 20))
+                if len(rows) > 2:  # a long paragraph: print its full rows one by one, as a terminal wraps
+                    for row in rows[:-1]:
+                        live.console.print(tail[: len(row)], no_wrap=True, overflow="ignore")
+                        tail = tail[len(row) :]
+                if time.monotonic() - last > REFRESH_S or response.finish_reason:
+                    live.update(frame(), refresh=True)
+                    last = time.monotonic()
+        except KeyboardInterrupt:
+            interrupted = True
         live.update(frame(), refresh=True)
+    return interrupted

@@ -7,7 +7,7 @@ Rich table; `summary_line(view)` into one plain line (no control codes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from rich import box
@@ -32,9 +32,10 @@ class View:
     gamma_now: int  # the last round's γ
     bandwidth: float  # achieved weight bandwidth, bytes/s
     predicted_speedup: Optional[float] = None  # AutoGamma's expectation at its current γ
-    measured_speedup: Optional[float] = None  # decode tok/s over the cost curve's plain rate
+    measured_speedup: Optional[float] = None  # decode tok/s over the cost curve's plain rate,
+    # only once something was drafted (without drafting it would be timing noise)
     plain_tps: Optional[float] = None  # 1 / t_verify(1) from the cost curve
-    extra: dict = field(default_factory=dict)
+    interrupted: bool = False  # the user stopped the run (Ctrl-C)
 
     def as_dict(self) -> dict:
         """Derived metrics for --json (the counters are in stats.as_dict())."""
@@ -45,6 +46,7 @@ class View:
             "measured_speedup": self.measured_speedup,
             "plain_tps_estimate": self.plain_tps,
             "prefill_share": _prefill_share(self.stats),
+            "interrupted": self.interrupted,
         }
 
 
@@ -60,7 +62,7 @@ class ViewMaker:
         self.target_bytes = weight_bytes(engine.target)
         self.draft_bytes = weight_bytes(draft_model) if draft_model is not None else 0
 
-    def __call__(self, stats: Stats) -> View:
+    def __call__(self, stats: Stats, interrupted: bool = False) -> View:
         stats = stats.snapshot()
         view = View(
             stats=stats,
@@ -68,13 +70,14 @@ class ViewMaker:
             gamma_mode=self.gamma_mode,
             gamma_now=stats.gamma_last,
             bandwidth=weight_bandwidth(stats, self.target_bytes, self.draft_bytes),
+            interrupted=interrupted,
         )
         if isinstance(self.policy, AutoGamma):
             plain = 1.0 / self.policy.costs.verify_time(1)
             view.gamma_now = self.policy.last_choice
             view.predicted_speedup = self.policy.predicted_speedup(self.policy.last_choice)
             view.plain_tps = plain
-            view.measured_speedup = stats.decode_tps / plain if stats.rounds else None
+            view.measured_speedup = stats.decode_tps / plain if stats.drafted else None
         return view
 
 
@@ -111,6 +114,8 @@ def gamma_text(view: View) -> str:
 def render_stats(view: View, title: str = "speculative decoding") -> Table:
     """The stats panel: a two-column table (label, value), per-position acceptance as bars."""
     s = view.stats
+    if view.interrupted:
+        title += " (interrupted)"
     table = Table(box=box.ROUNDED, show_header=False, title=title, title_style="bold",
                   padding=(0, 1), expand=False)
     table.add_column(style="cyan", no_wrap=True, min_width=20)  # labels never squeeze
@@ -130,27 +135,33 @@ def render_stats(view: View, title: str = "speculative decoding") -> Table:
             table.add_row(f"  position {i + 1}", row)
     else:
         table.add_row("acceptance α̂", "— (nothing drafted)")
-    if view.predicted_speedup is not None:
-        measured = f"{view.measured_speedup:.2f}×" if view.measured_speedup is not None else "—"
-        table.add_row("speedup", f"predicted {view.predicted_speedup:.2f}×, measured {measured} "
-                                 f"(plain ≈ {view.plain_tps:.1f} tok/s)")
+    if view.measured_speedup is not None:
+        table.add_row("speedup", speedup_text(view))
     table.add_row("weight bandwidth", human_rate(view.bandwidth))
     table.add_row("forwards", f"target {s.target_forwards}, draft {s.draft_forwards}")
     table.add_row("peak memory", human_bytes(s.peak_memory))
     return table
 
 
+def speedup_text(view: View) -> str:
+    """Measured speedup and what it is measured against: the plain decoding speed the
+    calibration's cost curve predicts (shown only once tokens were drafted)."""
+    return (f"speedup {view.measured_speedup:.2f}× vs plain ≈ {view.plain_tps:.1f} tok/s from the cost "
+            f"curve (predicted {view.predicted_speedup:.2f}×)")
+
+
 def summary_line(view: View) -> str:
     """One plain line: for stderr when piped, and the chat footer."""
     s = view.stats
-    parts = [f"{s.generated} tok", f"{s.decode_tps:.1f} tok/s", f"prefill {s.prefill_time:.2f} s"]
+    parts = ["interrupted"] if view.interrupted else []
+    parts += [f"{s.generated} tok", f"{s.decode_tps:.1f} tok/s", f"prefill {s.prefill_time:.2f} s"]
     parts.append(f"γ {gamma_text(view)}")
     if s.drafted:
         parts.append(f"α̂ {s.acceptance_rate:.2f}")
         parts.append(f"accepted len {s.mean_accepted_length:.2f}")
         parts.append("by position " + " ".join(f"{a:.2f}" for a in s.acceptance_by_position))
-    if view.predicted_speedup is not None and view.measured_speedup is not None:
-        parts.append(f"speedup {view.measured_speedup:.2f}× (predicted {view.predicted_speedup:.2f}×)")
+    if view.measured_speedup is not None:
+        parts.append(speedup_text(view))
     parts.append(human_rate(view.bandwidth))
     parts.append(f"peak {human_bytes(s.peak_memory)}")
     return " · ".join(parts)

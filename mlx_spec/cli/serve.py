@@ -18,7 +18,7 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
     PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    sampling_params, setup_models,
+    setup_models,
 )
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import build_engine
@@ -80,9 +80,10 @@ def serve(
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size)
-    params = sampling_params(setup.preset, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed)
+                         draft_quantize=draft_quantize, group_size=group_size,
+                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                       repetition_penalty=repetition_penalty, seed=seed))
+    params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request

@@ -16,6 +16,7 @@ from importlib import import_module
 _EXPORTS = {
     "LoadedModel": "loader",
     "load_model": "loader",
+    "check_source": "loader",
     "default_dtype": "loader",
     "cache_root": "loader",
     "ModelPair": "pairing",

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_spec.errors import IncompatibleModelsError
+from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
 from mlx_spec.models.loader import DEFAULT_SOURCE, LoadedModel, load_model
 
 # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE: tokenizers further apart are different vocabularies.
@@ -68,14 +68,14 @@ def load_pair(target: str | None, draft: str | None = None, *,
         ModelLoadError: either model cannot be loaded.
         IncompatibleModelsError: the tokenizers differ (message names the first difference).
     """
-    target_model = load_model(target, **load_kwargs)
+    target_model = _load_as("target model", target, load_kwargs)
     draft_model = None
     if draft is not None:
         draft_kwargs = {**load_kwargs, **(draft_options or {})}
         if _same_source(target, draft) and draft_kwargs == load_kwargs:
             draft_model = target_model
         else:
-            draft_model = load_model(draft, **draft_kwargs)
+            draft_model = _load_as("draft model", draft, draft_kwargs)
         check_compatible(target_model, draft_model)
     return ModelPair(
         target=target_model,
@@ -84,6 +84,20 @@ def load_pair(target: str | None, draft: str | None = None, *,
         vocab_size_target=output_width(target_model),
         vocab_size_draft=output_width(draft_model) if draft_model is not None else None,
     )
+
+
+def _load_as(role: str, source: str | None, kwargs: dict) -> LoadedModel:
+    """load_model, with errors saying which of the two models failed."""
+    try:
+        return load_model(source, **kwargs)
+    except ModelLoadError as error:
+        message = str(error)
+        raise ModelLoadError(message if message.startswith(role) else f"{role}: {message}") from None
+
+
+def _incompatible(detail: str) -> IncompatibleModelsError:
+    return IncompatibleModelsError(
+        f"the draft and target models do not share a tokenizer, so they cannot pair: {detail}")
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
@@ -98,17 +112,17 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         return
     type_tgt, type_dft = _vocab_type(tok_tgt), _vocab_type(tok_dft)
     if type_tgt != type_dft:
-        raise IncompatibleModelsError(
+        raise _incompatible(
             f"draft vocabulary type is {type_dft} but target vocabulary type is {type_tgt}")
     for role in ("bos", "eos"):
         id_tgt, id_dft = getattr(tok_tgt, f"{role}_token_id"), getattr(tok_dft, f"{role}_token_id")
         if id_tgt != id_dft:
-            raise IncompatibleModelsError(
+            raise _incompatible(
                 f"draft {role.upper()} token is {_describe(tok_dft, id_dft)} but target "
                 f"{role.upper()} token is {_describe(tok_tgt, id_tgt)}")
     adds_tgt, adds_dft = _adds_bos(tok_tgt), _adds_bos(tok_dft)
     if adds_tgt != adds_dft:
-        raise IncompatibleModelsError(
+        raise _incompatible(
             f"draft {'adds' if adds_dft else 'does not add'} BOS when encoding but target "
             f"{'does' if adds_tgt else 'does not'}")
     size_tgt, size_dft = len(tok_tgt), len(tok_dft)
@@ -117,10 +131,10 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     text_dft = tok_dft.convert_ids_to_tokens(list(range(shared)))
     if text_tgt != text_dft:
         i = next(i for i, (t, d) in enumerate(zip(text_tgt, text_dft)) if t != d)
-        raise IncompatibleModelsError(
+        raise _incompatible(
             f"draft token {i} is {text_dft[i]!r} but target token {i} is {text_tgt[i]!r}")
     if abs(size_tgt - size_dft) > MAX_VOCAB_SIZE_DIFFERENCE:
-        raise IncompatibleModelsError(
+        raise _incompatible(
             f"draft tokenizer has {size_dft} tokens and target {size_tgt}; more than "
             f"{MAX_VOCAB_SIZE_DIFFERENCE} apart, so they are different vocabularies")
 
