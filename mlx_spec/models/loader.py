@@ -24,7 +24,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gguf_import, hub
-from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
+from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)
@@ -33,6 +33,11 @@ DEFAULT_SOURCE = "default"
 _DEMO_HINT = 'pip install "mlx-spec[demo]"'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
                     "*.tiktoken", "tiktoken.model")
+
+# Per family (model_type prefix): the tokens that end a turn (generation stops there, as the
+# checkpoints' generation_config.json says) and the template used when a checkpoint has none.
+_TURN_ENDS = {"gemma3": ("<end_of_turn>",), "gemma4": ("<turn|>", "<|tool_response>")}
+_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE, "gemma4": GEMMA4_CHAT_TEMPLATE}
 
 
 @dataclass
@@ -174,7 +179,8 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
 
 
 def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
-    """mlx-lm's tokenizer for the folder, with Gemma 3's turn end and chat template ensured."""
+    """mlx-lm's tokenizer for the folder, with Gemma 3's and Gemma 4's turn ends and chat
+    templates ensured."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
     # Without any of these transformers silently builds an empty tokenizer for the model type.
@@ -186,12 +192,16 @@ def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
     except Exception as error:  # transformers raises many types for a bad tokenizer
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None
-    if str(config.get("model_type", "")).startswith("gemma3"):
-        # Instruction-tuned Gemma 3 ends turns with <end_of_turn>; generation must stop there.
-        if "<end_of_turn>" in tokenizer.get_vocab():
-            tokenizer.add_eos_token("<end_of_turn>")
+    family = str(config.get("model_type", ""))[:6]
+    if family in _TURN_ENDS:
+        # Instruction-tuned Gemma ends turns with <end_of_turn> (Gemma 3) or <turn|> (Gemma 4,
+        # which also hands over to a tool with <|tool_response>); generation must stop there.
+        vocab = tokenizer.get_vocab()
+        for token in _TURN_ENDS[family]:
+            if token in vocab:
+                tokenizer.add_eos_token(token)
         if not tokenizer.has_chat_template:
-            tokenizer._tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+            tokenizer._tokenizer.chat_template = _CHAT_TEMPLATES[family]
             tokenizer.has_chat_template = True
     return tokenizer
 
