@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
-from mlx_spec.models import gguf_import, hub
+from mlx_spec.models import gemma4_assistant, gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -47,6 +47,7 @@ class LoadedModel:
     Attributes:
         model: the mlx-lm model (`model(tokens, cache=...)` returns logits).
         tokenizer: mlx-lm's TokenizerWrapper; `eos_token_ids` include Gemma's <end_of_turn>.
+            None for a Gemma 4 MTP assistant shipped without one (it speaks the target's ids).
         config: the model's config.json contents (with "quantization" when quantized).
         source: what the user passed ("default" for the embedded model).
         path: the local folder the weights came from (the converted cache folder for GGUF).
@@ -54,7 +55,7 @@ class LoadedModel:
     """
 
     model: nn.Module
-    tokenizer: TokenizerWrapper
+    tokenizer: TokenizerWrapper | None
     config: dict
     source: str
     path: Path
@@ -107,7 +108,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
 
     path, kind = resolve_source(source, progress=progress)
     model, config = load_folder(path)
-    tokenizer = load_tokenizer(path, config)
+    tokenizer = load_tokenizer(path, config, optional=gemma4_assistant.is_assistant_config(config))
     # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
     # where bfloat16 scales make quantized matmuls ~8x slower).
     model.set_dtype(getattr(mx, dtype))
@@ -172,19 +173,23 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
         hint = f" (found {', '.join(found)}; convert with mlx_lm.convert)" if found else ""
         raise ModelLoadError(f"{path} has no model*.safetensors weights{hint}")
     try:
-        return mlx_lm_load_model(path, lazy=lazy)
+        # Gemma 4 MTP assistants are not an mlx-lm architecture: our class, mlx-lm's loading
+        # (quantized checkpoints included).
+        return mlx_lm_load_model(path, lazy=lazy, get_model_classes=gemma4_assistant.assistant_classes)
     except (ValueError, KeyError, OSError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the model in {path}: {reason}") from None
 
 
-def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
+def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
     """mlx-lm's tokenizer for the folder, with Gemma 3's and Gemma 4's turn ends and chat
     templates ensured."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
+        if optional:
+            return None
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:

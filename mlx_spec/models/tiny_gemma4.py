@@ -82,13 +82,6 @@ def tiny_gemma4(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **ove
     return model
 
 
-def last_kv_layers(args) -> dict[str, int]:
-    """The last non-KV-shared layer of each attention type: the layers whose K/V an MTP
-    assistant attends to (for the 12B, 46 and 47 of 48)."""
-    first_shared = args.num_hidden_layers - args.num_kv_shared_layers
-    return {args.layer_types[i]: i for i in range(first_shared)}
-
-
 def _write_tokenizer(path: Path, chat_template: str) -> None:
     (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(SPECIAL_TOKENS)))
     (path / "tokenizer_config.json").write_text(json.dumps({
@@ -114,4 +107,96 @@ def save_tiny_gemma4(path: str | Path, model=None, *, chat_template: str | None 
         config = json.loads((path / "tokenizer_config.json").read_text())
         del config["chat_template"]
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# The MTP assistant, in the released checkpoints' config schema and key layout
+# ---------------------------------------------------------------------------------------
+
+
+def tiny_assistant_config(target_config: dict | None = None, *, centroids: bool = True,
+                          **text_overrides) -> dict:
+    """A config.json for a tiny assistant of `target_config` (default: the tiny target), in
+    the schema of the released checkpoints: `gemma4_assistant` with the centroid head (as
+    E2B/E4B) or `gemma4_unified_assistant` with the tied dense head (as 12B). 16 centroids
+    of 17 tokens, top 4, so 68 of the 272 tokens get real logits."""
+    target = target_config or tiny_gemma4_config()
+    text = dict(
+        model_type="gemma4_text" if centroids else "gemma4_unified_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"],
+        global_head_dim=target["global_head_dim"],
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=target["sliding_window"],
+        num_kv_shared_layers=4,
+        rms_norm_eps=1e-6,
+        vocab_size=target["vocab_size"],
+        max_position_embeddings=target["max_position_embeddings"],
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters=target["rope_parameters"],
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+        use_double_wide_mlp=False,
+        attention_k_eq_v=False,
+    )
+    if centroids:  # fields the unified text config does not have
+        text.update(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False)
+    text.update(text_overrides)
+    return dict(
+        model_type="gemma4_assistant" if centroids else "gemma4_unified_assistant",
+        architectures=["Gemma4AssistantForCausalLM" if centroids else "Gemma4UnifiedAssistantForCausalLM"],
+        backbone_hidden_size=target["hidden_size"],
+        use_ordered_embeddings=centroids,
+        num_centroids=16,
+        centroid_intermediate_top_k=4,
+        tie_word_embeddings=True,
+        text_config=text,
+    )
+
+
+def tiny_assistant_weights(config: dict, seed: int = 0) -> dict:
+    """Random weights for `config` as numpy arrays under the checkpoints' key names.
+
+    Drawn with numpy's legacy `RandomState`, whose streams never change, so a committed
+    script and a test on another machine rebuild bit-identical weights. Norm gains and layer
+    scalars are drawn around 1 (not all ones), so a `1 + w` norm or a dropped scalar shows."""
+    import numpy as np
+
+    from mlx_spec.models import gemma4_assistant
+
+    model = gemma4_assistant.Model(gemma4_assistant.ModelArgs.from_dict(config))
+    rng = np.random.RandomState(seed)
+    weights = {}
+    for name, param in sorted(tree_flatten(model.parameters())):
+        shape = tuple(param.shape)
+        if name.endswith("token_ordering"):
+            weights[name] = rng.permutation(shape[0]).astype(np.int64)
+        elif name.endswith(("norm.weight", "layer_scalar")):
+            weights[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        elif name == "model.embed_tokens.weight":
+            weights[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        else:  # projections [out, in]
+            weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return weights
+
+
+def save_tiny_assistant(path: str | Path, config: dict | None = None, weights: dict | None = None,
+                        seed: int = 0) -> Path:
+    """Write an assistant checkpoint folder: config.json and model.safetensors (no
+    tokenizer: the assistant speaks the target's vocabulary)."""
+    import numpy as np
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config or tiny_assistant_config()
+    weights = weights if weights is not None else tiny_assistant_weights(config, seed)
+    # mx.array keeps int64; safetensors stores token_ordering as I64, as the releases do
+    mx.save_safetensors(str(path / "model.safetensors"),
+                        {k: mx.array(np.asarray(v)) for k, v in weights.items()})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
