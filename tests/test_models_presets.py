@@ -20,7 +20,7 @@ def test_every_model_preset_names_hub_models():
     assert len({p.name for p in presets}) == len(presets)
     for preset in presets:
         assert isinstance(preset, Preset) and preset.description
-        if preset.drafter == "model":
+        if preset.drafter in ("model", "mtp"):
             assert looks_like_repo_id(preset.target) and looks_like_repo_id(preset.draft)
             assert preset.gamma == "auto" or preset.gamma >= 1
         assert 0 <= preset.top_p <= 1 and preset.top_k >= 0 and preset.temperature >= 0
@@ -32,6 +32,14 @@ def test_gemma3_pairs_and_a_gemma4_entry():
     assert any("12b" in p.target and "270m" in p.draft for p in gemma3)
     assert any("27b" in p.target for p in gemma3)
     assert [p for p in presets if p.family == "gemma4" and "gemma-4" in p.target]
+
+
+def test_gemma4_presets_draft_with_their_mtp_assistants():
+    for name, size in (("gemma4-12b", "12B"), ("gemma4-e4b", "E4B")):
+        preset = get_preset(name)
+        assert preset.drafter == "mtp" and preset.family == "gemma4"
+        assert f"gemma-4-{size}-it-assistant" in preset.draft
+        assert f"gemma-4-{size.lower()}-it" in preset.target.lower()
 
 
 def test_unknown_preset_lists_the_known_ones():
