@@ -101,14 +101,16 @@ def test_chat_session_reuses_the_cache_across_turns(pair):
     for turn, question in enumerate(["Hello there, who are you?", "And what is next?"]):
         stats = Stats()
         tokens = [t for r in session.ask(question, params, gamma=3, max_tokens=24, stats=stats)
-                  for t in r.round.tokens]
-        prompt_ids = session.ids[: len(session.ids) - len(tokens)]
+                  for t in r.tokens]
+        # the target's cache holds the conversation but its newest token
+        held = session.cache.target.ids
+        prompt_ids = held[: len(held) + 1 - len(tokens)]
         reference = greedy_reference(pair.target.model, prompt_ids, 24)
         cut = next((i + 1 for i, t in enumerate(reference) if t in engine.eos_ids), len(reference))
         assert tokens == reference[:cut]
         if turn == 1:  # both models prefill: 2·(prompt − 1) without reuse
             assert stats.prefill_tokens < stats.prompt_tokens
-    assert session.ids[:1] == [tokenizer.bos_token_id]
+    assert held[:1] == [tokenizer.bos_token_id]
 
 
 def test_turn_tokens_and_chat_template(folders, pair):

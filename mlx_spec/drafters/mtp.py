@@ -123,7 +123,11 @@ class MtpDrafter:
         tokens = draft_greedy(self.model, self.embed, token, self.h, kv, position, gamma)
         return Draft(tokens.astype(mx.uint32))
 
-    def accept(self, committed: list[int], hidden: Optional[mx.array] = None) -> None:
-        """`hidden`: the target's final hidden states of the round's pass [γ+1, H], row i
-        after block token i; the round's last token was chosen at row len(committed) − 1."""
-        self.h = None if hidden is None else hidden[len(committed) - 1].reshape(1, 1, -1)
+    def accept(self, committed: list[int], target_hidden: Optional[mx.array] = None) -> None:
+        """`target_hidden`: the target's final hidden states from the round's pass [γ+1, H],
+        row i at block token i; the round's last token was chosen at row len(committed) − 1,
+        which is the h the next draft starts from."""
+        if target_hidden is None:
+            self.h = None
+        else:
+            self.h = target_hidden[len(committed) - 1].reshape(1, 1, -1)

@@ -94,9 +94,10 @@ class AssistantTextModel(nn.Module):
         self.layers = [gemma4_text.DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, shared_kv: dict, position) -> mx.array:
+    def __call__(self, x: mx.array, shared_kv: dict, position, masks: Optional[dict] = None) -> mx.array:
         for layer in self.layers:
-            x, _, _ = layer(x, None, None, shared_kv=shared_kv[layer.layer_type], offset=position)
+            mask = None if masks is None else masks[layer.layer_type]
+            x, _, _ = layer(x, mask, None, shared_kv=shared_kv[layer.layer_type], offset=position)
         return self.norm(x)
 
 
@@ -120,16 +121,18 @@ class Model(nn.Module):
     def layers(self):
         return self.model.layers
 
-    def hidden(self, inputs_embeds: mx.array, shared_kv: dict, position) -> mx.array:
+    def hidden(self, inputs_embeds: mx.array, shared_kv: dict, position,
+               masks: Optional[dict] = None) -> mx.array:
         """h_d [B, L, H] for inputs [B, L, 2·H_target].
 
         Args:
             shared_kv: {"sliding_attention": (keys, values), "full_attention": (keys, values)},
                 each [B, kv_heads, S, head_dim] as the target's cache holds them; every key
-                given is attended to (the caller cuts the sliding window).
-            position: the query's RoPE position (an int or a scalar array).
+                given is attended to unless `masks` says otherwise.
+            position: the query's RoPE position (an int, or an array [B], one per row).
+            masks: optional attention masks per layer type (for training on many positions).
         """
-        return self.model(self.pre_projection(inputs_embeds), shared_kv, position)
+        return self.model(self.pre_projection(inputs_embeds), shared_kv, position, masks)
 
     def logits(self, h_d: mx.array) -> mx.array:
         if self.args.use_ordered_embeddings:
@@ -193,18 +196,3 @@ def target_text_model(target) -> Optional[nn.Module]:
         return inner
     return None
 
-
-def forward_with_hidden(target, tokens: mx.array, cache) -> tuple[mx.array, mx.array]:
-    """A Gemma 4 target's forward returning (logits, final post-norm hidden states): the
-    head of mlx-lm's `gemma4_text.Model.__call__`, kept apart so the hidden states the
-    assistant reads come from the same pass as the logits."""
-    inner = target_text_model(target)
-    language_model = getattr(target, "language_model", target)
-    hidden = inner(tokens, cache=cache)
-    if language_model.tie_word_embeddings:
-        logits = inner.embed_tokens.as_linear(hidden)
-    else:
-        logits = language_model.lm_head(hidden)
-    if language_model.final_logit_softcapping is not None:
-        logits = gemma4_text.logit_softcap(language_model.final_logit_softcapping, logits)
-    return logits, hidden
