@@ -133,8 +133,14 @@ def test_quantized_assistant(folders, variant):
 
 
 def test_checkpoint_layout(folders):
-    """The E4B assistant's 50 tensors (12B's 48: no centroid head); token_ordering int64."""
+    """The E4B assistant's 50 tensors (12B's 48: no centroid head); token_ordering int64;
+    `models info` describes it without a tokenizer."""
+    from mlx_spec.models import model_info
+
     path, _ = folders["gemma4_assistant"]
+    info = model_info(str(path), progress=False)
+    assert info["architecture"] == "gemma4_assistant" and info["layers"] == 4
+    assert info["tokenizer_size"] is None and info["vocab_width"] == 272
     stored = mx.load(str(path / "model.safetensors"))
     assert len(stored) == 50 and stored["masked_embedding.token_ordering"].dtype == mx.int64
     assert not any(k.startswith("lm_head") for k in stored)

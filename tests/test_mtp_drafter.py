@@ -205,3 +205,23 @@ def test_cli_generate_with_the_assistant(folders, private_cost_cache):
     assert mtp["stats"]["drafted"] > 0 and len(mtp["stats"]["acceptance_by_position"]) == 3
     auto = invoke_json(["generate", "Hello there", *models, "--gamma", "auto", "--drafter", "mtp"])
     assert auto["text"] == plain["text"] and auto["gamma"] == "auto"
+
+
+def test_cli_bench_with_the_assistant(folders, private_cost_cache):
+    """`bench` sweeps γ for the MTP pair; every setting md5-identical to drafting off."""
+    out = invoke_json(["bench", "-m", folders / "target", "-d", folders / "assistant", "--prompt",
+                       "Hello there", "--runs", "1", "--max-tokens", "12", "--gamma", "2", "--auto"])
+    assert out["ok"] and out["identity_checked"] and out["drafter"] == "mtp"
+    assert len({s["md5"] for s in out["settings"]}) == 1 and out["costs"]["draft_step"] > 0
+
+
+def test_position_setting(pair, references, monkeypatch):
+    """The other position convention is a setting (MLX_SPEC_MTP_POSITION or position=);
+    output stays exact; a bad value is a one-line error."""
+    monkeypatch.setenv("MLX_SPEC_MTP_POSITION", "previous")
+    engine = build_engine(pair)
+    assert engine.drafter.position == "previous"
+    assert run(engine, LONG_PROMPT, 3)[0] == references["long"]
+    monkeypatch.setenv("MLX_SPEC_MTP_POSITION", "next")
+    with pytest.raises(MlxSpecError, match="MLX_SPEC_MTP_POSITION"):
+        build_engine(pair)

@@ -17,6 +17,7 @@ rule stays exact at any temperature, as for the n-gram drafter.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -29,7 +30,9 @@ from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model
 # minus this. 0: the position the newest token will take (transformers'
 # SinglePositionMultiTokenCandidateGenerator: position_ids = len(input_ids) - 1).
 # 1: the position of the token whose hidden state h is (Ollama, mlx-vlm and vLLM).
+# The default is transformers'; MLX_SPEC_MTP_POSITION=previous (or position=) switches.
 POSITIONS = {"transformers": 0, "previous": 1}
+POSITION_ENV = "MLX_SPEC_MTP_POSITION"
 
 
 def shared_kv(layer_caches: list, layers: dict[str, int], window: int) -> dict:
@@ -72,9 +75,10 @@ class MtpDrafter:
     Args:
         assistant: the loaded assistant (`gemma4_assistant.Model`).
         target: the Gemma 4 target it was trained with (text-only or multimodal build).
-        position: "transformers" (default) or "previous"; see POSITIONS. Implementations
-            disagree; only acceptance on real weights can tell which one the checkpoints
-            were trained with, and exactness holds either way.
+        position: "transformers" or "previous" (see POSITIONS); None reads
+            $MLX_SPEC_MTP_POSITION, else "transformers". Implementations disagree; only
+            acceptance on real weights can tell which one the checkpoints were trained with,
+            and exactness holds either way.
     """
 
     name = "mtp"
@@ -82,13 +86,15 @@ class MtpDrafter:
     rollbackable = True  # nothing of its own to roll back
     wants_hidden = True  # the engine hands over the target's final hidden states
 
-    def __init__(self, assistant, target, *, position: str = "transformers"):
+    def __init__(self, assistant, target, *, position: Optional[str] = None):
         inner = target_text_model(target)
         if inner is None:
             raise MlxSpecError("the MTP assistant drafts for Gemma 4 targets only "
                                f"(the target is {type(target).__module__.rsplit('.', 1)[-1]})")
+        position = position or os.environ.get(POSITION_ENV) or "transformers"
         if position not in POSITIONS:
-            raise MlxSpecError(f"unknown MTP position {position!r} (choose from {', '.join(POSITIONS)})")
+            raise MlxSpecError(f"unknown MTP position {position!r} (choose from {', '.join(POSITIONS)}; "
+                               f"set by position= or ${POSITION_ENV})")
         backbone = assistant.args.backbone_hidden_size
         if backbone != inner.config.hidden_size:
             raise MlxSpecError(f"the assistant was built for a target of hidden size {backbone}, "
