@@ -80,10 +80,13 @@ def test_a_preset_supplies_its_pair_and_flags_override_it():
     assert (choice.target, choice.draft, choice.drafter) == (preset.target, preset.draft, "model")
     assert resolve_choice(preset="gemma3-12b", gamma="3").gamma == 3
     assert resolve_choice(preset="gemma3-12b", drafter="ngram").draft is None  # not loaded
-    # --model alone leaves the presets out; --draft-model alone means drafting with it
+    # --model alone leaves the presets out; --draft-model alone means drafting with it, as
+    # "model" or "mtp" by the checkpoint's type once it is loaded (build_engine decides)
     assert resolve_choice(model="some/target").draft is None
     explicit = resolve_choice(model="some/target", draft_model="some/draft")
-    assert (explicit.draft, explicit.drafter, explicit.models["preset"]) == ("some/draft", "model", None)
+    assert (explicit.draft, explicit.drafter, explicit.models["preset"]) == ("some/draft", None, None)
+    mtp = resolve_choice(preset="gemma4-12b")
+    assert mtp.drafter == "mtp" and mtp.draft == get_preset("gemma4-12b").draft
     assert resolve_choice(model="some/target", drafter="none", gamma="5").gamma == 0
 
 
@@ -92,6 +95,7 @@ def test_a_preset_supplies_its_pair_and_flags_override_it():
     ({"gamma": "x"}, "--gamma must be a whole number or 'auto'"),
     ({"drafter": "beam"}, "unknown drafter 'beam'"),
     ({"model": "some/target", "drafter": "model"}, "--drafter model needs a draft model"),
+    ({"model": "some/target", "drafter": "mtp"}, "--drafter mtp needs a draft model"),
     ({"preset": "nope"}, "nope"),
 ])
 def test_bad_choices_are_one_line_errors_before_loading(flags, fragment):

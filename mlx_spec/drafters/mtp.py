@@ -10,6 +10,9 @@ Which keys it sees: the target's cache after a round holds exactly the committed
 before the newest one, so every step attends to the committed context only. Sliding layers
 see the window − 1 newest keys, the keys the target's own sliding layer would see at the
 newest token's position besides that token's own (as mlx-vlm's assistant does).
+transformers' generation loop differs in two corners we do not copy: after a rejection it
+crops the verify pass's K/V to the new length, so the rejected draft's key at the newest
+position stays visible, and its sliding mask admits window + 1 keys.
 
 The draft is the argmax at every step, so q is one-hot (Draft.q = None) and the Leviathan
 rule stays exact at any temperature, as for the n-gram drafter.
