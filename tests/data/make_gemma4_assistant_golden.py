@@ -15,6 +15,7 @@ Needs torch (CPU build), which is not a test dependency:
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -116,7 +117,10 @@ def main() -> None:
                 "draft": candidates[0, position + 1:].tolist(),
             })
         golden["variants"][config["model_type"]] = {"centroids": centroids, "cases": cases}
-    OUT.write_text(json.dumps(golden, indent=1) + "\n")
+    text = json.dumps(golden, indent=1)
+    # one line per list of numbers, so the file stays short and diffs stay readable
+    text = re.sub(r"\[\s*([-0-9.e,\s]+?)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+    OUT.write_text(text + "\n")
     print(f"wrote {OUT.relative_to(ROOT)} ({OUT.stat().st_size} bytes)")
 
 
