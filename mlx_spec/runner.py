@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Union
 
 from mlx_spec.costs import load_or_measure
 from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
+from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy
@@ -42,7 +43,8 @@ class Choice:
     Attributes:
         preset: the `Preset` used for defaults, or None.
         target: the target model's source; draft: the draft model's, or None.
-        drafter: "model" | "ngram" | "none", or None for `build_engine`'s default.
+        drafter: "model" | "mtp" | "ngram" | "none", or None for `build_engine`'s default
+            (which tells an MTP assistant from another draft model once it is loaded).
         gamma: "auto" or a whole number.
     """
 
@@ -67,7 +69,8 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
                    gamma: Optional[str] = None) -> Choice:
     """Presets supply defaults and flags override them; with no --model and no --preset the
     "default" preset (the embedded Gemma 3 270M) is used. An explicit --draft-model means
-    drafting with it; a model-free drafter loads no draft model."""
+    drafting with it (as "mtp" if it is a Gemma 4 MTP assistant checkpoint, else "model":
+    decided by `build_engine` once it is loaded); a model-free drafter loads no draft model."""
     from mlx_spec.models import get_preset
 
     if drafter is not None and drafter not in DRAFTER_NAMES:
@@ -78,10 +81,10 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     target = model or _preset_value(chosen, "target", "default")
     draft = draft_model if draft_model is not None else (
         _preset_value(chosen, "draft") if model is None or preset else None)
-    if drafter is None:
-        drafter = "model" if draft_model is not None else _preset_value(chosen, "drafter")
-    if drafter == "model" and not draft:
-        raise MlxSpecError("--drafter model needs a draft model: give --draft-model or a preset with one")
+    if drafter is None and draft_model is None:
+        drafter = _preset_value(chosen, "drafter")
+    if drafter in ("model", "mtp") and not draft:
+        raise MlxSpecError(f"--drafter {drafter} needs a draft model: give --draft-model or a preset with one")
     if drafter in ("none", "ngram"):
         draft = None  # no need to load (or hold in memory) a draft model that will not draft
     if gamma is None:
@@ -96,17 +99,29 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
 
     Args:
         pair: `mlx_spec.models.ModelPair` (target, optional draft, tokenizer, vocab widths).
-        drafter: "model" (needs pair.draft), "ngram", "none", or None for "model" when a
-            draft model is loaded and "ngram" otherwise.
+        drafter: "model" (needs pair.draft), "mtp" (needs a Gemma 4 MTP assistant as
+            pair.draft), "ngram", "none", or None: "mtp" for an assistant, "model" for
+            another draft model, "ngram" without one.
     """
+    from mlx_spec.models.pairing import is_assistant
+
+    assistant = is_assistant(pair.draft)
     if drafter is None:
-        drafter = "model" if pair.draft is not None else "ngram"
+        drafter = "mtp" if assistant else "model" if pair.draft is not None else "ngram"
     if drafter not in DRAFTER_NAMES:
         raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
+    if drafter in ("model", "mtp") and pair.draft is None:
+        raise MlxSpecError(f"--drafter {drafter} needs a draft model (--draft-model or a preset with one)")
+    if drafter == "model" and assistant:
+        raise MlxSpecError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
+                           "own states: use --drafter mtp (or leave --drafter out)")
+    if drafter == "mtp" and not assistant:
+        raise MlxSpecError("--drafter mtp needs a Gemma 4 MTP assistant checkpoint as the draft "
+                           "(model_type gemma4_assistant or gemma4_unified_assistant)")
     if drafter == "model":
-        if pair.draft is None:
-            raise MlxSpecError("--drafter model needs a draft model (--draft-model or a preset with one)")
         chosen = ModelDrafter(pair.draft.model, pair.vocab_size_target)
+    elif drafter == "mtp":
+        chosen = MtpDrafter(pair.draft.model, pair.target.model)
     elif drafter == "ngram":
         chosen = NgramDrafter()
     else:

@@ -236,7 +236,7 @@ def run_sweep(
     Args:
         pair: a loaded `ModelPair` (target, optional draft, tokenizer, vocab widths).
         prompts: name → prompt token ids.
-        drafter: "model", "ngram" or None (model when the pair has a draft, else ngram).
+        drafter: "model", "mtp", "ngram" or None (as `build_engine` chooses).
         gammas: the γ values (and/or "auto") to compare with the baseline.
         warm_runs: timed runs per setting after the cold one.
         max_tokens: tokens generated per run.
@@ -253,7 +253,7 @@ def run_sweep(
     plain = build_engine(pair, "none")
     spec = build_engine(pair, drafter)
     if spec.drafter is None:
-        raise MlxSpecError("the sweep needs a drafter: --drafter model or ngram")
+        raise MlxSpecError("the sweep needs a drafter: --drafter model, mtp or ngram")
     drafter_name = spec.drafter.name
     draft_model = getattr(spec.drafter, "model", None)
     target_bytes = weight_bytes(spec.target)

@@ -20,7 +20,7 @@ def test_every_model_preset_names_hub_models():
     assert len({p.name for p in presets}) == len(presets)
     for preset in presets:
         assert isinstance(preset, Preset) and preset.description
-        if preset.drafter == "model":
+        if preset.drafter in ("model", "mtp"):
             assert looks_like_repo_id(preset.target) and looks_like_repo_id(preset.draft)
             assert preset.gamma == "auto" or preset.gamma >= 1
         assert 0 <= preset.top_p <= 1 and preset.top_k >= 0 and preset.temperature >= 0
@@ -32,6 +32,14 @@ def test_gemma3_pairs_and_a_gemma4_entry():
     assert any("12b" in p.target and "270m" in p.draft for p in gemma3)
     assert any("27b" in p.target for p in gemma3)
     assert [p for p in presets if p.family == "gemma4" and "gemma-4" in p.target]
+
+
+def test_gemma4_presets_draft_with_their_mtp_assistants():
+    for name, size in (("gemma4-12b", "12B"), ("gemma4-e4b", "E4B")):
+        preset = get_preset(name)
+        assert preset.drafter == "mtp" and preset.family == "gemma4"
+        assert f"gemma-4-{size}-it-assistant" in preset.draft
+        assert f"gemma-4-{size.lower()}-it" in preset.target.lower()
 
 
 def test_unknown_preset_lists_the_known_ones():
@@ -72,10 +80,13 @@ def test_a_preset_supplies_its_pair_and_flags_override_it():
     assert (choice.target, choice.draft, choice.drafter) == (preset.target, preset.draft, "model")
     assert resolve_choice(preset="gemma3-12b", gamma="3").gamma == 3
     assert resolve_choice(preset="gemma3-12b", drafter="ngram").draft is None  # not loaded
-    # --model alone leaves the presets out; --draft-model alone means drafting with it
+    # --model alone leaves the presets out; --draft-model alone means drafting with it, as
+    # "model" or "mtp" by the checkpoint's type once it is loaded (build_engine decides)
     assert resolve_choice(model="some/target").draft is None
     explicit = resolve_choice(model="some/target", draft_model="some/draft")
-    assert (explicit.draft, explicit.drafter, explicit.models["preset"]) == ("some/draft", "model", None)
+    assert (explicit.draft, explicit.drafter, explicit.models["preset"]) == ("some/draft", None, None)
+    mtp = resolve_choice(preset="gemma4-12b")
+    assert mtp.drafter == "mtp" and mtp.draft == get_preset("gemma4-12b").draft
     assert resolve_choice(model="some/target", drafter="none", gamma="5").gamma == 0
 
 
@@ -84,6 +95,7 @@ def test_a_preset_supplies_its_pair_and_flags_override_it():
     ({"gamma": "x"}, "--gamma must be a whole number or 'auto'"),
     ({"drafter": "beam"}, "unknown drafter 'beam'"),
     ({"model": "some/target", "drafter": "model"}, "--drafter model needs a draft model"),
+    ({"model": "some/target", "drafter": "mtp"}, "--drafter mtp needs a draft model"),
     ({"preset": "nope"}, "nope"),
 ])
 def test_bad_choices_are_one_line_errors_before_loading(flags, fragment):

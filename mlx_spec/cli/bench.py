@@ -84,7 +84,7 @@ def bench(
     if auto and "auto" not in gamma_list:
         gamma_list.append("auto")
     if drafter == "none":
-        raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model or ngram")
+        raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
     specs = prompts or ["long"]
     if "all" in specs:
         specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]

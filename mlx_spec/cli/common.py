@@ -32,9 +32,11 @@ DraftOpt = Annotated[Optional[str], typer.Option(
     "--draft-model", "-d", rich_help_panel=MODELS, metavar="PATH|HF-ID|default",
     help="Draft model q (same tokenizer as the target). Overrides the preset's draft.")]
 DrafterOpt = Annotated[Optional[str], typer.Option(
-    "--drafter", rich_help_panel=MODELS, metavar="model|ngram|none",
-    help="Who drafts: 'model' (the draft model), 'ngram' (prompt lookup, no model) or 'none' "
-         "(plain decoding). Default: the preset's, else model when a draft is loaded, else ngram.")]
+    "--drafter", rich_help_panel=MODELS, metavar="model|mtp|ngram|none",
+    help="Who drafts: 'model' (the draft model), 'mtp' (a Gemma 4 MTP assistant as the draft "
+         "model, drafting from the target's own states), 'ngram' (prompt lookup, no model) or "
+         "'none' (plain decoding). Default: the preset's, else mtp when the draft is an "
+         "assistant checkpoint, model for another draft, else ngram.")]
 PresetOpt = Annotated[Optional[str], typer.Option(
     "--preset", rich_help_panel=MODELS, metavar="NAME",
     help="A named target + draft pair with default γ and sampling (see `mlx-spec models list`). "

@@ -15,8 +15,9 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 
-# What `--drafter` accepts: a draft model, prompt lookup, or plain decoding.
-DRAFTER_NAMES = ("model", "ngram", "none")
+# What `--drafter` accepts: a draft model, Gemma 4's MTP assistant (a draft model that reads
+# the target's states), prompt lookup, or plain decoding.
+DRAFTER_NAMES = ("model", "mtp", "ngram", "none")
 
 
 @dataclass

@@ -28,3 +28,18 @@ GEMMA_CHAT_TEMPLATE = (
     "{{ '<start_of_turn>model\n' }}"
     "{%- endif -%}"
 )
+
+# Gemma 4 turn format, text only: turns open with <|turn>role and close with <turn|>; a
+# system turn is its own turn (Gemma 4 has the role); the assistant is called "model".
+GEMMA4_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<|turn>' + role + '\n' }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<turn|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|turn>model\n' }}"
+    "{%- endif -%}"
+)

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
+from mlx_spec.models.gemma4_assistant import is_assistant_config
 from mlx_spec.models.loader import DEFAULT_SOURCE, load_folder, load_tokenizer, resolve_source
 
 
@@ -32,7 +33,7 @@ def model_info(source: str | None, *, progress: bool = True, download: bool = Tr
         with hub.forced_offline():
             path, kind = resolve_source(source, progress=progress)
     model, config = load_folder(path, lazy=True)
-    tokenizer = load_tokenizer(path, config)
+    tokenizer = load_tokenizer(path, config, optional=is_assistant_config(config))
     return describe(model, tokenizer, config, source=source or DEFAULT_SOURCE, path=path,
                     kind=kind)
 
@@ -70,9 +71,10 @@ def describe(model, tokenizer, config: dict, *, source: str, path: Path, kind: s
         "sliding_window_pattern": _sliding_pattern(text),
         "context_length": text.get("max_position_embeddings"),
         "vocab_width": _vocab_width(params),
-        "tokenizer_size": len(tokenizer._tokenizer),
-        "chat_template": _chat_template_kind(tokenizer),
-        "eos_token_ids": sorted(tokenizer.eos_token_ids),
+        # an MTP assistant may ship no tokenizer (it speaks its target's ids)
+        "tokenizer_size": len(tokenizer._tokenizer) if tokenizer else None,
+        "chat_template": _chat_template_kind(tokenizer) if tokenizer else None,
+        "eos_token_ids": sorted(tokenizer.eos_token_ids) if tokenizer else [],
     }
     source_file = path / "mlx_spec_source.json"
     if source_file.exists():

@@ -27,8 +27,8 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
-from mlx_spec.models import gguf_import, hub
-from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
+from mlx_spec.models import gemma4_assistant, gguf_import, hub
+from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.progress import StderrProgress
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -39,6 +39,11 @@ _DEMO_HINT = 'pip install "mlx-spec[demo]"'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
                     "*.tiktoken", "tiktoken.model")
 
+# Per family (model_type prefix): the tokens that end a turn (generation stops there, as the
+# checkpoints' generation_config.json says) and the template used when a checkpoint has none.
+_TURN_ENDS = {"gemma3": ("<end_of_turn>",), "gemma4": ("<turn|>", "<|tool_response>")}
+_CHAT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE, "gemma4": GEMMA4_CHAT_TEMPLATE}
+
 
 @dataclass
 class LoadedModel:
@@ -47,6 +52,7 @@ class LoadedModel:
     Attributes:
         model: the mlx-lm model (`model(tokens, cache=...)` returns logits).
         tokenizer: mlx-lm's TokenizerWrapper; `eos_token_ids` include Gemma's <end_of_turn>.
+            None for a Gemma 4 MTP assistant shipped without one (it speaks the target's ids).
         config: the model's config.json contents (with "quantization" when quantized).
         source: what the user passed ("default" for the embedded model).
         path: the local folder the weights came from (the converted cache folder for GGUF).
@@ -54,7 +60,7 @@ class LoadedModel:
     """
 
     model: nn.Module
-    tokenizer: TokenizerWrapper
+    tokenizer: TokenizerWrapper | None
     config: dict
     source: str
     path: Path
@@ -117,7 +123,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
     with StderrProgress("bars" if progress and sys.stderr.isatty() else "off") as display:
         display.task(f"loading {source or DEFAULT_SOURCE}").phase()
         model, config = load_folder(path)
-        tokenizer = load_tokenizer(path, config)
+        tokenizer = load_tokenizer(path, config, optional=gemma4_assistant.is_assistant_config(config))
         # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
         # where bfloat16 scales make quantized matmuls ~8x slower).
         model.set_dtype(getattr(mx, dtype))
@@ -241,18 +247,23 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
         hint = f" (found {', '.join(found)}; convert with mlx_lm.convert)" if found else ""
         raise ModelLoadError(f"{path} has no model*.safetensors weights{hint}")
     try:
-        return mlx_lm_load_model(path, lazy=lazy)
+        # Gemma 4 MTP assistants are not an mlx-lm architecture: our class, mlx-lm's loading
+        # (quantized checkpoints included).
+        return mlx_lm_load_model(path, lazy=lazy, get_model_classes=gemma4_assistant.assistant_classes)
     except (ValueError, KeyError, OSError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the model in {path}: {reason}") from None
 
 
-def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
-    """mlx-lm's tokenizer for the folder, with Gemma 3's turn end and chat template ensured."""
+def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
+    """mlx-lm's tokenizer for the folder, with Gemma 3's and Gemma 4's turn ends and chat
+    templates ensured."""
     from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
+        if optional:
+            return None
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:
@@ -260,12 +271,15 @@ def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
     except Exception as error:  # transformers raises many types for a bad tokenizer
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None
-    if str(config.get("model_type", "")).startswith("gemma3"):
-        # Instruction-tuned Gemma 3 ends turns with <end_of_turn>; generation must stop there.
-        if tokenizer.convert_tokens_to_ids("<end_of_turn>") != tokenizer.unk_token_id:  # get_vocab: 0.3 s
-            tokenizer.add_eos_token("<end_of_turn>")
+    family = str(config.get("model_type", ""))[:6]
+    if family in _TURN_ENDS:
+        # Instruction-tuned Gemma ends turns with <end_of_turn> (Gemma 3) or <turn|> (Gemma 4,
+        # which also hands over to a tool with <|tool_response>); generation must stop there.
+        for token in _TURN_ENDS[family]:
+            if tokenizer.convert_tokens_to_ids(token) != tokenizer.unk_token_id:  # get_vocab: 0.3 s
+                tokenizer.add_eos_token(token)
         if not tokenizer.has_chat_template:
-            tokenizer._tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+            tokenizer._tokenizer.chat_template = _CHAT_TEMPLATES[family]
             tokenizer.has_chat_template = True
     return tokenizer
 

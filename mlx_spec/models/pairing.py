@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
+from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
 from mlx_spec.models.loader import DEFAULT_SOURCE, LoadedModel, load_model
 
 # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE: tokenizers further apart are different vocabularies.
@@ -31,6 +32,8 @@ class ModelPair:
         target: the model whose distribution p the output follows.
         draft: the small model proposing tokens (q), or None for model-free drafters.
         tokenizer: the target's tokenizer; valid for the draft's ids too.
+        (A Gemma 4 MTP assistant as the draft is checked against the target's sizes instead
+        of a tokenizer it may not ship.)
         vocab_size_target: width of the target's logits (last dimension).
         vocab_size_draft: width of the draft's logits, or None without a draft.
     """
@@ -76,7 +79,10 @@ def load_pair(target: str | None, draft: str | None = None, *,
             draft_model = target_model
         else:
             draft_model = _load_as("draft model", draft, draft_kwargs)
-        check_compatible(target_model, draft_model)
+        if is_assistant(draft_model):
+            check_assistant(target_model, draft_model)
+        else:
+            check_compatible(target_model, draft_model)
     return ModelPair(
         target=target_model,
         draft=draft_model,
@@ -139,9 +145,37 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             f"{MAX_VOCAB_SIZE_DIFFERENCE} apart, so they are different vocabularies")
 
 
+def is_assistant(loaded: LoadedModel | None) -> bool:
+    """Whether `loaded` is a Gemma 4 MTP assistant (drafts over its target's caches)."""
+    return loaded is not None and is_assistant_config(loaded.config)
+
+
+def check_assistant(target: LoadedModel, assistant: LoadedModel) -> None:
+    """An MTP assistant reads its target's hidden state, embeddings and K/V: raise
+    IncompatibleModelsError unless the target is a Gemma 4 of the sizes it was built for."""
+    inner = target_text_model(target.model)
+    if inner is None:
+        raise IncompatibleModelsError(
+            f"{assistant.source} is a Gemma 4 MTP assistant; it drafts for Gemma 4 targets only, "
+            f"and the target is {target.config.get('model_type')}")
+    args, text = inner.config, assistant.model.text_args
+    expected = {"hidden size": (assistant.model.args.backbone_hidden_size, args.hidden_size),
+                "vocabulary": (text.vocab_size, args.vocab_size),
+                "sliding head size": (text.head_dim, args.head_dim),
+                "full head size": (text.global_head_dim, args.global_head_dim)}
+    for what, (built_for, actual) in expected.items():
+        if built_for != actual:
+            raise IncompatibleModelsError(
+                f"the assistant was built for a target {what} of {built_for}; this target's is {actual}")
+    if assistant.tokenizer is not None:  # a release that ships the tokenizer: same ids?
+        check_compatible(target, assistant)
+
+
 def output_width(loaded: LoadedModel) -> int:
     """Width of the model's logits, measured with a one-token forward pass (configs disagree
     on where they keep it, and padded heads make the tokenizer size unreliable)."""
+    if is_assistant(loaded):  # no forward of its own: its logits are over its vocabulary
+        return loaded.model.vocab_size
     token = loaded.tokenizer.bos_token_id or 0
     logits = loaded.model(mx.array([[token]]))
     return int(logits.shape[-1])

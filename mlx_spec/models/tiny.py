@@ -8,6 +8,7 @@ byte-level tokenizer has Gemma's special turn tokens so chat templates work too.
 from __future__ import annotations
 
 import json
+from importlib import import_module
 from pathlib import Path
 
 import mlx.core as mx
@@ -73,10 +74,12 @@ def tiny_gemma3(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **ove
 
 def perturbed_copy(model, noise: float = 0.05, seed: int = 1):
     """A draft that agrees with `model` most of the time: every parameter plus Gaussian
-    noise of `noise` times that parameter's standard deviation."""
+    noise of `noise` times that parameter's standard deviation. Works for any mlx-lm
+    model class (Gemma 3 and Gemma 4 here)."""
     config = dict(getattr(model, "config", None) or vars(model.args))  # built here, or loaded
-    copy = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
-    copy.sanitize({})
+    arch = import_module(type(model).__module__)
+    copy = arch.Model(arch.ModelArgs.from_dict(config))
+    copy.sanitize({})  # Gemma 3: no lm_head weight, tie it to the embedding
     params = sorted(tree_flatten(model.parameters()))
     keys = mx.random.split(mx.random.key(seed), len(params))
     noisy = {}
@@ -90,20 +93,20 @@ def perturbed_copy(model, noise: float = 0.05, seed: int = 1):
     return copy
 
 
-def byte_tokenizer_json() -> dict:
+def byte_tokenizer_json(special_tokens: list[str] = SPECIAL_TOKENS) -> dict:
     """A byte-level BPE tokenizer (no merges): every byte is one token, after Gemma's
-    special tokens; BOS is prepended on encode."""
+    special tokens (BOS at id 2); BOS is prepended on encode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab = {tok: i for i, tok in enumerate(special_tokens)}
     for ch in sorted(alphabet):
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", special_tokens=[("<bos>", BOS_ID)]
     )

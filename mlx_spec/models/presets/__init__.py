@@ -23,7 +23,7 @@ class Preset:
         name: the preset's key in presets.toml.
         target: target model source (see `load_model`).
         draft: draft model source, or None when the drafter needs no model.
-        drafter: "model" | "ngram" | "none".
+        drafter: "model" | "mtp" (draft is a Gemma 4 MTP assistant) | "ngram" | "none".
         gamma: draft tokens per round, or "auto" to let the γ policy choose.
         temperature, top_p, top_k, min_p: sampling defaults (0 temperature is greedy).
         description: one line for `mlx-spec models list`.
@@ -90,8 +90,8 @@ def _parse(name: str, table: dict) -> Preset:
     )
     if preset.drafter not in DRAFTER_NAMES:
         raise MlxSpecError(f"preset '{name}': drafter must be one of {DRAFTER_NAMES}")
-    if preset.drafter == "model" and not preset.draft:
-        raise MlxSpecError(f"preset '{name}': drafter 'model' needs a draft model")
+    if preset.drafter in ("model", "mtp") and not preset.draft:
+        raise MlxSpecError(f"preset '{name}': drafter '{preset.drafter}' needs a draft model")
     if not (preset.gamma == "auto" or (isinstance(preset.gamma, int) and preset.gamma >= 0)):
         raise MlxSpecError(f"preset '{name}': gamma must be a non-negative integer or 'auto'")
     return preset

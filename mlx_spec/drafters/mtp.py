@@ -1,0 +1,142 @@
+"""Gemma 4's multi-token-prediction assistant as the drafter.
+
+The assistant has no cache of its own: it reads the target's. Each round it starts from the
+target's final hidden state h at the last accepted position (handed over by the engine with
+`accept`) and the token the round committed after it, and drafts γ tokens greedily, each
+step feeding its own projected hidden state and the target's embedding of the token it just
+drafted. All steps query one position, so nothing is ever written and nothing needs rollback.
+
+Which keys it sees: the target's cache after a round holds exactly the committed tokens
+before the newest one, so every step attends to the committed context only. Sliding layers
+see the window − 1 newest keys, the keys the target's own sliding layer would see at the
+newest token's position besides that token's own (as mlx-vlm's assistant does).
+transformers' generation loop differs in two corners we do not copy: after a rejection it
+crops the verify pass's K/V to the new length, so the rejected draft's key at the newest
+position stays visible, and its sliding mask admits window + 1 keys.
+
+The draft is the argmax at every step, so q is one-hot (Draft.q = None) and the Leviathan
+rule stays exact at any temperature, as for the n-gram drafter.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import mlx.core as mx
+
+from mlx_spec.drafters import Draft
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model
+
+# The query position of every draft step, as the number of tokens in the target's cache
+# minus this. 0: the position the newest token will take (transformers'
+# SinglePositionMultiTokenCandidateGenerator: position_ids = len(input_ids) - 1).
+# 1: the position of the token whose hidden state h is (Ollama, mlx-vlm and vLLM).
+# The default is transformers'; MLX_SPEC_MTP_POSITION=previous (or position=) switches.
+POSITIONS = {"transformers": 0, "previous": 1}
+POSITION_ENV = "MLX_SPEC_MTP_POSITION"
+
+
+def shared_kv(layer_caches: list, layers: dict[str, int], window: int) -> dict:
+    """{"sliding_attention": (keys, values), "full_attention": (keys, values)} from the
+    target's per-layer caches (plain `KVCache` or our `WindowKVCache`), each
+    [1, kv_heads, S, head_dim] in temporal order; sliding layers cut to window − 1 keys."""
+    out = {}
+    for layer_type, index in layers.items():
+        cache = layer_caches[index]
+        used = cache.offset - getattr(cache, "start", 0)  # WindowKVCache drops old slots
+        first = max(0, used - (window - 1)) if layer_type == "sliding_attention" else 0
+        out[layer_type] = (cache.keys[..., first:used, :], cache.values[..., first:used, :])
+    return out
+
+
+def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, position, gamma: int) -> mx.array:
+    """γ greedy assistant steps from one position.
+
+    Args:
+        assistant: `gemma4_assistant.Model`.
+        embed: the target's scaled input embedding (ids -> E[id]·√H_target).
+        token: [1, 1] the last committed token; h: [1, 1, H_target] the target's final
+            hidden state at the position before it.
+        kv: the target's shared K/V (see `shared_kv`); position: the query's RoPE position.
+    Returns:
+        [γ] drafted token ids (lazy).
+    """
+    tokens = []
+    for _ in range(gamma):
+        h_d = assistant.hidden(mx.concatenate([embed(token), h], axis=-1), kv, position)
+        token = assistant.greedy(h_d)  # [1, 1]
+        h = assistant.post_projection(h_d)
+        tokens.append(token)
+    return mx.concatenate(tokens, axis=1)[0]
+
+
+class MtpDrafter:
+    """Drafts with a Gemma 4 MTP assistant over the target's own caches.
+
+    Args:
+        assistant: the loaded assistant (`gemma4_assistant.Model`).
+        target: the Gemma 4 target it was trained with (text-only or multimodal build).
+        position: "transformers" or "previous" (see POSITIONS); None reads
+            $MLX_SPEC_MTP_POSITION, else "transformers". Implementations disagree; only
+            acceptance on real weights can tell which one the checkpoints were trained with,
+            and exactness holds either way.
+    """
+
+    name = "mtp"
+    passes_per_token = 1  # assistant forwards per drafted token
+    rollbackable = True  # nothing of its own to roll back
+    wants_hidden = True  # the engine hands over the target's final hidden states
+
+    def __init__(self, assistant, target, *, position: Optional[str] = None):
+        inner = target_text_model(target)
+        if inner is None:
+            raise MlxSpecError("the MTP assistant drafts for Gemma 4 targets only "
+                               f"(the target is {type(target).__module__.rsplit('.', 1)[-1]})")
+        position = position or os.environ.get(POSITION_ENV) or "transformers"
+        if position not in POSITIONS:
+            raise MlxSpecError(f"unknown MTP position {position!r} (choose from {', '.join(POSITIONS)}; "
+                               f"set by position= or ${POSITION_ENV})")
+        backbone = assistant.args.backbone_hidden_size
+        if backbone != inner.config.hidden_size:
+            raise MlxSpecError(f"the assistant was built for a target of hidden size {backbone}, "
+                               f"this target's is {inner.config.hidden_size}")
+        self.model = assistant
+        self.target = target
+        self.inner = inner
+        self.layers = last_kv_layers(inner.config)
+        self.window = inner.config.sliding_window
+        self.position = position
+        self.state = None  # the target's SequenceCache
+        self.h: Optional[mx.array] = None  # [1, 1, H_target] at the last committed position
+
+    def embed(self, token: mx.array) -> mx.array:
+        return self.inner.embed_tokens(token) * self.inner.embed_scale
+
+    def begin(self, prompt_ids: list[int], prompt_cache, processor=None) -> int:
+        # The prefill computed no hidden state for us, so the first round is a plain one;
+        # it costs one target pass and yields a token, as any round does.
+        self.state = prompt_cache.target
+        self.h = None
+        return 0
+
+    def propose(self, gamma: int, history: list[int], key=None) -> Draft:
+        if gamma == 0 or self.h is None:
+            return Draft.empty()
+        layer_caches = self.state.cache
+        context = layer_caches[0].offset  # tokens the target has seen: all but history[-1]
+        kv = shared_kv(layer_caches, self.layers, self.window)
+        token = mx.array([[history[-1]]])
+        position = context - POSITIONS[self.position]
+        tokens = draft_greedy(self.model, self.embed, token, self.h, kv, position, gamma)
+        return Draft(tokens.astype(mx.uint32))
+
+    def accept(self, committed: list[int], target_hidden: Optional[mx.array] = None) -> None:
+        """`target_hidden`: the target's final hidden states from the round's pass [γ+1, H],
+        row i at block token i; the round's last token was chosen at row len(committed) − 1,
+        which is the h the next draft starts from."""
+        if target_hidden is None:
+            self.h = None
+        else:
+            self.h = target_hidden[len(committed) - 1].reshape(1, 1, -1)

@@ -1,0 +1,202 @@
+"""Tiny random-weight Gemma 4 models: a target (mlx-lm's own `gemma4_text` class) and its
+MTP assistant, for tests and overhead benchmarks.
+
+The target keeps every feature real Gemma 4 checkpoints have that touches caches and
+rollback: sliding and full layers with different head sizes, KV-shared layers (the last
+ones reuse the K/V of the last non-shared layer of their type), per-layer inputs and the
+logit soft-cap. `save_tiny_gemma4` writes it as a checkpoint folder; the assistant's
+folder is written by `save_tiny_assistant` in the real checkpoints' key layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import gemma4_text
+
+from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE
+from mlx_spec.models.tiny import TINY_VOCAB, byte_tokenizer_json
+
+# Gemma 4's turn markers take the places of Gemma 3's, so ids stay as in tiny.py.
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
+BOS_ID, EOS_ID, END_OF_TURN_ID = 2, 1, 5
+WINDOW = 16
+
+
+def tiny_gemma4_config(**overrides) -> dict:
+    """An mlx-lm `gemma4_text` config: 6 layers [sliding, sliding, full] x 2, of which the
+    last 3 are KV-shared (layers 3, 4 read layer 1's K/V, layer 5 reads layer 2's), a
+    16-token window, head sizes 32 (sliding) and 64 (full), per-layer inputs."""
+    config = dict(
+        model_type="gemma4_text",
+        hidden_size=64,
+        num_hidden_layers=6,
+        intermediate_size=96,
+        num_attention_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        num_key_value_heads=1,
+        num_kv_shared_layers=3,
+        hidden_size_per_layer_input=8,
+        vocab_size=TINY_VOCAB,
+        vocab_size_per_layer_input=TINY_VOCAB,
+        rms_norm_eps=1e-6,
+        sliding_window=WINDOW,
+        sliding_window_pattern=3,
+        max_position_embeddings=4096,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0,
+                               "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10_000.0, "rope_type": "default"},
+        },
+        eos_token_id=[EOS_ID, END_OF_TURN_ID],
+    )
+    config.update(overrides)
+    return config
+
+
+def tiny_gemma4(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **overrides):
+    """A random-weight Gemma 4 text model built in-process.
+
+    Args:
+        seed: seeds MLX's global generator used by the layer initialisers.
+        logit_scale: the final norm's gain (Gemma 4 norms multiply by the plain weight);
+            larger makes next-token distributions peakier.
+        dtype: parameter dtype.
+        overrides: config fields to change.
+    Returns:
+        An mlx-lm ``gemma4_text.Model`` with tied embeddings, parameters evaluated.
+    """
+    config = tiny_gemma4_config(**overrides)
+    mx.random.seed(seed)
+    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config))
+    model.model.norm.weight = mx.full(model.model.norm.weight.shape, logit_scale)
+    model.set_dtype(dtype)
+    model.config = config
+    mx.eval(model.parameters())
+    return model
+
+
+def _write_tokenizer(path: Path, chat_template: str) -> None:
+    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(SPECIAL_TOKENS)))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "chat_template": chat_template,
+    }, indent=2))
+
+
+def save_tiny_gemma4(path: str | Path, model=None, *, chat_template: str | None = GEMMA4_CHAT_TEMPLATE,
+                     **config_overrides) -> Path:
+    """Write a tiny Gemma 4 target as a checkpoint folder (config.json, model.safetensors,
+    byte-level tokenizer with Gemma 4's turn tokens). chat_template=None writes none, so the
+    loader's fallback is exercised."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        model = tiny_gemma4(**config_overrides)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(model.config, indent=2))
+    _write_tokenizer(path, chat_template or "")
+    if chat_template is None:  # an empty template is still a template to transformers
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        del config["chat_template"]
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# The MTP assistant, in the released checkpoints' config schema and key layout
+# ---------------------------------------------------------------------------------------
+
+
+def tiny_assistant_config(target_config: dict | None = None, *, centroids: bool = True,
+                          **text_overrides) -> dict:
+    """A config.json for a tiny assistant of `target_config` (default: the tiny target), in
+    the schema of the released checkpoints: `gemma4_assistant` with the centroid head (as
+    E2B/E4B) or `gemma4_unified_assistant` with the tied dense head (as 12B). 16 centroids
+    of 17 tokens, top 4, so 68 of the 272 tokens get real logits."""
+    target = target_config or tiny_gemma4_config()
+    text = dict(
+        model_type="gemma4_text" if centroids else "gemma4_unified_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"],
+        global_head_dim=target["global_head_dim"],
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=target["sliding_window"],
+        num_kv_shared_layers=4,
+        rms_norm_eps=1e-6,
+        vocab_size=target["vocab_size"],
+        max_position_embeddings=target["max_position_embeddings"],
+        hidden_activation="gelu_pytorch_tanh",
+        rope_parameters=target["rope_parameters"],
+        final_logit_softcapping=None,
+        tie_word_embeddings=True,
+        use_double_wide_mlp=False,
+        attention_k_eq_v=False,
+    )
+    if centroids:  # fields the unified text config does not have
+        text.update(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False)
+    text.update(text_overrides)
+    return dict(
+        model_type="gemma4_assistant" if centroids else "gemma4_unified_assistant",
+        architectures=["Gemma4AssistantForCausalLM" if centroids else "Gemma4UnifiedAssistantForCausalLM"],
+        backbone_hidden_size=target["hidden_size"],
+        use_ordered_embeddings=centroids,
+        num_centroids=16,
+        centroid_intermediate_top_k=4,
+        tie_word_embeddings=True,
+        text_config=text,
+    )
+
+
+def tiny_assistant_weights(config: dict, seed: int = 0) -> dict:
+    """Random weights for `config` as numpy arrays under the checkpoints' key names.
+
+    Drawn with numpy's legacy `RandomState`, whose streams never change, so a committed
+    script and a test on another machine rebuild bit-identical weights. Norm gains and layer
+    scalars are drawn around 1 (not all ones), so a `1 + w` norm or a dropped scalar shows."""
+    import numpy as np
+
+    from mlx_spec.models import gemma4_assistant
+
+    model = gemma4_assistant.Model(gemma4_assistant.ModelArgs.from_dict(config))
+    rng = np.random.RandomState(seed)
+    weights = {}
+    for name, param in sorted(tree_flatten(model.parameters())):
+        shape = tuple(param.shape)
+        if name.endswith("token_ordering"):
+            weights[name] = rng.permutation(shape[0]).astype(np.int64)
+        elif name.endswith(("norm.weight", "layer_scalar")):
+            weights[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        elif name == "model.embed_tokens.weight":
+            weights[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        else:  # projections [out, in]
+            weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return weights
+
+
+def save_tiny_assistant(path: str | Path, config: dict | None = None, weights: dict | None = None,
+                        seed: int = 0) -> Path:
+    """Write an assistant checkpoint folder: config.json and model.safetensors (no
+    tokenizer: the assistant speaks the target's vocabulary)."""
+    import numpy as np
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config or tiny_assistant_config()
+    weights = weights if weights is not None else tiny_assistant_weights(config, seed)
+    # mx.array keeps int64; safetensors stores token_ordering as I64, as the releases do
+    mx.save_safetensors(str(path / "model.safetensors"),
+                        {k: mx.array(np.asarray(v)) for k, v in weights.items()})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
