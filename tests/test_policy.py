@@ -105,7 +105,8 @@ def test_cost_curve_noise_is_smoothed_to_non_decreasing():
 
 
 def test_measured_curve_has_one_entry_per_width(tiny_target, tiny_draft):
-    curve = measure_costs(tiny_target, tiny_draft, max_width=4, context=32, repeats=1)
+    # early_stop off: under CPU load a noisy first look can make widening look hopeless
+    curve = measure_costs(tiny_target, tiny_draft, max_width=4, context=32, repeats=1, early_stop=False)
     assert len(curve.verify) == 4 and all(t > 0 for t in curve.verify)
     assert curve.draft_step > 0 and curve.draft_step2 > 0
     assert curve.verify_time(6) >= curve.verify_time(4)  # extrapolated, never shrinking
