@@ -46,6 +46,8 @@ def verify_greedy(x: mx.array, target_tokens: mx.array) -> Verdict:
     Returns:
         The `Verdict`: n accepted, and the target's own token after them.
     """
+    if x.shape[0] == 0:  # a plain round: no prefix to compute (fewer ops per token)
+        return Verdict(mx.array(0), target_tokens[0])
     n = accepted_prefix(x == target_tokens[: x.shape[0]].astype(x.dtype))
     return Verdict(n, mx.take(target_tokens, n))
 
