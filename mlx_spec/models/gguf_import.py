@@ -370,7 +370,9 @@ def _write_tokenizer(out: Path, meta: dict, arch_name: str, fallback_template: s
         bos_id = meta["tokenizer.ggml.bos_token_id"]
         backend.post_processor = TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)])
-    backend.save(str(out / "tokenizer.json"))
+    # Compact, not pretty-printed: 14 MB instead of 33 MB for Gemma's 262k tokens, and every
+    # load parses it (mlx-lm and transformers both do): 0.35 s of a warm run's ~6.5 s.
+    backend.save(str(out / "tokenizer.json"), pretty=False)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,

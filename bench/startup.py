@@ -1,0 +1,90 @@
+"""Where a warm run's seconds go: `mlx-spec generate -n 1` on the embedded default once its
+import and cost curve are cached (issue 10: the README said later runs "load in a second").
+
+    python bench/startup.py --repeats 5                      # this checkout
+    python bench/startup.py --repeats 5 --before ../old-main # and another checkout, interleaved
+
+Each repetition runs, in fresh processes: `python -c "import mlx_spec.cli"` (imports),
+`python -m mlx_spec.cli --help`, and `python -m mlx_spec.cli generate -n 1` (the whole run),
+plus one in-process breakdown (import, weights, tokenizer, calibration read, first token).
+Medians of wall-clock seconds; checkouts alternate so drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import median, write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PHASES = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import mlx_spec.cli  # noqa: F401  (what every command imports)
+t1 = time.perf_counter()
+from mlx_spec.models.loader import load_folder, load_tokenizer, resolve_source
+path, _ = resolve_source(None, progress=False)
+model, config = load_folder(path)
+import mlx.core as mx
+model.set_dtype(mx.float32)
+mx.eval(model.parameters())
+t2 = time.perf_counter()
+tokenizer = load_tokenizer(path, config)
+t3 = time.perf_counter()
+print(json.dumps({"import": t1 - t0, "weights": t2 - t1, "tokenizer": t3 - t2}))
+"""
+
+
+def timed(cmd: list[str], cwd: Path, env: dict) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed in {cwd}:\n{done.stderr}")
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--before", type=Path, help="another checkout to compare (run from its root)")
+    parser.add_argument("--out", default="startup")
+    args = parser.parse_args()
+
+    checkouts = {"after": ROOT} if args.before is None else {"before": args.before.resolve(), "after": ROOT}
+    cache = Path(tempfile.mkdtemp(prefix="mlx-spec-startup-"))
+    env = {**os.environ, "MLX_SPEC_CACHE": str(cache), "PYTHONPATH": ""}
+    generate = [sys.executable, "-m", "mlx_spec.cli", "generate", "-n", "1", "Hello"]
+    for cwd in checkouts.values():  # first runs: import the model, measure the cost curve
+        timed(generate, cwd, env)
+    runs = {name: {"import": [], "help": [], "generate -n 1": []} for name in checkouts}
+    phases = {name: [] for name in checkouts}
+    for rep in range(args.repeats):
+        for name, cwd in (checkouts.items() if rep % 2 == 0 else reversed(checkouts.items())):
+            runs[name]["import"].append(timed([sys.executable, "-c", "import mlx_spec.cli"], cwd, env))
+            runs[name]["help"].append(timed([sys.executable, "-m", "mlx_spec.cli", "--help"], cwd, env))
+            runs[name]["generate -n 1"].append(timed(generate, cwd, env))
+            out = subprocess.run([sys.executable, "-c", PHASES], cwd=cwd, env=env, capture_output=True, text=True)
+            phases[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    result = {}
+    for name in checkouts:
+        medians = {k: median(v) for k, v in runs[name].items()}
+        breakdown = {k: median([p[k] for p in phases[name]]) for k in phases[name][0]}
+        result[name] = {"wall_s_median": medians, "in_process_s_median": breakdown, "runs": runs[name]}
+        print(f"{name}: " + " · ".join(f"{k} {v:.2f} s" for k, v in medians.items())
+              + " | in process: " + " · ".join(f"{k} {v:.2f} s" for k, v in breakdown.items()))
+    path = write_results(args.out, {"repeats": args.repeats, "command": " ".join(generate[1:]),
+                                    "checkouts": {k: str(v) for k, v in checkouts.items()}, **result})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
