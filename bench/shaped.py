@@ -8,7 +8,7 @@ given per-position probability (scripted.py), and the real round loop (`Engine.r
 Reports cost curves, achieved weight bandwidth, and measured tok/s for γ = 0..6 and auto
 next to the cost model's prediction and Theorem 3.8 (shaped_measure.py).
 
-    python bench/shaped.py                        # full size: all pairs, needs ~23 GB
+    python bench/shaped.py                        # full size, all pairs: ~17 GB at most
     python bench/shaped.py --pairs gemma3-12b/270m --scale 0.125 --prompt-tokens 256
 
 Writes bench/results/shaped_<device>_<scale>.json and docs/shaped_<device>_<scale>.png.
@@ -34,6 +34,7 @@ from shaped_measure import (  # noqa: E402
 )
 from shapes import PAIRS, SHAPES, build  # noqa: E402
 
+from mlx_spec.costs import weight_bytes  # noqa: E402
 from mlx_spec.errors import MlxSpecError  # noqa: E402
 from mlx_spec.models.loader import default_dtype  # noqa: E402
 
@@ -65,7 +66,8 @@ def measure(pairs: list[str], profiles: dict, *, scale: float = 1.0, dtype: str 
     def model(name: str, seed: int):
         if name not in built:
             log(f"building {name} (scale {scale:g}, {dtype}, 4-bit g64)")
-            built[name] = build(SHAPES[name], scale=scale, dtype=dtype, seed=seed)
+            in_use = sum(weight_bytes(m) for m in built.values())
+            built[name] = build(SHAPES[name], scale=scale, dtype=dtype, seed=seed, in_use=in_use)
         return built[name]
 
     out = []
@@ -138,7 +140,8 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
             "acceptance": list(profile),
             "cost_model_best_gamma": best_gamma(profile, curve),
             "target_step_s_by_repetition": [c.verify[0] for c in curves],
-            "settings": summarize(runs, reference, curve, profile),
+            "settings": summarize(runs, reference, curve, profile,
+                                  (costs["json"]["target_weight_bytes"], costs["json"]["draft_weight_bytes"])),
         }
     return result
 

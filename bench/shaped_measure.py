@@ -37,7 +37,7 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import AutoGamma
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
-from mlx_spec.sweep import cost_model_speedup, first_difference, theorem_speedup, token_md5
+from mlx_spec.sweep import cost_model_speedup, first_difference, theorem_speedup, token_md5, weight_bandwidth
 
 from scripted import ScriptedDrafter, profile_at
 
@@ -216,8 +216,10 @@ def run_profile(target, make_drafter: Callable, ids: list[int], reference: list[
 
 
 def summarize(runs: list[RunResult], reference: list[int], costs: CostCurve,
-              profile: Sequence[float]) -> list[dict]:
-    """Per setting: warm-run medians, speedups, acceptance checks and predictions."""
+              profile: Sequence[float], weights: tuple[int, int] = (0, 0)) -> list[dict]:
+    """Per setting: warm-run medians, speedups, acceptance checks and predictions.
+
+    `weights`: (target, draft) weight bytes, for the weight bandwidth achieved in decode."""
     labels = list(dict.fromkeys(r.setting for r in runs))
     warm = {s: [r for r in runs if r.setting == s and r.rep > 0] or [r for r in runs if r.setting == s]
             for s in labels}
@@ -269,6 +271,8 @@ def summarize(runs: list[RunResult], reference: list[int], costs: CostCurve,
             "first_mismatch": mismatch[0] if mismatch else None,
             "generated": ws[0].stats.generated,
             "peak_memory": max(r.stats.peak_memory for r in ws),
+            "weight_bandwidth_bytes_per_s": statistics.median(
+                weight_bandwidth(r.stats, *weights) for r in ws),
         })
     return rows
 

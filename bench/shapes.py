@@ -191,13 +191,14 @@ def _quantized_embedding(vocab: int, dims: int, bits: int, group_size: int, dtyp
 
 
 def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_scale: float = 4.0,
-          seed: int = 0, progress: Optional[Callable[[int, int], None]] = None):
+          seed: int = 0, in_use: int = 0, progress: Optional[Callable[[int, int], None]] = None):
     """An mlx-lm model with `shape`'s architecture (scaled by `scale`), random weights in
     `dtype`, quantized as the real checkpoint (`shape.bits`, `shape.group_size`).
 
     Args:
         logit_scale: the final norm's gain; random models have nearly flat next-token
             distributions, and a peakier one keeps greedy decoding's argmax decisive.
+        in_use: bytes already held by other models (counted against the device's memory).
         progress: called with (blocks done, blocks total).
     Returns:
         The model, evaluated, with `.config` (the scaled config, with "quantization").
@@ -206,10 +207,10 @@ def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_sc
     float_dtype = getattr(mx, dtype)
     need = estimated_bytes(config, shape.bits, shape.group_size, float_dtype.size)
     have = device_memory()
-    if have is not None and need > 0.8 * have:
+    if have is not None and in_use + need > 0.8 * have:
         raise MlxSpecError(
-            f"{shape.name} at scale {scale:g} needs about {need / 1e9:.1f} GB, more than 80% of "
-            f"this device's {have / 1e9:.1f} GB: use a smaller --scale or another pair"
+            f"{shape.name} at scale {scale:g} needs about {need / 1e9:.1f} GB (with {in_use / 1e9:.1f} GB "
+            f"in use), more than 80% of this device's {have / 1e9:.1f} GB: use a smaller --scale or other pairs"
         )
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
