@@ -29,8 +29,8 @@ import mlx.core as mx  # noqa: E402
 from common import write_results  # noqa: E402
 from scripted import PROFILES, parse_profile  # noqa: E402
 from shaped_measure import (  # noqa: E402
-    MAX_WIDTH, best_gamma, device_label, device_name, greedy_reference, log_stderr, measure_costs_for,
-    clock, prompt_ids, run_profile, scripted_drafter, summarize, timed,
+    MAX_WIDTH, best_gamma, clock, device_label, device_name, greedy_reference, log_stderr,
+    measure_costs_for, median_curve, prompt_ids, run_profile, scripted_drafter, summarize, timed,
 )
 from shapes import PAIRS, SHAPES, build  # noqa: E402
 
@@ -128,7 +128,7 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
     }
     for profile_name, profile in profiles.items():
         log(f"[{pair_name}] profile {profile_name}: {', '.join(f'{a:g}' for a in profile)}")
-        curves = []  # re-measured before each warm repetition
+        curves = [curve]  # and re-measured before each warm repetition
 
         def recost():
             curves.append(measure_costs_for(target, draft, prompt_tokens, max_width)["curve"])
@@ -136,11 +136,14 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
 
         runs = run_profile(target, make_drafter, ids, reference, curve, profile, gammas=list(gammas),
                            auto=auto, max_tokens=max_tokens, repeats=repeats, recost=recost, log=log)
+        typical = median_curve(curves)
         result["profiles"][profile_name] = {
             "acceptance": list(profile),
-            "cost_model_best_gamma": best_gamma(profile, curve),
+            "cost_model_best_gamma": best_gamma(profile, typical),
+            "cost_curve_median": {"verify_over_step": [t / typical.verify[0] for t in typical.verify],
+                                  "target_step_s": typical.verify[0], "c": typical.c},
             "target_step_s_by_repetition": [c.verify[0] for c in curves],
-            "settings": summarize(runs, reference, curve, profile,
+            "settings": summarize(runs, reference, typical, profile,
                                   (costs["json"]["target_weight_bytes"], costs["json"]["draft_weight_bytes"])),
         }
     return result

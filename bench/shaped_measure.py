@@ -141,6 +141,16 @@ def predicted_tps(rounds, costs: CostCurve, generated: int) -> float:
     return generated / total if total else 0.0
 
 
+def median_curve(curves: Sequence[CostCurve]) -> CostCurve:
+    """Per-width medians of cost curves measured at different times (the expected-speed
+    predictions use this; each run is predicted from the curve measured just before it)."""
+    def med(values):
+        return statistics.median(values)
+
+    return CostCurve([med(c.verify[w] for c in curves) for w in range(len(curves[0].verify))],
+                     med(c.draft_step for c in curves), curves[0].context, med(c.draft_step2 for c in curves))
+
+
 def binomial_z(taken: int, reached: int, a: float) -> float:
     """(â − a) / σ for `taken` of `reached` Bernoulli(a) draws (0 when nothing was drawn,
     inf when a is 0 or 1 and any draw disagreed)."""
@@ -219,7 +229,10 @@ def summarize(runs: list[RunResult], reference: list[int], costs: CostCurve,
               profile: Sequence[float], weights: tuple[int, int] = (0, 0)) -> list[dict]:
     """Per setting: warm-run medians, speedups, acceptance checks and predictions.
 
-    `weights`: (target, draft) weight bytes, for the weight bandwidth achieved in decode."""
+    Args:
+        costs: the curve for the expected-speed predictions (`median_curve` of all measured).
+        weights: (target, draft) weight bytes, for the weight bandwidth achieved in decode.
+    """
     labels = list(dict.fromkeys(r.setting for r in runs))
     warm = {s: [r for r in runs if r.setting == s and r.rep > 0] or [r for r in runs if r.setting == s]
             for s in labels}
