@@ -171,6 +171,25 @@ def print_table(results: dict) -> None:
                       f"{'yes' if s['identical_to_reference'] else 'NO':>6}")
 
 
+def markdown_table(results: dict, profile: str = "seed") -> str:
+    """README's table: speedup over γ = 0 per γ at one profile, measured (cost model)."""
+    fixed = [s["setting"] for s in results["pairs"][0]["profiles"][profile]["settings"] if s["setting"] != "γ=0"]
+    head = ["pair", "c", "verify 2 / 4 / 7 rows ÷ step", *fixed, "measured ÷ predicted"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for pair in results["pairs"]:
+        settings = {s["setting"]: s for s in pair["profiles"][profile]["settings"]}
+        curve = pair["profiles"][profile]["cost_curve_median"]
+        ratios = [s["measured_over_predicted"] for s in settings.values() if s["measured_over_predicted"]]
+        cells = [pair["pair"], f"{curve['c']:.2f}",
+                 " / ".join(f"{curve['verify_over_step'][w - 1]:.2f}" for w in (2, 4, 7))]
+        for name in fixed:
+            s = settings[name]
+            cells.append(f"{s['speedup']:.2f}× ({s['predicted_speedup_profile']:.2f})")
+        cells.append(f"{min(ratios):.2f}–{max(ratios):.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: Path) -> Path:
     """Speedup vs γ per pair (rows) and profile (columns): measured, cost model, Thm 3.8."""
     import matplotlib
@@ -185,7 +204,7 @@ def plot(results: dict, path: Path) -> Path:
         for ax, name in zip(row, names):
             settings = pair["profiles"][name]["settings"]
             fixed = [s for s in settings if s["setting"] != "auto"]
-            g = [s["mean_gamma"] for s in fixed]
+            g = [int(s["setting"].split("=")[1]) for s in fixed]
             ax.plot(g, [s["speedup"] for s in fixed], "o-", label="measured")
             ax.plot(g, [s["predicted_speedup_profile"] for s in fixed], "s--", label="cost model")
             ax.plot(g, [s["theorem_3_8"] for s in fixed], ":", label="Thm 3.8 (α̂, c)")
@@ -197,7 +216,8 @@ def plot(results: dict, path: Path) -> Path:
             ax.set_xlabel("γ")
             ax.set_ylabel("speedup vs γ = 0")
             ax.legend(fontsize=7)
-    fig.suptitle(f"{results['device']} · scale {results['scale']:g} · {results['dtype']} · 4-bit g64 "
+    fig.suptitle(f"{results['device']} · scale {results['scale']:g} · {results['dtype']} · 4-bit g64 · "
+                 f"{'process CPU time' if results['clock'] == 'cpu' else 'wall time'} "
                  f"(random weights, real shapes{'' if results['scale'] == 1 else ' scaled down'})", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,6 +257,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(results)
+    if "seed" in profiles:
+        print("\n" + markdown_table(results, "seed"))
     name = f"shaped_{device_label()}_{scale_label(args.scale)}"
     print(f"wrote {write_results(name, results)}")
     if not args.no_plot:
