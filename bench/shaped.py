@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 from pathlib import Path
 
@@ -242,7 +243,17 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default), or this process's CPU time on a CPU shared with other jobs")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--from-json", type=Path, metavar="FILE",
+                        help="measure nothing: print the tables and redraw the plot of a results file")
     args = parser.parse_args(argv)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+        print_table(results)
+        if "seed" in results["pairs"][0]["profiles"]:
+            print("\n" + markdown_table(results, "seed"))
+        if not args.no_plot:
+            print(f"wrote {plot(results, DOCS / (args.from_json.stem + '.png'))}")
+        return 0
     try:
         profiles = dict(parse_profile(p) for p in args.profiles)
         if not 0 < args.scale <= 1:
