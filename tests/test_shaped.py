@@ -7,6 +7,7 @@ curve, timed apart from the loop, for the speed. Timings use the process's CPU t
 by ±50% from one second to the next.
 """
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 from scripted import ScriptedDrafter  # noqa: E402
-from shaped import main, measure  # noqa: E402
+from shaped import main, markdown_table, measure, plot  # noqa: E402
 from shaped_measure import clock, measure_costs_for, nominal_bandwidth, prompt_ids, run_profile, summarize  # noqa: E402
 from shapes import PAIRS, SHAPES, Shape, build, estimated_bytes, scaled_config  # noqa: E402
 
@@ -63,7 +64,7 @@ def quick_costs(monkeypatch):
     monkeypatch.setattr(mlx_spec.costs, "BUDGET_S", 0.3)
 
 
-def test_scripted_acceptance_exact_output_and_loop_efficiency(pair, reference, quick_costs):
+def test_scripted_acceptance_exact_output_and_loop_efficiency(pair, reference, quick_costs, tmp_path, capsys):
     results = _measure(pair)
     settings = results["pairs"][0]["profiles"]["flat0.8"]["settings"]
     assert [s["setting"] for s in settings] == ["γ=0", "γ=2", "γ=4", "auto"]
@@ -96,6 +97,16 @@ def test_scripted_acceptance_exact_output_and_loop_efficiency(pair, reference, q
     assert costs["verify_over_step"][0] == 1.0 and len(costs["verify_over_step"]) == 7
     assert costs["target_weight_bytes"] == weight_bytes(pair["gemma3-12b"])
     assert costs["nominal_bandwidth_bytes_per_s"] is None  # a CPU: no nominal figure
+    # the outputs people read: README's table row and the plot, from the results file
+    table = markdown_table(results, "flat0.8").splitlines()
+    assert table[0].startswith("| pair | c |") and table[2].startswith("| gemma3-12b/270m |")
+    assert f"{settings[1]['speedup']:.2f}×" in table[2]
+    assert plot(results, tmp_path / "shaped.png").stat().st_size > 10_000
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    capsys.readouterr()
+    assert main(["--from-json", str(path), "--no-plot"]) == 0
+    assert "gemma3-12b/270m on CPU" in capsys.readouterr().out
 
 
 class BusyDrafter(ScriptedDrafter):
