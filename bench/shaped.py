@@ -163,12 +163,12 @@ def print_table(results: dict) -> None:
             print(f"profile {name} ({', '.join(f'{a:g}' for a in prof['acceptance'])}); "
                   f"cost model's best γ = {prof['cost_model_best_gamma']}")
             print(f"{'setting':>8} {'tok/s':>9} {'speedup':>8} {'predicted':>9} {'meas/pred':>9} "
-                  f"{'Thm 3.8':>8} {'α̂':>6} {'max|z|':>7} {'exact':>6}")
+                  f"{'Thm 3.8':>8} {'α':>6} {'α̂':>6} {'max|z|':>7} {'exact':>6}")
             for s in prof["settings"]:
                 ratio = s["measured_over_predicted"]
                 print(f"{s['setting']:>8} {s['decode_tps']['median']:9.2f} {s['speedup']:7.2f}× "
                       f"{s['predicted_speedup_profile']:8.2f}× {ratio if ratio else float('nan'):9.3f} "
-                      f"{s['theorem_3_8']:7.2f}× {s['acceptance_rate']:6.3f} {s['max_abs_z']:7.2f} "
+                      f"{s['theorem_3_8']:7.2f}× {s['alpha_iid']:6.3f} {s['acceptance_rate']:6.3f} {s['max_abs_z']:7.2f} "
                       f"{'yes' if s['identical_to_reference'] else 'NO':>6}")
 
 
@@ -208,7 +208,7 @@ def plot(results: dict, path: Path) -> Path:
             g = [int(s["setting"].split("=")[1]) for s in fixed]
             ax.plot(g, [s["speedup"] for s in fixed], "o-", label="measured")
             ax.plot(g, [s["predicted_speedup_profile"] for s in fixed], "s--", label="cost model")
-            ax.plot(g, [s["theorem_3_8"] for s in fixed], ":", label="Thm 3.8 (α̂, c)")
+            ax.plot(g, [s["theorem_3_8"] for s in fixed], ":", label="Thm 3.8 (α, c)")
             for s in settings:
                 if s["setting"] == "auto":
                     ax.plot([s["mean_gamma"]], [s["speedup"]], "*", ms=12, label="auto (mean γ)")
@@ -283,4 +283,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # piped into head: stop quietly
+        sys.stderr.close()
+        sys.exit(0)
