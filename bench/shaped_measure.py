@@ -31,13 +31,13 @@ from mlx_lm.generate import generate_step
 
 import mlx_spec.costs
 import mlx_spec.engine
-from mlx_spec.costs import CostCurve, measure_costs, weight_bytes
+from mlx_spec.costs import CostCurve, measure_costs, weight_bandwidth, weight_bytes
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.policy import AutoGamma
+from mlx_spec.policy import AutoGamma, cost_model_speedup, theorem_speedup
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
-from mlx_spec.sweep import cost_model_speedup, first_difference, theorem_speedup, token_md5, weight_bandwidth
+from mlx_spec.sweep import first_difference, token_md5
 
 from scripted import ScriptedDrafter, profile_at
 
@@ -280,7 +280,7 @@ def summarize(runs: list[RunResult], reference: list[int], costs: CostCurve,
             "binomial_z": z,
             "max_abs_z": max((abs(v) for v in z), default=0.0),
             "mean_accepted_length": 1 + accepted / rounds if rounds else 0.0,
-            "predicted_speedup_profile": cost_model_speedup(profile, gamma, costs),
+            "predicted_speedup_profile": cost_model_speedup(costs, profile, gamma),
             "predicted_speedup_ran": statistics.median(r.predicted_tps for r in ws) / plain_predicted,
             "predicted_tps_ran": statistics.median(r.predicted_tps for r in ws),
             "measured_over_predicted": statistics.median(ratios) if ratios else None,
