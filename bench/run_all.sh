@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-run every benchmark behind a README number, one at a time (they share the CPU), and
-# write bench/results/*.json. About 45 minutes on a 2-core CPU.
+# write bench/results/*.json. About 95 minutes on a 2-core CPU (the shaped run is 50).
 set -euo pipefail
 cd "$(dirname "$0")"
 py() { echo "+ python $*"; python "$@"; }
@@ -14,3 +14,4 @@ py loop_efficiency.py --pair gemma270m-q8 --prompt short --gammas 1 2 3 4 5 --ma
 py acceptance_rules.py --draft q8
 py acceptance_rules.py --draft q4
 py head_to_head.py --pair gemma270m-q8 --gammas 2 4 --max-tokens 32 --repeats 3
+py shaped.py --pairs gemma3-12b/270m gemma3-27b/1b --scale 0.125 --prompt-tokens 256 --max-tokens 96 --repeats 3 --clock cpu

