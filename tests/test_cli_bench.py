@@ -270,3 +270,19 @@ def test_a_difference_at_a_near_tie_is_reported_apart_from_a_mismatch(tiny_dirs,
     assert "IDENTITY CHECK FAILED" not in result.stderr
     g2 = out["settings"][1]
     assert g2["identical"] is False and g2["near_tie"] is True
+
+
+def test_theorem_3_8_takes_alpha_per_reached_position():
+    """Every round accepts x_1 and rejects x_2 of γ = 4: α̂ (accepted / drafted) is 0.25,
+    but each reached position is accepted half the time, and that is the theorem's α."""
+    from mlx_spec.costs import CostCurve
+    from mlx_spec.sampling import SamplingParams
+    from mlx_spec.stats import Stats
+
+    stats = Stats()
+    for _ in range(10):
+        stats.observe_round(4, 1, 2, 0.0, 0.01)
+    runs = [sweep.Run("p", "γ=4", 4, rep, [], stats) for rep in (0, 1)]
+    summary = sweep._summarize(runs, CostCurve([1.0] * 8, 0.0, 256), SamplingParams())
+    assert summary.acceptance_rate == 0.25
+    assert summary.predicted_speedup == pytest.approx(theorem_speedup(0.5, 4, 0.0))
