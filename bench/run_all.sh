@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 py() { echo "+ python $*"; python "$@"; }
-py head_to_head.py --pair tiny-self --gammas 2 4 --max-tokens 200 --repeats 21
+py head_to_head.py --pair tiny-self --gammas 0 2 4 --max-tokens 200 --repeats 21
 py auto_gamma.py --pair layered-tiny --max-tokens 300 --repeats 15
 py auto_gamma.py --pair gemma270m-bf16-ngram --prompt quote --max-tokens 96 --repeats 3
 py auto_gamma.py --pair gemma270m-ngram --prompt quote --gammas 0 1 2 3 --max-tokens 48 --repeats 6
