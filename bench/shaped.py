@@ -38,6 +38,8 @@ from shapes import PAIRS, SHAPES, build  # noqa: E402
 from mlx_spec.costs import weight_bytes  # noqa: E402
 from mlx_spec.errors import MlxSpecError  # noqa: E402
 from mlx_spec.models.loader import default_dtype  # noqa: E402
+from mlx_spec.sampling import SamplingParams  # noqa: E402
+from mlx_spec.sweep import logit_gap  # noqa: E402
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -147,6 +149,13 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
             "settings": summarize(runs, reference, typical, profile,
                                   (costs["json"]["target_weight_bytes"], costs["json"]["draft_weight_bytes"])),
         }
+        for setting in result["profiles"][profile_name]["settings"]:
+            # On a GPU a multi-row verify and a one-row step round differently: a first
+            # difference where the target's top-2 logits tie to rounding is a near-tie
+            # (mlx-spec bench's rule), not an exactness failure.
+            if setting["first_mismatch"] is not None:
+                gap, tolerance = logit_gap(target, ids + reference[: setting["first_mismatch"]], SamplingParams())
+                setting.update(mismatch_logit_gap=gap, near_tie_tolerance=tolerance, near_tie=gap <= tolerance)
     return result
 
 
@@ -274,9 +283,11 @@ def main(argv=None) -> int:
     print(f"wrote {write_results(name, results)}")
     if not args.no_plot:
         print(f"wrote {plot(results, DOCS / f'{name}.png')}")
-    exact = all(s["identical_to_reference"] for p in results["pairs"] for pr in p["profiles"].values()
-                for s in pr["settings"])
-    if not exact:
+    settings = [s for p in results["pairs"] for pr in p["profiles"].values() for s in pr["settings"]]
+    if any(s.get("near_tie") for s in settings):
+        print("note: some outputs first differ from plain greedy decoding at a numerical near-tie "
+              "(see near_tie, mismatch_logit_gap)", file=sys.stderr)
+    if not all(s["identical_to_reference"] or s.get("near_tie") for s in settings):
         print("error: an output differed from plain greedy decoding (see identical_to_reference)", file=sys.stderr)
         return 1
     return 0
