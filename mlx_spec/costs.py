@@ -104,20 +104,23 @@ def non_decreasing(times: list[float]) -> list[float]:
 
 
 def _median_times(
-    runs: list[Callable[[], None]], repeats: int, budget_s: float, samples: Optional[list[list[float]]] = None
+    runs: list[Callable[[], None]], repeats: int, budget_s: float, samples: Optional[list[list[float]]] = None,
+    agree: Callable[[bool], bool] = bool,
 ) -> list[float]:
     """Median seconds of each function, timed round-robin (so drift hits all alike) until
     each has `repeats` samples, and for more passes while `budget_s` lasts (fast models are
     measured many times, slow ones `repeats` times). `samples`: timings already taken of
     warmed-up functions, which count toward `repeats`; without them each is first run
-    once untimed (the first call compiles kernels and allocates)."""
+    once untimed (the first call compiles kernels and allocates). `agree`: turns this
+    process's decision to stop into rank 0's, so ranks of a sharded model (whose forwards
+    are collective) run the same number of passes."""
     if samples is None:
         for run in runs:
             run()
         samples = [[] for _ in runs]
     start = time.perf_counter()
     while len(samples[0]) < MAX_PASSES:
-        if len(samples[0]) >= repeats and time.perf_counter() - start > budget_s:
+        if agree(len(samples[0]) >= repeats and time.perf_counter() - start > budget_s):
             break
         for run, times in zip(runs, samples):
             begin = time.perf_counter()
@@ -182,6 +185,7 @@ def measure_costs(
     repeats: int = 3,
     progress: Optional[Callable[[int, int], None]] = None,
     early_stop: bool = True,
+    world=None,
 ) -> CostCurve:
     """Time target forwards at widths 1..max_width and one draft step, at `context` tokens.
 
@@ -191,7 +195,15 @@ def measure_costs(
         progress: called with (done, total) measurements.
         early_stop: stop widening once a verify costs about as many single steps as it
             has rows (nothing wider can pay); benchmarks pass False for the whole curve.
+        world: a `distributed.World` whose ranks shard `target`: every rank runs the same
+            forwards (communication included in the times), rank 0 times the draft and
+            decides, and every rank returns rank 0's curve. Default: this process's world.
     """
+    from mlx_spec.distributed import world as this_world
+
+    w = world or this_world()
+    if w.active and not w.is_root:
+        draft = None  # the draft runs alone: only rank 0's timing of it is used
     total = max_width + (draft is not None)
     target_seq = SequenceCache(target, slack=max_width + 1)
     _fill_context(target_seq, context)
@@ -200,14 +212,14 @@ def measure_costs(
     timers, first = [], []
     for width in range(1, max_width + 1):
         timers.append(_forward_timer(target_seq, width))
-        first.append(_median_times(timers[-1:], 1, 0.0)[0])
+        first.append(_median_times(timers[-1:], 1, 0.0, agree=w.agree)[0])
         if progress:
             progress(width, total)
-        if early_stop and width >= 2 and first[-1] >= HOPELESS * width * first[0]:
+        if w.agree(early_stop and width >= 2 and first[-1] >= HOPELESS * width * first[0]):
             # Cost already grows with every row (compute-bound): wider verifies can only
             # lose, so stop measuring and let verify_time() extend the slope.
             break
-    verify = _median_times(timers, repeats, BUDGET_S, samples=[[t] for t in first])
+    verify = _median_times(timers, repeats, BUDGET_S, samples=[[t] for t in first], agree=w.agree)
     verify = non_decreasing(verify)
     draft_step = draft_step2 = 0.0
     if isinstance(draft, gemma4_assistant.Model):
@@ -225,7 +237,8 @@ def measure_costs(
         )
         if progress:
             progress(total, total)
-    return CostCurve(verify, draft_step, context, draft_step2)
+    curve = CostCurve(verify, draft_step, context, draft_step2)
+    return CostCurve(**w.broadcast_json(asdict(curve))) if w.active else curve
 
 
 def cache_path() -> Path:
@@ -233,25 +246,37 @@ def cache_path() -> Path:
     return Path(root) / "costs.json"
 
 
-def cost_key(target, draft, max_width: int, context: int) -> str:
+def cost_key(target, draft, max_width: int, context: int, ranks: int = 1) -> str:
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
-    return f"v3|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
+    tp = f"|tp{ranks}" if ranks > 1 else ""  # a sharded target costs what its slowest link does
+    return f"v3|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}{tp}"
 
 
-def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False, progress=None) -> CostCurve:
-    """The cached cost curve for this pair on this machine, measured if missing or stale."""
+def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False,
+                    progress=None, world=None) -> CostCurve:
+    """The cached cost curve for this pair on this machine, measured if missing or stale.
+    Across ranks (`world`), rank 0's cache decides and every rank gets rank 0's curve."""
+    from mlx_spec.distributed import world as this_world
+
+    w = world or this_world()
     path = cache_path()
-    key = cost_key(target, draft, max_width, context)
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    entry = table.get(key)
-    fresh = entry and time.time() - entry.get("measured_at", 0) < STALE_AFTER_DAYS * 86400
-    if entry and fresh and not refresh:
+    key = cost_key(target, draft, max_width, context, w.size)
+    table, entry = {}, None
+    if w.is_root:
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        entry = table.get(key)
+        fresh = entry and time.time() - entry.get("measured_at", 0) < STALE_AFTER_DAYS * 86400
+        entry = entry if (fresh and not refresh) else None
+    if not w.agree(entry is None):
+        entry = w.broadcast_json(entry)
         return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"])
-    curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress)
+    curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress, world=w)
+    if not w.is_root:
+        return curve
     table[key] = {**asdict(curve), "measured_at": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     return Choice(chosen, str(target), draft, drafter, gamma)
 
 
-def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GAMMA) -> Engine:
+def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GAMMA, world=None) -> Engine:
     """An `Engine` for a loaded `ModelPair`.
 
     Args:
@@ -102,15 +102,25 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         drafter: "model" (needs pair.draft), "mtp" (needs a Gemma 4 MTP assistant as
             pair.draft), "ngram", "none", or None: "mtp" for an assistant, "model" for
             another draft model, "ngram" without one.
+        world: the `distributed.World` the target is sharded over (default: this process's).
+            Rank 0's verdict is broadcast every round; a draft model loaded on rank 0 only
+            drafts there and its tokens are broadcast (`distributed.load_pair`).
     """
+    from mlx_spec.distributed import BroadcastDrafter, world as this_world
     from mlx_spec.models.pairing import is_assistant
 
+    w = world or this_world()
     assistant = is_assistant(pair.draft)
+    # Across ranks with the draft on rank 0, the other ranks know of it by its vocabulary.
+    remote_draft = w.active and pair.draft is None and pair.vocab_size_draft is not None
     if drafter is None:
-        drafter = "mtp" if assistant else "model" if pair.draft is not None else "ngram"
+        drafter = "mtp" if assistant else "model" if (pair.draft is not None or remote_draft) else "ngram"
     if drafter not in DRAFTER_NAMES:
         raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
-    if drafter in ("model", "mtp") and pair.draft is None:
+    if w.active and drafter == "mtp":
+        raise MlxSpecError("the MTP drafter reads the target's K/V cache, which the ranks split "
+                           "between them: across ranks use --drafter model or ngram")
+    if drafter in ("model", "mtp") and pair.draft is None and not remote_draft:
         raise MlxSpecError(f"--drafter {drafter} needs a draft model (--draft-model or a preset with one)")
     if drafter == "model" and assistant:
         raise MlxSpecError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
@@ -119,7 +129,9 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         raise MlxSpecError("--drafter mtp needs a Gemma 4 MTP assistant checkpoint as the draft "
                            "(model_type gemma4_assistant or gemma4_unified_assistant)")
     if drafter == "model":
-        chosen = ModelDrafter(pair.draft.model, pair.vocab_size_target)
+        chosen = ModelDrafter(pair.draft.model, pair.vocab_size_target) if pair.draft is not None else None
+        if w.active and (chosen is None or (w.is_root and pair.draft_on == "root")):
+            chosen = BroadcastDrafter(w, chosen)
     elif drafter == "mtp":
         chosen = MtpDrafter(pair.draft.model, pair.target.model)
     elif drafter == "ngram":
@@ -128,7 +140,8 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         chosen = None
     eos_ids = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     return Engine(pair.target.model, chosen, eos_ids=eos_ids, max_gamma=max_gamma,
-                  context_length=pair.target.context_length)
+                  context_length=pair.target.context_length,
+                  agree=w.agree_verdict if w.active else None)
 
 
 def context_bucket(tokens: int) -> int:

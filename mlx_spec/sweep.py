@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence, Union
 import mlx.core as mx
 
 from mlx_spec.costs import CostCurve, load_or_measure, weight_bandwidth, weight_bytes
+from mlx_spec.distributed import BroadcastDrafter, CommProfile, comm_profile, world
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import FixedGamma, cost_model_speedup, theorem_speedup
@@ -131,6 +132,12 @@ class SettingSummary:
     identical: Optional[bool]  # all runs equal the baseline (None above T = 0)
     mismatch_at: Optional[int]  # first differing token index of the first mismatching run
     near_tie: bool = False  # every run that differs first differs at a numerical near-tie
+    # Across ranks (tensor parallel) only: all-reduces per round (counted) and their time
+    # (count × measured latency at the round's width), and its share of the round.
+    all_reduces_per_round: Optional[float] = None
+    comm_time_per_round: Optional[float] = None
+    comm_share: Optional[float] = None
+    single_speedup: Optional[float] = None  # the same setting's speedup on one machine (bench --compare)
 
 
 @dataclass
@@ -175,6 +182,7 @@ class SweepResult:
     drafter: str
     max_tokens: int
     warm_runs: int
+    comm: Optional[CommProfile] = None  # across ranks: the target's all-reduces
 
     @property
     def identity_checked(self) -> bool:
@@ -206,6 +214,7 @@ class SweepResult:
             "mismatches": [m.as_dict() for m in self.mismatches],
             "recommendation": {"setting": self.recommendation, "speedup": self.recommended_speedup},
             "costs": {**asdict(self.costs), "c": self.costs.c},
+            "tensor_parallel": asdict(self.comm) if self.comm else None,
             "settings": [asdict(s) for s in self.summaries],
         }
 
@@ -266,6 +275,9 @@ def run_sweep(
     width = max([MAX_AUTO_GAMMA] + numeric) + 1
     costs = load_or_measure(spec.target, draft_model, max_width=width,
                             context=context_bucket(longest), progress=calibration_progress)
+    w = world()
+    comm = comm_profile(w, spec.target, width) if w.active else None
+    broadcasts = isinstance(spec.drafter, BroadcastDrafter)  # one more collective per drafted round
 
     settings: list[Gamma] = [0] + list(gammas)
     total = len(prompts) * len(settings) * (warm_runs + 1)
@@ -291,10 +303,26 @@ def run_sweep(
         _summarize([r for r in runs if r.prompt == name and r.setting == setting_label(g)], costs, params)
         for name in prompts for g in settings
     ]
+    if comm is not None:
+        for summary, g in zip(summaries, settings * len(prompts)):
+            _fill_comm(summary, [r for r in runs if r.prompt == summary.prompt and r.setting == summary.setting
+                                 and not r.cold], comm, broadcasts and g != 0)
     _fill_speedups(summaries)
     recommendation, speedup = recommend(summaries)
     return SweepResult(summaries, runs, mismatches, recommendation, speedup, costs, params,
-                       {k: len(v) for k, v in prompts.items()}, drafter_name, max_tokens, warm_runs)
+                       {k: len(v) for k, v in prompts.items()}, drafter_name, max_tokens, warm_runs, comm)
+
+
+def _fill_comm(summary: SettingSummary, warm: list[Run], comm: CommProfile, broadcasts: bool) -> None:
+    """All-reduces per round: the verify forward's, the verdict's broadcast, and the draft's
+    in rounds that drafted (rank 0's draft model); their time at the mean verify width."""
+    rounds = sum(r.stats.rounds for r in warm) or 1
+    drafting = sum(r.stats.drafted_at[0] if r.stats.drafted_at else 0 for r in warm) / rounds
+    extra = 1.0 + (drafting if broadcasts else 0.0)
+    summary.all_reduces_per_round = comm.per_forward + extra
+    summary.comm_time_per_round = comm.per_round(1 + summary.mean_gamma) + extra * comm.broadcast
+    round_time = sum(r.stats.decode_time for r in warm) / rounds
+    summary.comm_share = summary.comm_time_per_round / round_time if round_time else 0.0
 
 
 def _one_run(engine: Engine, ids, params, policy, max_tokens, prompt, label, gamma, rep,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+import click
 import typer
 from typer.core import TyperGroup
 
@@ -20,14 +21,28 @@ class _FriendlyErrors(TyperGroup):
     debug = False  # set by --debug for this invocation only
 
     def invoke(self, ctx):
+        from mlx_spec.distributed import quiet_error, world
+
         _FriendlyErrors.debug = False
         try:
             return super().invoke(ctx)
-        except MlxSpecError as error:
-            if _FriendlyErrors.debug or os.environ.get(DEBUG_ENV):
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise  # typer.Exit is a RuntimeError: let it through untouched
+        except Exception as error:
+            # Across ranks (mlx.launch), each error is said once: by rank 0 when every rank
+            # hit it, else by the rank it happened on (World.check names it); a rank whose
+            # peer failed ends without a message.
+            w = world()
+            debug = _FriendlyErrors.debug or os.environ.get(DEBUG_ENV)
+            if w.active and (quiet_error(error) or not (w.is_root or debug or getattr(error, "rank_local", False))):
+                raise typer.Exit(1) from None
+            if not isinstance(error, MlxSpecError):
                 raise
-            print(f"error: {_one_line(str(error))}", file=sys.stderr)
-            print(f"(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+            if debug:
+                raise
+            stderr = sys.__stderr__ if w.active else sys.stderr  # a rank's own error (see follow_quietly)
+            print(f"error: {_one_line(str(error))}", file=stderr)
+            print(f"(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=stderr)
             raise typer.Exit(1) from None
 
 
@@ -42,7 +57,8 @@ app = typer.Typer(
     help=(
         "Exact speculative decoding on MLX: a small draft proposes γ tokens, the target "
         "verifies them in one forward pass, and the output keeps the target's distribution "
-        "(identical text at temperature 0)."
+        "(identical text at temperature 0). Under `mlx.launch` the target is sharded across "
+        "the ranks (tensor parallel); see the README's 'Past one Mac'."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -59,6 +75,9 @@ def _root(
 ) -> None:
     # Not written to os.environ: in-process callers (tests, notebooks) would inherit it.
     _FriendlyErrors.debug = debug
+    from mlx_spec.distributed import follow_quietly, world
+
+    follow_quietly(world(), debug or bool(os.environ.get(DEBUG_ENV)))  # across ranks: rank 0 prints
 
 
 # Each command module registers itself on `app` when imported.

@@ -16,10 +16,11 @@ import typer
 
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    OUTPUT, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
+    OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
     ModelOpt, PresetOpt, QuantizeOpt, SeedOpt, setup_models, warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
+from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
@@ -45,6 +46,7 @@ def bench(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
+    draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
     gammas: Annotated[Optional[list[str]], typer.Option(
         "--gamma", "-g", metavar="N[,N...]|auto",
@@ -74,35 +76,43 @@ def bench(
     plot: Annotated[Optional[Path], typer.Option(
         "--plot", rich_help_panel=OUTPUT, metavar="FILE.png",
         help="Also plot speedup and acceptance versus γ (needs matplotlib).")] = None,
+    compare: Annotated[Optional[Path], typer.Option(
+        "--compare", rich_help_panel=OUTPUT, metavar="FILE.json",
+        help="A `bench --json` result from one machine: show its speedups next to these "
+             "(for a run across machines with mlx.launch).")] = None,
 ) -> None:
     """Sweep γ against drafting off: decode tok/s, speedup, acceptance, Theorem 3.8 prediction.
 
     At temperature 0 every output must be token-identical (md5) to drafting off; a mismatch
     fails the command. The recommendation is the fastest exact setting.
     """
-    gamma_list = parse_gammas(gammas or [",".join(map(str, DEFAULT_GAMMAS))])
-    if auto and "auto" not in gamma_list:
-        gamma_list.append("auto")
-    if drafter == "none":
-        raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
-    specs = prompts or ["long"]
-    if "all" in specs:
-        specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
-    named = []
-    for spec in specs:
-        name, text, replaced = resolve_prompt(spec)
-        warn_replaced(replaced, f"prompt {name!r}")
-        named.append((name, text))
-    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise MlxSpecError("--plot needs a .png, .svg or .pdf file name")
-    if plot is not None:
-        _require_matplotlib()
+    w = world()
+    with w.together():  # across ranks: rank 0 reads the files, and a bad flag ends every rank
+        gamma_list = parse_gammas(gammas or [",".join(map(str, DEFAULT_GAMMAS))])
+        if auto and "auto" not in gamma_list:
+            gamma_list.append("auto")
+        if drafter == "none":
+            raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
+        specs = prompts or ["long"]
+        if "all" in specs:
+            specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
+        named = []
+        for spec in specs if w.is_root else ():
+            name, text, replaced = resolve_prompt(spec)
+            warn_replaced(replaced, f"prompt {name!r}")
+            named.append((name, text))
+        if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise MlxSpecError("--plot needs a .png, .svg or .pdf file name")
+        if plot is not None and w.is_root:
+            _require_matplotlib()
+        single = _read_compare(compare) if compare is not None and w.is_root else None
+    named = [tuple(pair) for pair in w.broadcast_json(named)]
 
     # the sweep's own temperature and seed, not the preset's sampling defaults
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma="auto", dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
-                         sampling=dict(temp=temp, seed=seed), preset_sampling=False)
+                         draft_on=draft_on, sampling=dict(temp=temp, seed=seed), preset_sampling=False)
     params = setup.params
     tokenizer = setup.pair.tokenizer
     ids = {}
@@ -117,11 +127,16 @@ def bench(
                            max_tokens=max_tokens, params=params,
                            progress=progress.task("bench", each=True),
                            calibration_progress=progress.task("calibrating the cost curve"))
+    if single is not None:
+        for summary in result.summaries:
+            summary.single_speedup = single.get((summary.prompt, summary.setting))
 
     if json_out:
         print(json.dumps({"models": setup.models, **result.as_dict()}, ensure_ascii=False))
     else:
         _print_table(result, setup)
+    if not w.is_root:  # across ranks, rank 0 alone writes files
+        csv_file = plot = None
     if csv_file is not None:
         _write_csv(result, csv_file)
     if plot is not None:
@@ -147,6 +162,17 @@ def parse_gammas(values: list[str]) -> list:
     if not out:
         raise MlxSpecError("the γ list is empty")
     return out
+
+
+def _read_compare(path: Path) -> dict:
+    """(prompt, setting) → speedup from a saved `bench --json` output."""
+    try:
+        data = json.loads(path.read_text())
+        return {(s["prompt"], s["setting"]): s["speedup"] for s in data["settings"]}
+    except OSError as error:
+        raise MlxSpecError(f"cannot read {path}: {error.strerror}") from None
+    except (ValueError, KeyError, TypeError):
+        raise MlxSpecError(f"{path} is not the output of `mlx-spec bench --json`") from None
 
 
 def _warn(line: str, style: str) -> None:
@@ -179,6 +205,13 @@ def _print_table(result: SweepResult, setup) -> None:
                          no_wrap=name != "by position")
         return t
 
+    tp = result.comm is not None
+    compared = any(s.single_speedup is not None for s in result.summaries)
+    if tp:
+        c = result.comm
+        console.print(f"tensor parallel over {c.ranks} ranks: {c.per_forward} all-reduces per target forward, "
+                      f"{c.latency[0] * 1e3:.3f} ms each at width 1 (best of 5 chains; time per round = "
+                      "count × latency at the round's width, not counting waits for a slower rank)", style="bold")
     for prompt, n_tokens in result.prompts.items():
         rows = [s for s in result.summaries if s.prompt == prompt]
         speed = table(f"prompt {prompt!r} ({n_tokens} tokens) · decode speed, warm medians",
@@ -206,6 +239,8 @@ def _print_table(result: SweepResult, setup) -> None:
                            f"{s.mean_accepted_length:.2f}", f"{s.mean_gamma:.2f}", identity)
         console.print(speed)
         console.print(accept)
+        if tp or compared:
+            console.print(_parallel_table(table, prompt, rows, result.comm, compared))
     c = result.costs
     console.print(f"cost curve: target step {c.verify[0] * 1e3:.1f} ms, draft step {c.draft_step * 1e3:.2f} ms "
                   f"(c = {c.c:.3f}); verify of w positions / one step: "
@@ -246,6 +281,20 @@ def csv_rows(result: SweepResult) -> list[dict]:
         row["acceptance_by_position"] = ";".join(f"{a:.4f}" for a in s.acceptance_by_position)
         rows.append(row)
     return rows
+def _parallel_table(table, prompt: str, rows, comm, compared: bool):
+    """Speedup across ranks next to one machine's, and what the all-reduces cost per round."""
+    columns = ["setting", "speedup"] + (["1 machine"] if compared else [])
+    if comm is not None:
+        columns += ["all-reduces/round", "all-reduce ms/round", "share of round"]
+    t = table(f"prompt {prompt!r} · tensor parallel over {comm.ranks if comm else '?'} ranks", columns)
+    for s in rows:
+        cells = [s.setting, f"{s.speedup:.2f}×"]
+        if compared:
+            cells.append("—" if s.single_speedup is None else f"{s.single_speedup:.2f}×")
+        if comm is not None:
+            cells += [f"{s.all_reduces_per_round:.1f}", f"{s.comm_time_per_round * 1e3:.2f}", f"{s.comm_share:.0%}"]
+        t.add_row(*cells)
+    return t
 
 
 def _write_csv(result: SweepResult, path: Path) -> None:

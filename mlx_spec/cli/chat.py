@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Annotated, Optional
 
@@ -19,11 +19,12 @@ import typer
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
+    ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt,
     TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import build_engine, parse_gamma
 from mlx_spec.stats import Stats
@@ -159,7 +160,9 @@ class ChatRepl:
     def answer(self, text: str) -> None:
         stats = Stats()
         stopped = False
-        with _Interrupt() as interrupt, _no_echo():
+        # Across ranks every rank must stop at the same round, so Ctrl-C ends the run there.
+        alone = not world().active
+        with (_Interrupt() if alone else nullcontext(_Interrupt())) as interrupt, _no_echo():
             responses = self.session.ask(text, self.params, gamma=self.policy,
                                          max_tokens=self.max_tokens, stop=self.stop, stats=stats)
             try:
@@ -177,15 +180,25 @@ class ChatRepl:
         footer = summary_line(self.last_view)
         self.say(f"[{'stopped · ' if stopped else ''}{footer}]")
 
+    def read_line(self) -> Optional[str]:
+        """The next input line, None at EOF or Ctrl-C. Across ranks rank 0 reads and every
+        rank receives the same line."""
+        w = world()
+        line = None
+        if w.is_root:
+            try:
+                line = input(PROMPT)
+            except (EOFError, KeyboardInterrupt):
+                self.write("\n")
+        return w.broadcast_text(line)
+
     def run(self) -> None:
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 arrive as surrogates,
             sys.stdin.reconfigure(errors="surrogateescape")  # which checked_text replaces
         self.say("mlx-spec chat: /help for commands, /quit to leave", style="bold")
         while True:
-            try:
-                line = input(PROMPT)
-            except (EOFError, KeyboardInterrupt):
-                self.write("\n")
+            line = self.read_line()
+            if line is None:
                 return
             line = checked_text(line, "your message").strip()
             if not line:
@@ -210,6 +223,7 @@ def chat(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
+    draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
@@ -230,6 +244,7 @@ def chat(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
+                         draft_on=draft_on,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Optional, Union
 
 import typer
 
+from mlx_spec import distributed
+from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
@@ -54,6 +56,11 @@ DraftQuantizeOpt = Annotated[Optional[int], typer.Option(
 GroupSizeOpt = Annotated[Optional[int], typer.Option(
     "--q-group-size", rich_help_panel=MODELS, metavar="32|64|128",
     help="Group size for --quantize / --draft-quantize (weights sharing one scale). Default: 64.")]
+DraftOnOpt = Annotated[Optional[str], typer.Option(
+    "--draft-on", rich_help_panel=MODELS, metavar="root|all",
+    help="Across machines (under mlx.launch): run the draft model on rank 0 and broadcast its "
+         "tokens (default), or on every rank, which saves that broadcast but needs identical "
+         "machines (every rank must draft bit-identically).")]
 GammaOpt = Annotated[Optional[str], typer.Option(
     "--gamma", "-g", rich_help_panel=MODELS, metavar="N|auto",
     help="Draft tokens per round γ: a whole number (0 = plain decoding) or 'auto' (chosen each "
@@ -122,6 +129,7 @@ def setup_models(
     group_size: Optional[int] = None,
     sampling: Optional[dict] = None,
     preset_sampling: bool = True,
+    draft_on: Optional[str] = None,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
@@ -129,20 +137,30 @@ def setup_models(
     Args:
         sampling: `sampling_params` keywords from the flags; `preset_sampling`: whether the
             preset's sampling defaults apply under them.
+        draft_on: under mlx.launch, "root" or "all": where the draft model runs
+            (`distributed.load_pair`); the target is sharded across the ranks.
     """
     from mlx_spec.models import check_source, load_pair
 
-    choice = resolve_choice(model=model, draft_model=draft_model, drafter=drafter, preset=preset, gamma=gamma)
-    params = sampling_params(choice.preset if preset_sampling else None, **(sampling or {}))
-    if group_size is not None and quantize is None and draft_quantize is None:
-        raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
-    check_source(choice.target, "target model")
-    if choice.draft is not None:
-        check_source(choice.draft, "draft model")
+    w = world()
+    with w.together():  # across ranks: a bad flag or path on any rank ends every rank here
+        choice = resolve_choice(model=model, draft_model=draft_model, drafter=drafter, preset=preset, gamma=gamma)
+        params = sampling_params(choice.preset if preset_sampling else None, **(sampling or {}))
+        if group_size is not None and quantize is None and draft_quantize is None:
+            raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
+        if draft_on is not None and draft_on not in distributed.DRAFT_ON:
+            raise MlxSpecError(f"--draft-on must be root or all, not {draft_on!r}")
+        check_source(choice.target, "target model")
+        if choice.draft is not None:
+            check_source(choice.draft, "draft model")
     kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))
               if v is not None}
     draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
-    pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
+    if w.active:  # launched by mlx.launch: the target sharded over the ranks
+        pair = distributed.load_pair(w, choice.target, choice.draft, draft_on=draft_on or "root",
+                                     progress=w.is_root, draft_options=draft_options, **kwargs)
+    else:
+        pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
     return Setup(choice, params, pair)
 
 
@@ -191,7 +209,17 @@ def use_chat(tokenizer, chat: Optional[bool], preset=None) -> bool:
 
 def read_prompt(prompt: Optional[str]) -> str:
     """The prompt argument, or stdin when it is '-' or absent and stdin is not a terminal.
-    Bytes that are not UTF-8 become U+FFFD, with a warning."""
+    Bytes that are not UTF-8 become U+FFFD, with a warning. Across ranks, rank 0 reads it
+    and the others receive it."""
+    w = world()
+    if not w.active:
+        return _read_prompt(prompt)
+    with w.together():
+        text = _read_prompt(prompt) if w.is_root else None
+    return w.broadcast_text(text)
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise MlxSpecError("no prompt: give PROMPT as an argument or pipe text on stdin")

@@ -16,12 +16,13 @@ import typer
 
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
+    OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt,
     SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt,
     setup_models, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.distributed import world
 from mlx_spec.progress import StderrProgress
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
@@ -43,6 +44,7 @@ def generate(
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
+    draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
@@ -66,6 +68,7 @@ def generate(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
+                         draft_on=draft_on,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
@@ -103,6 +106,7 @@ def generate(
             "drafter": views.drafter,
             "gamma": "auto" if gamma_mode == "auto" else int(gamma_mode),
             "chat": chat,
+            "ranks": world().size,  # > 1: the target sharded across ranks (mlx.launch)
             "sampling": asdict(params),
             "stats": {**stats.as_dict(), **view.as_dict()},
         }

@@ -75,6 +75,10 @@ def serve(
 
     from mlx_spec.server import ServerOptions, create_app
 
+    from mlx_spec.distributed import world
+
+    if world().active:  # requests reach rank 0 only; the other ranks would wait forever
+        raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast

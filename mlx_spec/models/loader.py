@@ -94,7 +94,7 @@ def default_dtype() -> str:
 
 def load_model(source: str | None = None, *, dtype: str | None = None,
                quantize: int | None = None, group_size: int = 64,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, group=None) -> LoadedModel:
     """Load a model and its tokenizer from any supported source.
 
     Args:
@@ -105,6 +105,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             (ignored, with a warning, for checkpoints that are already quantized).
         group_size: quantization group size (32, 64 or 128).
         progress: show progress bars for downloads and GGUF imports.
+        group: an `mx.distributed` group of more than one rank: shard the model over it
+            (tensor parallel, `models.sharding`); each rank keeps only its part.
     Returns:
         The LoadedModel, parameters evaluated.
     Raises:
@@ -132,6 +134,14 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
                 warnings.warn(f"{source} is already quantized; loading it as it is", stacklevel=2)
             else:
                 model, config = _quantize(model, config, quantize, group_size)
+        if group is not None and group.size() > 1:
+            from mlx_spec.models.sharding import shard_model
+
+            shard_model(model, group)
+            # Weights are still lazy: evaluating layer by layer frees each layer's full
+            # tensors once its shard is cut, so a rank never holds the whole model at once.
+            for layer in model.layers:
+                mx.eval(layer.parameters())
         mx.eval(model.parameters())
     return LoadedModel(model, tokenizer, config, source or DEFAULT_SOURCE, path, kind)
 

@@ -36,6 +36,8 @@ class ModelPair:
         of a tokenizer it may not ship.)
         vocab_size_target: width of the target's logits (last dimension).
         vocab_size_draft: width of the draft's logits, or None without a draft.
+        draft_on: across ranks (`distributed.load_pair`), where the draft model lives:
+            "root" (rank 0 drafts and broadcasts) or "all" (every rank drafts); None alone.
     """
 
     target: LoadedModel
@@ -43,6 +45,7 @@ class ModelPair:
     tokenizer: TokenizerWrapper
     vocab_size_target: int
     vocab_size_draft: int | None
+    draft_on: str | None = None
 
     @property
     def shared_vocab_size(self) -> int:
