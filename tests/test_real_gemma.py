@@ -6,7 +6,7 @@ trimmed once full); ours must not."""
 import pytest
 
 from conftest import greedy_reference
-from mlx_spec.drafters import ModelDrafter, NgramDrafter
+from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.stats import Stats
 
@@ -39,15 +39,16 @@ def run(engine, prompt, gamma, max_tokens):
 
 
 def test_prompt_longer_than_the_window(gemma270m, gemma_q4_draft):
+    # Each 540-token prefill takes ~40 s in float32 on a 2-core CPU: one reference, one
+    # speculative run with a draft that is sometimes rejected (the n-gram drafter past the
+    # window is covered on tiny models, where it costs nothing).
     assert gemma270m.model.args.sliding_window == WINDOW
-    prompt = prompt_ids(gemma270m.tokenizer, 600)
+    prompt = prompt_ids(gemma270m.tokenizer, WINDOW + 28)
     reference = greedy_reference(gemma270m.model, prompt, 24)
     width = gemma270m.model(__import__("mlx.core").core.array([[2]])).shape[-1]
     tokens, stats = run(Engine(gemma270m.model, ModelDrafter(gemma_q4_draft.model, width)), prompt, 3, 24)
     assert tokens == reference
-    assert 0 < stats.accepted and stats.target_forwards < 24
-    tokens, _ = run(Engine(gemma270m.model, NgramDrafter()), prompt, 5, 24)
-    assert tokens == reference
+    assert 0 < stats.accepted < stats.drafted and stats.target_forwards < 24
 
 
 def test_generation_crossing_the_window(gemma270m, gemma_q4_draft):
