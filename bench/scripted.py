@@ -10,6 +10,9 @@ token the target cannot choose otherwise. Under greedy verification (T = 0) the 
 accepts position i exactly when the reference token is proposed there, so the conditional
 acceptance P(i accepted | 1..i-1 accepted) is a_i by construction, and the output is still
 plain greedy decoding's.
+
+`ScriptedMtpDrafter` does the same for Gemma 4's MTP assistant: it runs the assistant's
+greedy steps over the target's cache (`MtpDrafter`'s forwards) and proposes the script.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlx_spec.drafters import Draft, ModelDrafter
+from mlx_spec.drafters.mtp import MtpDrafter
 
 # The seed's reference measurement (DESIGN §2: M3 Pro, 12B 4-bit target, T = 0) reported
 # per-position acceptance 0.951, 0.889, 0.852 at γ = 3: rounds that accepted token i over
@@ -54,6 +58,33 @@ def parse_profile(spec: str) -> tuple[str, tuple[float, ...]]:
     return spec, values
 
 
+class Script:
+    """What a scripted drafter proposes: after `generated` committed tokens, γ tokens where
+    token j is the reference's with probability a_j, else one the target does not choose
+    there (reference + 1). One generator per drafter (`seed`), so a run is reproducible."""
+
+    def __init__(self, reference: Sequence[int], profile: Sequence[float], vocab: int, seed: int = 0):
+        self.reference = list(reference)
+        self.profile = tuple(profile)
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def tokens(self, generated: int, gamma: int) -> list[int]:
+        out = []
+        for j in range(gamma):
+            at = generated + j
+            right = self.reference[at] if at < len(self.reference) else 0
+            accept = self.rng.random() < profile_at(self.profile, j)
+            out.append(right if accept else (right + 1) % self.vocab)
+        return out
+
+    def through(self, own: mx.array, generated: int) -> mx.array:
+        """The script's tokens in place of a drafter's own proposals `own` [γ], computed
+        from them so that MLX (lazy) still runs the forwards whose cost this is about."""
+        scripted = mx.array(self.tokens(generated, own.shape[0]), dtype=mx.uint32)
+        return mx.where(own >= 0, scripted, own).astype(mx.uint32)
+
+
 class ScriptedDrafter(ModelDrafter):
     """`ModelDrafter`'s forwards and cache, the reference continuation's tokens.
 
@@ -63,33 +94,19 @@ class ScriptedDrafter(ModelDrafter):
         reference: the target's greedy continuation of the prompt (plain decoding), at
             least as long as the generation.
         profile: conditional acceptance a_1, a_2, ... by draft position.
-        seed: seeds the acceptance draws (one generator per drafter, so a run is
-            reproducible).
+        seed: seeds the acceptance draws.
     """
 
     name = "scripted"
 
     def __init__(self, model, target_vocab: int, reference: Sequence[int], profile: Sequence[float], seed: int = 0):
         super().__init__(model, target_vocab)
-        self.reference = list(reference)
-        self.profile = tuple(profile)
-        self.rng = random.Random(seed)
+        self.script = Script(reference, profile, target_vocab, seed)
         self.prompt_len = 0
 
     def begin(self, prompt_ids: list[int], prompt_cache, processor) -> int:
         self.prompt_len = len(prompt_ids)
         return super().begin(prompt_ids, prompt_cache, processor)
-
-    def script(self, generated: int, gamma: int) -> list[int]:
-        """The γ tokens to propose after `generated` committed tokens: reference token
-        j with probability a_j, else one the target does not choose there (reference + 1)."""
-        tokens = []
-        for j in range(gamma):
-            at = generated + j
-            right = self.reference[at] if at < len(self.reference) else 0
-            accept = self.rng.random() < profile_at(self.profile, j)
-            tokens.append(right if accept else (right + 1) % self.target_vocab)
-        return tokens
 
     def propose(self, gamma: int, history: list[int], key: mx.array) -> Draft:
         self.fed_drafts = None
@@ -99,7 +116,7 @@ class ScriptedDrafter(ModelDrafter):
             self.state.prefill(self.state.ids + self.pending[:-1])
             self.pending = self.pending[-1:]
         # While the output equals plain decoding, history = prompt + reference[:generated].
-        scripted = mx.array(self.script(len(history) - self.prompt_len, gamma), dtype=mx.uint32)
+        scripted = mx.array(self.script.tokens(len(history) - self.prompt_len, gamma), dtype=mx.uint32)
         xs: list[mx.array] = []
         y = mx.array(self.pending, dtype=mx.uint32)
         for j in range(gamma):
@@ -112,3 +129,27 @@ class ScriptedDrafter(ModelDrafter):
             xs.append(y)
         self.fed_drafts = gamma - 1  # x_γ is proposed, not fed (ModelDrafter.accept's rule)
         return Draft(mx.concatenate(xs))
+
+
+class ScriptedMtpDrafter(MtpDrafter):
+    """`MtpDrafter`'s assistant steps over the target's cache, the reference's tokens.
+
+    Args: as `ScriptedDrafter`'s, with the assistant and its target in place of the draft
+    model (the target's vocabulary is the assistant's)."""
+
+    name = "scripted-mtp"
+
+    def __init__(self, assistant, target, reference: Sequence[int], profile: Sequence[float], seed: int = 0):
+        super().__init__(assistant, target)
+        self.script = Script(reference, profile, assistant.vocab_size, seed)
+        self.prompt_len = 0
+
+    def begin(self, prompt_ids: list[int], prompt_cache, processor=None) -> int:
+        self.prompt_len = len(prompt_ids)
+        return super().begin(prompt_ids, prompt_cache, processor)
+
+    def propose(self, gamma: int, history: list[int], key=None) -> Draft:
+        own = super().propose(gamma, history, key)
+        if own.tokens is None or own.tokens.shape[0] == 0:
+            return own  # the first round: no hidden state yet
+        return Draft(self.script.through(own.tokens, len(history) - self.prompt_len))

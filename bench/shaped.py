@@ -1,15 +1,16 @@
 """Speculative decoding's speed on real model shapes at a scripted acceptance profile, on
 whatever MLX device this runs on (Apple GPU, CUDA GPU or CPU).
 
-Random-weight models with the exact shapes of real checkpoints (Gemma 3 12B / 27B targets,
-270M / 1B drafts, 4-bit group 64 as their mlx-community checkpoints; shapes.py), a drafter
-that runs the real-shaped draft's forwards but proposes tokens the target accepts with a
-given per-position probability (scripted.py), and the real round loop (`Engine.rounds`).
+Random-weight models with the exact shapes of real checkpoints (Gemma 4 12B with its MTP
+assistant, the seed's pair; Gemma 3 12B / 27B targets with 270M / 1B drafts; 4-bit group 64
+as their mlx-community checkpoints; shapes.py), a drafter that runs the real-shaped draft's
+forwards but proposes tokens the target accepts with a given per-position probability
+(scripted.py), and the real round loop (`Engine.rounds`).
 Reports cost curves, achieved weight bandwidth, and measured tok/s for γ = 0..6 and auto
 next to the cost model's prediction and Theorem 3.8 (shaped_measure.py).
 
     python bench/shaped.py                        # full size, all pairs: ~17 GB at most
-    python bench/shaped.py --pairs gemma3-12b/270m --scale 0.125 --prompt-tokens 256
+    python bench/shaped.py --pairs gemma4-12b/assistant --scale 0.125 --prompt-tokens 256
 
 Writes bench/results/shaped_<device>_<scale>.json and docs/shaped_<device>_<scale>.png.
 A run at --scale below 1 measures scaled-down shapes: its numbers describe those shapes on

@@ -13,9 +13,9 @@ the float copy freed before the next block), and the embedding in row blocks. A 
 
 `--scale s` shrinks widths, vocabulary and depth by s so the same code runs on a small CPU.
 
-To add a pair (e.g. Gemma 4 12B with its MTP assistant): a `Shape` per model (any mlx-lm
-`model_type`; record where its config comes from) and a `Pair` naming them; a drafter that
-is not a standalone model gives the Pair its own `make_drafter` (see shaped.py).
+To add a pair: a `Shape` per model (any mlx-lm `model_type`, or an MTP assistant's; record
+where its config comes from) and a `Pair` naming them; a drafter that is not a standalone
+model (Gemma 4's MTP assistant) gives the Pair its own `make_drafter` (see shaped.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes, quantize_model
+from mlx_lm.utils import quantize_model
 
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.gemma4_assistant import assistant_classes
 
 # Fields every Gemma 3 text checkpoint shares (google/gemma-3-*: config.json, text_config).
 _GEMMA3 = dict(
@@ -40,6 +41,19 @@ _GEMMA3 = dict(
     rope_theta=1_000_000.0,
     rope_local_base_freq=10_000.0,
     sliding_window_pattern=6,
+)
+
+# Gemma 4 12B (google/gemma-4-12B-it, model_type gemma4_unified; its text_config as pinned
+# in a Swift port's config-decoding test, which mirrors the checkpoint): dense, no per-layer
+# inputs or KV sharing, 5 sliding layers to 1 full, full layers with one K=V head of 512.
+# mlx-lm's gemma4_text builds exactly this text model.
+_GEMMA4_12B = dict(
+    model_type="gemma4_text", hidden_size=3840, num_hidden_layers=48, intermediate_size=15360,
+    num_attention_heads=16, head_dim=256, global_head_dim=512, num_key_value_heads=8,
+    num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0, use_double_wide_mlp=False, enable_moe_block=False,
+    sliding_window=1024, sliding_window_pattern=6, vocab_size=262144, final_logit_softcapping=30.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True,
 )
 
 
@@ -95,6 +109,28 @@ SHAPES = {
             "hf_model_configs.py gemma3_27b_config; the 4B+ checkpoints pad the vocabulary to 262208)",
             checkpoint="mlx-community/gemma-3-27b-it-4bit",
         ),
+        Shape(
+            "gemma4-12b",
+            _GEMMA4_12B,
+            "google/gemma-4-12B-it config.json text_config (gemma4_unified_text), as pinned by a "
+            "Swift MLX port's config test; the assistant's K/V layers 46 and 47 agree",
+            checkpoint="mlx-community/gemma-4-12B-it-4bit",
+        ),
+        Shape(
+            "gemma4-12b-assistant",
+            dict(model_type="gemma4_unified_assistant", backbone_hidden_size=3840,
+                 use_ordered_embeddings=False, tie_word_embeddings=True,
+                 text_config=dict(
+                     model_type="gemma4_unified_text", hidden_size=1024, intermediate_size=8192,
+                     num_hidden_layers=4, num_attention_heads=16, head_dim=256, global_head_dim=512,
+                     num_key_value_heads=8, num_global_key_value_heads=1, attention_k_eq_v=True,
+                     num_kv_shared_layers=4, sliding_window=1024, sliding_window_pattern=4,
+                     vocab_size=262144, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+            "google/gemma-4-12B-it-assistant config.json (gemma4_unified_assistant; the same "
+            "numbers in three independent ports' fixtures): 4 query-only layers over the "
+            "target's K/V, the tied 262144 x 1024 embedding as its head, ~423M parameters",
+            checkpoint="mlx-community/gemma-4-12B-it-assistant-4bit",
+        ),
     ]
 }
 
@@ -111,12 +147,24 @@ class Pair:
     make_drafter: Optional[Callable] = field(default=None, compare=False)
 
 
+def _scripted_mtp(target, assistant, reference, profile, seed):
+    from scripted import ScriptedMtpDrafter  # bench/, beside this file
+
+    return ScriptedMtpDrafter(assistant, target, reference, profile, seed)
+
+
 PAIRS = {
-    "gemma3-12b/270m": Pair("gemma3-12b", "gemma3-270m", "the seed's setting: a 12B at 4-bit, a small draft"),
+    "gemma4-12b/assistant": Pair("gemma4-12b", "gemma4-12b-assistant",
+                                 "the seed's pair: Gemma 4 12B at 4-bit with its MTP assistant",
+                                 make_drafter=_scripted_mtp),
+    "gemma3-12b/270m": Pair("gemma3-12b", "gemma3-270m", "a 12B at 4-bit, a small draft"),
     "gemma3-12b/1b": Pair("gemma3-12b", "gemma3-1b"),
     "gemma3-27b/270m": Pair("gemma3-27b", "gemma3-270m"),
     "gemma3-27b/1b": Pair("gemma3-27b", "gemma3-1b"),
 }
+
+
+BLOCK_GAIN = 4.0  # Gemma 4 blocks' output norm gain (see build)
 
 
 def _round_to(x: float, step: int, least: int) -> int:
@@ -128,28 +176,41 @@ def scaled_config(config: dict, scale: float, group_size: int = 64) -> dict:
 
     Quantized input widths stay multiples of the group size (hidden, intermediate,
     heads·head_dim), so every layer the full model quantizes is quantized here too; at
-    least two layers, and the last of every `sliding_window_pattern` stays global."""
+    least two layers, and the last of every `sliding_window_pattern` stays global. An
+    assistant's nested `text_config` scales the same way, and its `backbone_hidden_size`
+    as the target's hidden size does, so a scaled pair still fits together."""
     if scale == 1:
         return dict(config)
     out = dict(config)
+    if "text_config" in config:
+        out["text_config"] = scaled_config(config["text_config"], scale, group_size)
+        out["backbone_hidden_size"] = _round_to(config["backbone_hidden_size"] * scale, group_size, group_size)
+        return out
     out["hidden_size"] = _round_to(config["hidden_size"] * scale, group_size, group_size)
     out["intermediate_size"] = _round_to(config["intermediate_size"] * scale, group_size, group_size)
     out["vocab_size"] = _round_to(config["vocab_size"] * scale, group_size, 4 * group_size)
-    head_dim = _round_to(config["head_dim"] * scale, 16, 32)
-    while config["num_attention_heads"] * head_dim % group_size:
-        head_dim += 16
-    out["head_dim"] = head_dim
-    out["query_pre_attn_scalar"] = head_dim
+    for key in ("head_dim", "global_head_dim"):  # global_head_dim: Gemma 4's full layers
+        if key in config:
+            head_dim = _round_to(config[key] * scale, 16, 32)
+            while config["num_attention_heads"] * head_dim % group_size:
+                head_dim += 16
+            out[key] = head_dim
+    if config["model_type"].startswith("gemma3"):
+        out["query_pre_attn_scalar"] = out["head_dim"]
     layers = max(2, int(round(config["num_hidden_layers"] * scale)))
     out["num_hidden_layers"] = layers
     if "sliding_window_pattern" in config:
         out["sliding_window_pattern"] = min(config["sliding_window_pattern"], layers)
+    if "num_kv_shared_layers" in config:  # an assistant's layers all read the target's K/V
+        out["num_kv_shared_layers"] = min(config["num_kv_shared_layers"], layers)
     return out
 
 
 def estimated_bytes(config: dict, bits: int, group_size: int, dtype_bytes: int) -> int:
     """Bytes of a Gemma-style model quantized at `bits` (weights, and a scale and a bias
-    per group of `group_size`), without building it; norms are negligible."""
+    per group of `group_size`), without building it; norms are negligible, and every layer
+    is counted at the sliding layers' attention widths."""
+    config = config.get("text_config", config)
     h, i, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     per_layer = h * (2 * q + 2 * kv) + 3 * h * i
@@ -213,11 +274,11 @@ def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_sc
             f"in use), more than 80% of this device's {have / 1e9:.1f} GB: use a smaller --scale or other pairs"
         )
     mx.random.seed(seed)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = assistant_classes(config)  # mlx-lm's, or our MTP assistant
     model = model_class(args_class.from_dict(config))  # lazy: nothing allocated yet
     model.sanitize({})  # no lm_head weight: tied to the embedding, as Gemma checkpoints are
     blocks = list(model.layers)
-    for block in blocks:
+    for block in blocks + [getattr(model, n) for n in ("pre_projection", "post_projection") if hasattr(model, n)]:
         _random_weights(block, float_dtype)
     with contextlib.redirect_stdout(sys.stderr):  # quantize_model prints bits per weight
         model, config = quantize_model(model, config, shape.group_size, shape.bits)
@@ -232,8 +293,17 @@ def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_sc
         mx.clear_cache()
         if progress:
             progress(done, total)
+    one_plus = config["model_type"].startswith("gemma3")  # Gemma 3 scales by 1 + w, Gemma 4 by w
+    if not one_plus:
+        # At unit gains a random Gemma 4's blocks add little to the scaled embedding in the
+        # residual, and greedy decoding repeats the input token forever; gain 4 on each
+        # block's output makes the continuation vary (the cost is the same).
+        for block in blocks:
+            for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+                norm = getattr(block, name)
+                norm.weight = mx.full(norm.weight.shape, BLOCK_GAIN, dtype=float_dtype)
     norm = model.model.norm
-    norm.weight = mx.full(norm.weight.shape, logit_scale - 1.0, dtype=float_dtype)  # Gemma: 1 + w
+    norm.weight = mx.full(norm.weight.shape, logit_scale - one_plus, dtype=float_dtype)
     mx.eval(model.parameters())
     mx.clear_cache()
     if progress:

@@ -159,6 +159,45 @@ def test_models_have_real_shapes_and_are_built_block_by_block():
     assert peak < 0.5 * params * 4, (peak, params)
 
 
+def test_the_seed_pair_runs_with_its_mtp_assistant(quick_costs):
+    # Gemma 4 12B with its MTP assistant (the seed's pair): the assistant's real-shaped steps
+    # over the target's cache, the script's tokens, plain greedy decoding's output
+    results = measure(["gemma4-12b/assistant"], {"flat0.8": FLAT}, scale=SCALE, dtype="float32",
+                      gammas=[0, 2, 4], auto=True, max_width=7, prompt_tokens=PROMPT, max_tokens=TOKENS,
+                      repeats=3, clock_name="cpu", log=lambda s: None)
+    result = results["pairs"][0]
+    assert result["draft"]["config"]["backbone_hidden_size"] == result["target"]["config"]["hidden_size"]
+    target = build(SHAPES["gemma4-12b"], scale=SCALE, dtype="float32", seed=0)
+    reference = greedy_reference(target, prompt_ids(PROMPT, target.config["vocab_size"]), TOKENS)
+    assert len(set(reference)) > TOKENS // 2  # a varied continuation, so identity means something
+    settings = result["profiles"]["flat0.8"]["settings"]
+    for s in settings:
+        assert s["md5s"] == [token_md5(reference)], s["setting"]
+        assert s["measured_over_predicted"] >= EFFICIENCY - 0.1, s["setting"]  # one measurement here
+    for s in settings[1:3]:
+        assert min(s["reached"]) >= 20 and s["max_abs_z"] <= Z_MAX, (s["setting"], s["reached"])
+    assert 0 < result["costs"]["c"] < 1
+
+
+def test_gemma4_shapes_are_the_released_models():
+    # counted from the (lazy, never evaluated) full-size models: the 12B and the ~423M
+    # assistant (issue 11), which reads the target's K/V at layers 46 and 47 of 48
+    from mlx.utils import tree_flatten
+
+    from mlx_spec.models.gemma4_assistant import assistant_classes, last_kv_layers
+
+    def parameters(config):
+        model_class, args_class = assistant_classes(config)
+        model = model_class(args_class.from_dict(config))
+        return model, sum(p.size for _, p in tree_flatten(model.parameters()))
+
+    target, target_params = parameters(SHAPES["gemma4-12b"].config)
+    _, assistant_params = parameters(SHAPES["gemma4-12b-assistant"].config)
+    assert 11.5e9 < target_params < 12.5e9
+    assert 0.41e9 < assistant_params < 0.44e9
+    assert last_kv_layers(target.args) == {"sliding_attention": 46, "full_attention": 47}
+
+
 def test_pairs_name_known_shapes_and_devices_map_to_nominal_bandwidth():
     for pair in PAIRS.values():
         assert pair.target in SHAPES and pair.draft in SHAPES
