@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-run every benchmark behind a README number, one at a time (they share the CPU), and
-# write bench/results/*.json. About 125 minutes on a 2-core CPU (the shaped run is 50, across ranks 30).
+# write bench/results/*.json. About 120 minutes on a 2-core CPU (the shaped run is 45, across ranks 30).
 set -euo pipefail
 cd "$(dirname "$0")"
 py() { echo "+ python $*"; python "$@"; }
@@ -14,7 +14,7 @@ py loop_efficiency.py --pair gemma270m-q8 --prompt short --gammas 1 2 3 4 5 --ma
 py acceptance_rules.py --draft q8
 py acceptance_rules.py --draft q4
 py head_to_head.py --pair gemma270m-q8 --gammas 2 4 --max-tokens 32 --repeats 3
-py shaped.py --pairs gemma3-12b/270m gemma3-27b/1b --scale 0.125 --prompt-tokens 256 --max-tokens 96 --repeats 3 --clock cpu
+py shaped.py --pairs gemma4-12b/assistant gemma3-12b/270m gemma3-27b/1b --scale 0.125 --prompt-tokens 256 --max-tokens 96 --repeats 3 --clock cpu
 # Past one Mac: the same sweeps in one process and across 2 ring ranks on this machine.
 py distributed.py --pair gemma270m-ngram --prompt quote --gammas 1,3 --max-tokens 24 --runs 2
 py distributed.py --pair tiny --prompt long --gammas 1,3 --max-tokens 32 --runs 3
