@@ -150,6 +150,6 @@ class ScriptedMtpDrafter(MtpDrafter):
 
     def propose(self, gamma: int, history: list[int], key=None) -> Draft:
         own = super().propose(gamma, history, key)
-        if own.tokens is None or own.tokens.shape[0] == 0:
+        if own.tokens.size == 0:
             return own  # the first round: no hidden state yet
         return Draft(self.script.through(own.tokens, len(history) - self.prompt_len))

@@ -1,5 +1,6 @@
 """The real Gemma 3 270M (512-token sliding window): speculative greedy output equals
-mlx-lm's plain greedy decoding when generation crosses the window and goes on past it. DESIGN §3: mlx-lm's own speculative loop diverges here (its rotating caches cannot be
+mlx-lm's plain greedy decoding when generation crosses the window and goes on past it.
+DESIGN §3: mlx-lm's own speculative loop diverges here (its rotating caches cannot be
 trimmed once full); ours must not."""
 
 import pytest

@@ -162,12 +162,13 @@ def test_models_have_real_shapes_and_are_built_block_by_block():
 def test_the_seed_pair_runs_with_its_mtp_assistant(quick_costs):
     # Gemma 4 12B with its MTP assistant (the seed's pair): the assistant's real-shaped steps
     # over the target's cache, the script's tokens, plain greedy decoding's output
+    built = {}  # measure leaves the pair it built here
     results = measure(["gemma4-12b/assistant"], {"flat0.8": FLAT}, scale=SCALE, dtype="float32",
                       gammas=[0, 2, 4], auto=True, max_width=7, prompt_tokens=PROMPT, max_tokens=TOKENS,
-                      repeats=3, clock_name="cpu", log=lambda s: None)
+                      repeats=3, clock_name="cpu", built=built, log=lambda s: None)
     result = results["pairs"][0]
     assert result["draft"]["config"]["backbone_hidden_size"] == result["target"]["config"]["hidden_size"]
-    target = build(SHAPES["gemma4-12b"], scale=SCALE, dtype="float32", seed=0)
+    target = built["gemma4-12b"]
     reference = greedy_reference(target, prompt_ids(PROMPT, target.config["vocab_size"]), TOKENS)
     assert len(set(reference)) > TOKENS // 2  # a varied continuation, so identity means something
     settings = result["profiles"]["flat0.8"]["settings"]
