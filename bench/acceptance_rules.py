@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,7 +9,10 @@ import statistics
 import time
 from pathlib import Path
 
+import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
+
+from mlx_spec import blas
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -39,6 +42,7 @@ def environment() -> dict:
     return {
         "mlx": mx.__version__,
         "device": str(mx.default_device()),
+        "blas": blas.describe(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),

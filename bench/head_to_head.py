@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler

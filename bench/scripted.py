@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 
 from mlx_spec.drafters import Draft, ModelDrafter

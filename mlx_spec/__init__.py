@@ -14,6 +14,10 @@ Layers: `Engine.rounds` (token ids) → `stream_generate` (text) → `generate` 
 
 from importlib import import_module
 
+from mlx_spec import blas as _blas
+
+_blas.load()  # before anything imports mlx.core: an optimised BLAS must win the symbol lookup
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

@@ -1,6 +1,7 @@
 """Shared fixtures. Tiny random-weight Gemma 3 models (sliding window 16) are built
 in-process; real-model fixtures load the packaged Gemma 3 270M."""
 
+import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step

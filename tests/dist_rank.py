@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 import mlx.nn as nn
 

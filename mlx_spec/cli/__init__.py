@@ -67,14 +67,53 @@ app = typer.Typer(
 )
 
 
+def versions() -> list[str]:
+    """mlx-spec's, MLX's and mlx-lm's versions, the device, and the BLAS MLX's CPU runs with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import mlx.core as mx
+
+    import mlx_spec
+    from mlx_spec import blas
+
+    try:
+        mlx_lm = version("mlx-lm")
+    except PackageNotFoundError:
+        mlx_lm = "not installed"
+    return [f"mlx-spec {mlx_spec.__version__}", f"mlx {mx.__version__}", f"mlx-lm {mlx_lm}",
+            f"device {mx.default_device()}",
+            f"BLAS {blas.summary()}" + (f" ({problem})" if (problem := blas.load()["problem"]) else "")]
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print("\n".join(versions()))
+        raise typer.Exit()
+
+
+def _check_blas() -> None:
+    """A BLAS asked for by $MLX_SPEC_BLAS that could not be loaded is a one-line error."""
+    from mlx_spec import blas
+
+    info = blas.load()
+    if info["problem"] and info["requested"] != "auto":
+        print(f"error: {info['problem']}", file=sys.stderr)
+        raise typer.Exit(2)
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(
         False, "--debug", help=f"Show full tracebacks on errors (or set {DEBUG_ENV}=1)."
     ),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True,
+        help="Print mlx-spec's, MLX's and mlx-lm's versions, the device and the BLAS, then exit.",
+    ),
 ) -> None:
     # Not written to os.environ: in-process callers (tests, notebooks) would inherit it.
     _FriendlyErrors.debug = debug
+    _check_blas()
     from mlx_spec.distributed import follow_quietly, world
 
     follow_quietly(world(), debug or bool(os.environ.get(DEBUG_ENV)))  # across ranks: rank 0 prints

@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import mlx.core as mx
 import typer
 
+from mlx_spec import blas
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
@@ -132,7 +134,8 @@ def bench(
             summary.single_speedup = single.get((summary.prompt, summary.setting))
 
     if json_out:
-        print(json.dumps({"models": setup.models, **result.as_dict()}, ensure_ascii=False))
+        print(json.dumps({"models": setup.models, "device": str(mx.default_device()), "blas": blas.describe(),
+                          **result.as_dict()}, ensure_ascii=False))
     else:
         _print_table(result, setup)
     if not w.is_root:  # across ranks, rank 0 alone writes files
@@ -197,6 +200,7 @@ def _print_table(result: SweepResult, setup) -> None:
     console.print(f"γ sweep · {setup.target}" + (f" + {setup.draft}" if setup.draft else "")
                   + f" · drafter {result.drafter} · T = {params.temperature:g} · {result.max_tokens} tokens"
                   + f" · 1 cold + {result.warm_runs} warm runs per setting, interleaved", style="bold")
+    console.print(f"{mx.default_device()} · BLAS {blas.summary()}", style="dim")
 
     def table(title: str, columns: list[str]) -> Table:
         t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)

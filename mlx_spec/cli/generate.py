@@ -12,8 +12,10 @@ import time
 from dataclasses import asdict
 from typing import Annotated, Optional
 
+import mlx.core as mx
 import typer
 
+from mlx_spec import blas
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
@@ -107,6 +109,8 @@ def generate(
             "gamma": "auto" if gamma_mode == "auto" else int(gamma_mode),
             "chat": chat,
             "ranks": world().size,  # > 1: the target sharded across ranks (mlx.launch)
+            "device": str(mx.default_device()),
+            "blas": blas.describe(),  # what MLX's CPU matmuls ran with (and how many threads)
             "sampling": asdict(params),
             "stats": {**stats.as_dict(), **view.as_dict()},
         }

@@ -1,0 +1,140 @@
+"""The BLAS that MLX's CPU backend computes float32 matmuls with, chosen before mlx.core loads.
+
+The `mlx[cpu]` Linux wheel bundles the netlib reference BLAS: its `cblas_sgemm` is a naive
+loop, so a verify of k rows costs about k single steps and speculation cannot pay. A
+library loaded with RTLD_GLOBAL before `mlx.core` wins the symbol lookup of `libmlx.so`
+(its bundled BLAS sits in its local scope, searched after the global one), so mlx-spec
+loads an optimised BLAS first, with no LD_PRELOAD for the user to set:
+
+    auto       MKL from PyPI (`mkl`, x86-64, a dependency there), else a system OpenBLAS
+               (Debian/Ubuntu `libopenblas0`), else the wheel's reference BLAS
+    mkl | openblas | reference | /path/to/libblas.so     forced, by $MLX_SPEC_BLAS
+
+PyPI's `scipy-openblas32` cannot serve: it prefixes its symbols (`scipy_cblas_sgemm`).
+Nothing is loaded on macOS (MLX uses Accelerate) or beside a CUDA build of MLX.
+`mlx_spec/__init__.py` calls `load()`, so any `import mlx_spec...` comes first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import platform
+import site
+import sys
+from typing import Optional
+
+ENV = "MLX_SPEC_BLAS"
+CHOICES = ("auto", "mkl", "openblas", "reference")
+
+_state: Optional[dict] = None  # what load() did, for describe()
+
+
+def _mkl_paths() -> list[str]:
+    """libmkl_rt from the `mkl` wheel: pip puts its libraries in <prefix>/lib."""
+    roots = {sys.prefix, sys.base_prefix, site.getuserbase()}
+    found = []
+    for root in roots:
+        found += sorted(glob.glob(os.path.join(root, "lib", "libmkl_rt.so.*")), reverse=True)
+    return found
+
+
+def _openblas_paths() -> list[str]:
+    arch = f"{platform.machine()}-linux-gnu"
+    return [p for p in (f"/usr/lib/{arch}/libopenblas.so.0", "/usr/lib64/libopenblas.so.0",
+                        "/usr/lib/libopenblas.so.0", f"/usr/lib/{arch}/openblas-pthread/libopenblas.so.0")
+            if os.path.exists(p)]
+
+
+def _kind(path: str) -> str:
+    name = os.path.basename(path)
+    return "mkl" if "mkl" in name else "openblas" if "openblas" in name else "custom"
+
+
+def _skip_reason() -> Optional[str]:
+    if not sys.platform.startswith("linux"):
+        return "Accelerate" if sys.platform == "darwin" else "MLX's own"
+    try:
+        from importlib.util import find_spec
+
+        # A CUDA build computes on the GPU; its CPU side is left as shipped.
+        if any(find_spec(name) is not None for name in ("mlx_cuda", "mlx_cuda_13")):
+            return "MLX's own (CUDA build)"
+    except (ImportError, ValueError):
+        pass
+    return None
+
+
+def load() -> dict:
+    """Load the chosen BLAS globally, once, before `mlx.core`; never raises. Returns what
+    `describe()` reports (without thread counts, which need the library's own calls)."""
+    global _state
+    if _state is not None:
+        return _state
+    wanted = os.environ.get(ENV, "auto").strip() or "auto"
+    state = {"requested": wanted, "name": "reference", "path": None, "problem": None}
+    skip = _skip_reason()
+    if skip is not None:
+        state["name"] = skip
+    elif "mlx.core" in sys.modules:
+        state["name"] = "unknown"
+        state["problem"] = "mlx.core was imported before mlx_spec, so the BLAS was not chosen"
+    elif wanted != "reference":
+        if wanted == "auto":
+            candidates = _mkl_paths() + _openblas_paths()
+        elif wanted == "mkl":
+            candidates = _mkl_paths()
+        elif wanted == "openblas":
+            candidates = _openblas_paths()
+        elif os.sep in wanted or wanted.startswith("lib"):
+            candidates = [wanted]
+        else:
+            candidates = []
+        if not candidates and wanted != "auto":
+            state["problem"] = (f"{ENV}={wanted}: no such BLAS found" if wanted in CHOICES
+                                else f"{ENV} must be one of {', '.join(CHOICES)} or a library path, not {wanted!r}")
+        for path in candidates:
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as err:
+                state["problem"] = f"{ENV}={wanted}: cannot load {path} ({err})"
+                continue
+            state.update(name=_kind(path), path=path, problem=None)
+            break
+    _state = state
+    return state
+
+
+def _library_facts(state: dict) -> tuple[Optional[int], Optional[str]]:
+    """(threads, version) from the loaded library's own calls."""
+    if state["path"] is None:
+        return (1, None) if state["name"] == "reference" else (None, None)
+    try:
+        lib = ctypes.CDLL(state["path"])
+        if state["name"] == "mkl":
+            buf = ctypes.create_string_buffer(256)
+            lib.MKL_Get_Version_String(buf, len(buf))
+            version = buf.value.decode(errors="replace").split("-Product")[0]
+            return int(lib.mkl_get_max_threads()), version.replace("Intel(R) oneAPI Math Kernel Library ", "MKL ")
+        if state["name"] == "openblas":
+            lib.openblas_get_config.restype = ctypes.c_char_p
+            return int(lib.openblas_get_num_threads()), lib.openblas_get_config().decode(errors="replace")
+    except (OSError, AttributeError, ValueError):
+        pass
+    return None, None
+
+
+def describe() -> dict:
+    """{"name": "mkl" | "openblas" | "reference" | "custom" | "Accelerate" | ..., "path",
+    "threads", "version", "requested", "problem"}: JSON-ready, for --version, --json and bench."""
+    state = dict(load())
+    state["threads"], state["version"] = _library_facts(state)
+    return state
+
+
+def summary() -> str:
+    """One line: 'mkl (MKL Version 2026.2, 2 threads)'."""
+    info = describe()
+    details = [d for d in (info["version"], f"{info['threads']} thread{'s' * (info['threads'] != 1)}" if info["threads"] else None) if d]
+    return info["name"] + (f" ({', '.join(details)})" if details else "")

@@ -1,0 +1,88 @@
+"""The BLAS under MLX's CPU matmuls: chosen before mlx.core loads, used by MLX, overridable,
+and reported. Each check runs in a fresh interpreter, since the choice is made at import."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib.util import find_spec
+
+import pytest
+
+from mlx_spec import blas
+
+LINUX_X86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+HAS_MKL = bool(blas._mkl_paths())
+
+PROBE = r"""
+import json, numpy as np
+import mlx_spec, mlx.core as mx
+from mlx_spec import blas
+rng = np.random.default_rng(0)
+w, x = rng.standard_normal((512, 640), dtype=np.float32), rng.standard_normal((8, 640), dtype=np.float32)
+y = np.array(mx.array(x) @ mx.array(w).T)
+exact = x.astype(np.float64) @ w.T.astype(np.float64)
+mapped = sorted({line.split("/")[-1].strip() for line in open("/proc/self/maps") if ".so" in line})
+print(json.dumps({"blas": blas.describe(), "error": float(np.max(np.abs(y - exact)) / np.max(np.abs(exact))),
+                  "mapped": mapped}))
+"""
+
+
+def probe(env_value=None):
+    env = {k: v for k, v in os.environ.items() if k != blas.ENV}
+    if env_value is not None:
+        env[blas.ENV] = env_value
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(not (LINUX_X86 and HAS_MKL), reason="MKL ships from PyPI for x86-64 Linux only")
+def test_mkl_computes_mlx_float32_matmuls_by_default():
+    out = probe()
+    assert out["blas"]["name"] == "mkl" and out["blas"]["threads"] >= 1 and out["blas"]["version"]
+    # MKL loads its compute kernels on its first call: so MLX's sgemm went through MKL
+    assert any(name.startswith("libmkl_core") for name in out["mapped"])
+    assert out["error"] < 1e-5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reference BLAS is the Linux wheel's")
+def test_reference_on_request_loads_no_other_blas():
+    out = probe("reference")
+    assert out["blas"]["name"] == "reference" and out["blas"]["problem"] is None
+    assert not any(name.startswith(("libmkl", "libopenblas")) for name in out["mapped"])  # numpy has its own, prefixed
+    assert out["error"] < 1e-5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+def test_a_bad_choice_is_reported_and_the_cli_refuses_it_in_one_line():
+    out = probe("nosuch")
+    assert out["blas"]["name"] == "reference" and "must be one of" in out["blas"]["problem"]
+    env = {**os.environ, blas.ENV: "/nowhere/libblas.so"}
+    done = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "models", "list"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "cannot load" in done.stderr
+
+
+def test_version_names_mlx_spec_mlx_mlx_lm_device_and_blas():
+    from typer.testing import CliRunner
+
+    from mlx_spec.cli import app
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert [line.split()[0] for line in lines] == ["mlx-spec", "mlx", "mlx-lm", "device", "BLAS"]
+    assert blas.describe()["name"] in lines[-1]
+
+
+def test_the_suite_runs_under_the_fast_blas_where_there_is_one():
+    """CI installs the README's test command: on x86-64 Linux that brings MKL, and the
+    suite (conftest imports mlx_spec first) must be running under it."""
+    info = blas.describe()
+    if LINUX_X86 and HAS_MKL and os.environ.get(blas.ENV, "auto") == "auto":
+        assert info["name"] == "mkl", info
+    elif find_spec("mlx") is None:
+        pytest.skip("no MLX")
