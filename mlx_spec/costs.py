@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -68,6 +70,64 @@ class CostCurve:
     def c(self) -> float:
         """The paper's c: draft step time / target step time."""
         return self.draft_step / self.verify[0]
+
+
+class LiveCosts:
+    """A cost curve that learns while it runs: the calibration is a prior, and every round's
+    measured time corrects the cost of its γ.
+
+    The correction is a factor per γ: exp(median of the last `window` log(measured /
+    calibrated) round times, with `prior_weight` rounds' worth of the prior), so one slow
+    round (a page fault, another process) moves nothing, two agreeing rounds override a
+    calibration made under load, and a machine that gets faster or slower is followed
+    within a few rounds. A γ not yet measured borrows the nearest measured γ's factor, and
+    that is its prior once measured: the whole curve follows what was learned.
+    """
+
+    def __init__(self, prior: CostCurve, window: int = 16, prior_weight: int = 1):
+        self.prior = prior
+        self.window, self.prior_weight = window, prior_weight
+        self.residuals: dict[int, deque] = {}  # γ -> recent log(measured / calibrated)
+        self._factors: dict[int, float] = {}
+
+    def observe(self, gamma: int, seconds: float) -> None:
+        """A round at `gamma` took `seconds` (draft, verify, sync and commit)."""
+        expected = self.prior.round_time(gamma)
+        if seconds > 0 and expected > 0:
+            self.residuals.setdefault(gamma, deque(maxlen=self.window)).append(math.log(seconds / expected))
+            self._factors.clear()
+
+    def factor(self, gamma: int) -> float:
+        """Measured / calibrated round time at γ (1 until a round was measured)."""
+        if gamma not in self._factors:
+            self._factors[gamma] = math.exp(self._log_factor(gamma))
+        return self._factors[gamma]
+
+    def _log_factor(self, gamma: int) -> float:
+        # The prior for γ: the calibration as corrected by the nearest other measured γ
+        # (or as measured, if none), worth `prior_weight` rounds.
+        others = [g for g in self.residuals if g != gamma]
+        anchor = 0.0
+        if others:
+            nearest = min(others, key=lambda g: (abs(g - gamma), g))
+            anchor = statistics.median(list(self.residuals[nearest]) + [0.0] * self.prior_weight)
+        own = self.residuals.get(gamma)
+        return statistics.median(list(own) + [anchor] * self.prior_weight) if own else anchor
+
+    def round_time(self, gamma: int, full_acceptance: float = 0.0) -> float:
+        return self.prior.round_time(gamma, full_acceptance) * self.factor(gamma)
+
+    def verify_time(self, width: int) -> float:
+        return self.prior.verify_time(width) * self.factor(width - 1)
+
+    @property
+    def c(self) -> float:
+        return self.prior.c
+
+    @property
+    def learned(self) -> dict[int, int]:
+        """Rounds measured per γ."""
+        return {g: len(r) for g, r in sorted(self.residuals.items())}
 
 
 def weight_bytes(model) -> int:
@@ -241,16 +301,34 @@ def measure_costs(
     return CostCurve(**w.broadcast_json(asdict(curve))) if w.active else curve
 
 
+_recalibrate = False  # set by --recalibrate: each curve is measured afresh once in this process
+_measured_here: set = set()
+
+
+def recalibrate() -> None:
+    """Measure every cost curve this process asks for once more, ignoring the cache
+    (`--recalibrate`); the new curves replace the cached ones."""
+    global _recalibrate
+    _recalibrate = True
+
+
 def cache_path() -> Path:
     root = os.environ.get("MLX_SPEC_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlx-spec"
     return Path(root) / "costs.json"
 
 
 def cost_key(target, draft, max_width: int, context: int, ranks: int = 1) -> str:
+    """What changes costs: both models (shapes and dtypes), widths, context, MLX version,
+    device, the BLAS MLX's CPU runs with and its threads, and the ranks sharing the target."""
+    from mlx_spec import blas
+
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
     tp = f"|tp{ranks}" if ranks > 1 else ""  # a sharded target costs what its slowest link does
-    return f"v3|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}{tp}"
+    info = blas.describe()
+    lib = f"{info['name']}:{info['version'] or ''}:{info['threads'] or ''}"
+    return (f"v4|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
+            f"|blas={lib}{tp}")
 
 
 def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False,
@@ -270,11 +348,13 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
             table = {}
         entry = table.get(key)
         fresh = entry and time.time() - entry.get("measured_at", 0) < STALE_AFTER_DAYS * 86400
-        entry = entry if (fresh and not refresh) else None
+        forced = refresh or (_recalibrate and key not in _measured_here)
+        entry = entry if (fresh and not forced) else None
     if not w.agree(entry is None):
         entry = w.broadcast_json(entry)
         return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"])
     curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress, world=w)
+    _measured_here.add(key)
     if not w.is_root:
         return curve
     table[key] = {**asdict(curve), "measured_at": time.time()}

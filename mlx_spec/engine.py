@@ -178,8 +178,9 @@ class Engine:
                 queued = None  # its position was rolled back with the rest
             history.extend(emitted)
             last, generated = emitted[-1], generated + len(emitted)
-            policy.observe(gamma, n)
-            stats.observe_round(gamma, n, len(emitted), drafted - start, perf_counter() - drafted)
+            end = perf_counter()
+            policy.observe(gamma, n, end - start)  # the round's measured time teaches auto γ its costs
+            stats.observe_round(gamma, n, len(emitted), drafted - start, end - drafted)
             stats.draft_forwards += gamma * drafter.passes_per_token if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
             yield Round(emitted, gamma, n, finish)

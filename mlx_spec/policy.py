@@ -9,6 +9,12 @@ where a_i is the live conditional acceptance at draft position i (acceptance fal
 position, so one α does not fit). If no γ ≥ 1 beats plain decoding it parks at γ = 0 and
 probes now and then, backing off while probes keep losing, so it can resume when the text
 turns predictable.
+
+Both inputs are learned while it runs. T(γ) starts from the calibration and follows every
+round's measured time (`costs.LiveCosts`), so a calibration made under load cannot park
+drafting for good. The acceptance evidence ages with every round, parked rounds faster (no
+news comes while parked, and the text may have changed), so after a bad stretch of any
+length two fully accepted probes bring drafting back.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from __future__ import annotations
 import math
 from typing import Protocol, Sequence
 
-from mlx_spec.costs import CostCurve
+from typing import Optional
+
+from mlx_spec.costs import CostCurve, LiveCosts
 from mlx_spec.stats import Stats
 
 MAX_GAMMA = 16  # the largest γ anywhere; caches keep MAX_GAMMA + 1 positions of rollback slack
@@ -27,8 +35,9 @@ class GammaPolicy(Protocol):
         """γ for the next round."""
         ...
 
-    def observe(self, gamma: int, accepted: int) -> None:
-        """The round drafted `gamma` tokens and the first `accepted` were accepted."""
+    def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
+        """The round drafted `gamma` tokens, the first `accepted` were accepted, and it
+        took `seconds` (draft, verify, sync and commit; None where not measured)."""
         ...
 
 
@@ -41,7 +50,7 @@ class FixedGamma:
     def choose(self, stats: Stats) -> int:
         return self.gamma
 
-    def observe(self, gamma: int, accepted: int) -> None:
+    def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -96,13 +105,22 @@ class AutoGamma:
     """Bandwidth-aware γ from a measured cost curve and live per-position acceptance.
 
     Args:
-        costs: the measured `CostCurve` for this target/draft pair.
+        costs: the measured `CostCurve` for this target/draft pair: the prior for round times.
         max_gamma: the largest γ considered.
         prior: acceptance assumed before evidence, per position; `prior_weight` rounds'
             worth of it, so a few rounds of evidence dominate.
-        decay: weight kept by old observations per new one (recent text matters more).
+        decay: weight kept by old evidence per round that drafted (recent text matters more).
+        parked_decay: weight kept per round that drafted nothing: while parked the evidence
+            is a bad stretch that may be over, so it fades within a probe interval.
         probe_every, max_probe_every: parked rounds between probes, doubling after each
-            probe that does not pay, reset when drafting pays again.
+            probe that is not fully accepted, reset by any fully accepted draft. Where even a perfect
+            draft would not pay, it still probes every `max_probe_every` rounds (at most one
+            probe's cost in that many rounds), so measured round times can overturn the curve.
+        learn_costs: correct the cost curve with each round's measured time (`LiveCosts`);
+            off, the curve is taken as given (tests with made-up curves).
+        explore_every: while learning costs, every this many drafting rounds draft one
+            token more than the best γ (where it is likely accepted), so widths the
+            calibration priced too high get measured.
     """
 
     def __init__(
@@ -112,22 +130,30 @@ class AutoGamma:
         prior: float = 0.9,
         prior_weight: float = 1.0,
         decay: float = 0.97,
+        parked_decay: float = 0.8,
         probe_every: int = 8,
         max_probe_every: int = 128,
+        learn_costs: bool = True,
+        explore_every: int = 8,
     ):
-        self.costs = costs
+        self.costs = LiveCosts(costs) if learn_costs else costs
         self.max_gamma = max_gamma
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.prior, self.prior_weight = prior, prior_weight
+        self.decay, self.parked_decay = decay, parked_decay
         self.reached = [0.0] * max_gamma  # decayed: rounds that drafted position i with i-1 accepted
         self.taken = [0.0] * max_gamma  # decayed: of those, rounds that accepted position i
         self.base_probe_every = self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self.explore_every, self.drafting_rounds = explore_every, 0
+        self.parked = False  # no γ ≥ 1 paid: plain rounds until a probe says otherwise
         self.parked_for = 0
         self.probing = False
         self.last_choice = 0
-        # If even a draft that is always right cannot beat plain decoding (a draft step
-        # costs about a target step, or verify cost grows with every row), never probe.
-        self.can_pay = self._best([1.0] * max_gamma) > 0
+
+    @property
+    def can_pay(self) -> bool:
+        """Whether a draft that is always right would beat plain decoding on these costs."""
+        return self._best([1.0] * self.max_gamma) > 0
 
     def acceptance(self) -> list[float]:
         """Smoothed conditional acceptance a_1..a_γmax. Each position's prior is the
@@ -155,26 +181,45 @@ class AutoGamma:
         return max(range(min_gamma, self.max_gamma + 1), key=lambda g: self.rate(g, acceptance))
 
     def choose(self, stats: Stats = None) -> int:
-        self.probing = False
-        if not self.can_pay:
-            self.last_choice = 0
-            return 0
-        gamma = self.best()
-        if gamma > 0:
-            self.parked_for, self.probe_every = 0, self.base_probe_every
-        else:
+        # Parked, only a probe's outcome can bring drafting back: evidence fading while
+        # parked must not by itself flip the choice (drafting, losing, parking, in a cycle).
+        if not self.parked:
+            gamma = self.best() if self.can_pay else 0
+            self.parked = gamma == 0
+            self.drafting_rounds += gamma > 0
+            # Now and then one position more than the best, where it may well be accepted:
+            # its measured time corrects a calibration that priced it too dear.
+            if (isinstance(self.costs, LiveCosts) and 0 < gamma < self.max_gamma
+                    and self.drafting_rounds % self.explore_every == 0 and self.acceptance()[gamma] >= 0.5):
+                gamma += 1
+        if self.parked:
+            gamma = 0
             self.parked_for += 1
-            if self.parked_for >= self.probe_every:  # a probe round keeps the estimates live
+            if self.parked_for >= (self.probe_every if self.can_pay else self.max_probe_every):
                 self.parked_for, self.probing = 0, True
-                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
                 gamma = self.best(min_gamma=1)
         self.last_choice = gamma
         return gamma
 
-    def observe(self, gamma: int, accepted: int) -> None:
+    def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
+        if seconds is not None and isinstance(self.costs, LiveCosts):
+            self.costs.observe(gamma, seconds)
+        keep = self.decay if gamma else self.parked_decay
+        self.reached = [keep * r for r in self.reached]
+        self.taken = [keep * t for t in self.taken]
         for i in range(min(accepted + 1, gamma)):  # positions this round reached
-            self.reached[i] = self.decay * self.reached[i] + 1
-            self.taken[i] = self.decay * self.taken[i] + (i < accepted)
+            self.reached[i] += 1
+            self.taken[i] += i < accepted
+        # A fully accepted draft means drafting pays again: probe soon after the next
+        # parking. A probe that lost backs off. (A probe round is never pipelined, so it
+        # is observed before the next choice.)
+        if gamma and accepted == gamma:
+            self.probe_every = self.base_probe_every
+        elif gamma and self.probing:
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+        if gamma and self.probing:  # only a probe that was fully accepted may unpark
+            self.probing = False
+            self.parked = not (accepted == gamma and self.can_pay and self.best() > 0)
 
     def __repr__(self) -> str:
         return f"AutoGamma(max_gamma={self.max_gamma})"

@@ -61,12 +61,18 @@ def test_falling_acceptance_stops_early():
     assert policy.best() == 2
 
 
-def test_compute_bound_costs_never_draft_nor_probe():
+def test_compute_bound_costs_probe_only_once_in_max_probe_every_rounds():
     policy = trained(LINEAR, [0.95] * 6)
     assert policy.best() == 0
     assert policy.predicted_speedup(3) < 1.0
     assert not policy.can_pay  # not even a draft that is always right would pay
-    assert [policy.choose(Stats()) for _ in range(300)] == [0] * 300
+    chosen = []
+    for _ in range(300):
+        chosen.append(policy.choose(Stats()))
+        policy.observe(chosen[-1], 0)
+    probes = [i for i, g in enumerate(chosen) if g]
+    # still probing (so measured round times could overturn the curve), but rarely
+    assert probes == [policy.max_probe_every - 1, 2 * policy.max_probe_every - 1]
 
 
 def test_two_token_draft_steps_after_full_acceptance_are_priced():
@@ -138,19 +144,20 @@ def test_auto_gamma_in_the_engine_keeps_output_identical(tiny_target, tiny_draft
     prompt = [2] + list(range(40, 60))
     stats = Stats()
     engine = Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB))
-    tokens = [t for r in engine.rounds(prompt, gamma=AutoGamma(costs), max_tokens=60, stats=stats) for t in r.tokens]
+    policy = AutoGamma(costs, learn_costs=False)
+    tokens = [t for r in engine.rounds(prompt, gamma=policy, max_tokens=60, stats=stats) for t in r.tokens]
     assert tokens == greedy_reference(tiny_target, prompt, 60)
     if expect_drafting:
         assert stats.drafted > 60
     else:
-        assert stats.drafted == 0  # drafting cannot pay on this curve: no probes either
+        assert stats.drafted == 0  # drafting cannot pay on this curve: no probe within 60 rounds
 
 
 def test_a_parked_policy_probes_and_resumes_drafting_through_the_engine(tiny_target):
     """Parked after a bad stretch, then the text turns predictable (the target drafting for
     itself: every draft is right). Driven by the real round loop, the policy must probe and
     go back to drafting; probes must not be spent where the engine only asks "plain again?"."""
-    policy = AutoGamma(FLAT, probe_every=4)
+    policy = AutoGamma(FLAT, probe_every=4, learn_costs=False)
     for _ in range(40):  # a bad stretch: every draft rejected
         policy.observe(3, 0)
     assert policy.best() == 0  # parked
@@ -163,3 +170,125 @@ def test_a_parked_policy_probes_and_resumes_drafting_through_the_engine(tiny_tar
     assert drafting and drafting[0] <= 8  # the first probe comes after about probe_every rounds
     assert all(r.gamma > 0 for r in rounds[drafting[0] + 4 : -1])  # and drafting resumed for good
     assert stats.accepted == stats.drafted > 50
+
+
+class Switching:
+    """A drafter that proposes wrong tokens for its first `bad` drafting rounds, then the
+    target's own greedy continuation (the target drafting for itself: always right)."""
+
+    def __init__(self, target, bad: int):
+        self.inner = ModelDrafter(target, TINY_VOCAB)
+        self.bad, self.rounds = bad, 0
+        self.name, self.passes_per_token, self.rollbackable = "switching", 1, True
+
+    def begin(self, prompt_ids, cache, processor=None):
+        return self.inner.begin(prompt_ids, cache, processor)
+
+    def propose(self, gamma, history, key=None):
+        draft = self.inner.propose(gamma, history, key)
+        self.rounds += 1
+        if self.rounds <= self.bad:  # every token wrong: the first is always rejected
+            draft = type(draft)((draft.tokens + 1) % TINY_VOCAB, None)
+        return draft
+
+    def accept(self, committed, **kwargs):
+        self.inner.accept(committed)
+
+
+class BadStretchFirst:
+    """γ = 3 for the first `rounds` rounds (a bad stretch while drafting), then the wrapped
+    AutoGamma's choice; the AutoGamma observes every round."""
+
+    def __init__(self, policy: AutoGamma, rounds: int):
+        self.policy, self.left = policy, rounds
+
+    def choose(self, stats):
+        if self.left > 0:
+            self.left -= 1
+            return 3
+        return self.policy.choose(stats)
+
+    def observe(self, gamma, accepted, seconds=None):
+        self.policy.observe(gamma, accepted, seconds)
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+def test_after_a_bad_stretch_two_full_probes_bring_drafting_back_through_the_engine(tiny_target, costs):
+    """40 rejected drafting rounds, then every draft right: driven by the real round loop,
+    auto γ parks, and drafting resumes after at most two (fully accepted) probes."""
+    policy = AutoGamma(costs, learn_costs=False)
+    drafter = Switching(tiny_target, bad=40)
+    engine = Engine(tiny_target, drafter)
+    prompt = [2] + list(range(40, 60))
+    rounds = list(engine.rounds(prompt, gamma=BadStretchFirst(policy, 40), max_tokens=200))
+    assert [t for r in rounds for t in r.tokens] == greedy_reference(tiny_target, prompt, 200)
+    assert all(r.accepted == 0 for r in rounds[:40]) and all(r.gamma == 3 for r in rounds[:40])
+    after = rounds[40:]
+    drafting = [i for i, r in enumerate(after) if r.gamma > 0]
+    assert drafting, "never drafted again"
+    # rounds in a row that drafted: a probe is one drafting round between plain ones
+    resumed = next(i for i in drafting if i + 1 < len(after) and after[i + 1].gamma > 0)
+    probes = sum(1 for i in drafting if i < resumed)
+    assert probes <= 1  # the resumed run starts with the second probe, at the latest
+    assert all(r.gamma > 0 for r in after[resumed:-1])
+
+
+def test_live_costs_follow_measured_rounds_and_ignore_one_outlier():
+    from mlx_spec.costs import LiveCosts
+
+    # a calibration made under load: 2.89 steps for a 2-row verify, extended linearly
+    loaded = CostCurve(verify=[1.0 + 1.89 * w for w in range(7)], draft_step=0.0, context=256)
+    live = LiveCosts(loaded)
+    assert live.round_time(1) == pytest.approx(2.89)
+    live.observe(1, 1.2)
+    assert 1.2 < live.round_time(1) < 2.89  # one round: half-way (in log) from the calibration
+    live.observe(1, 1.2)
+    assert live.round_time(1) == pytest.approx(1.2)  # two agreeing rounds override it
+    assert live.round_time(3) == pytest.approx(loaded.round_time(3) * 1.2 / 2.89)  # unseen γ borrow
+    for seconds in (1.2, 1.2, 12.0, 1.2):  # one slow round (another process) moves nothing
+        live.observe(1, seconds)
+    assert live.round_time(1) == pytest.approx(1.2)
+    for _ in range(16):  # a machine that got slower is followed
+        live.observe(1, 2.4)
+    assert live.round_time(1) == pytest.approx(2.4)
+
+
+class Clocked:
+    """A target whose every forward advances a virtual clock by `cost(width)` seconds; the
+    engine reads that clock (perf_counter patched), so measured costs are exact."""
+
+    def __init__(self, model, clock: list, cost):
+        self.model, self.clock, self.cost = model, clock, cost
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.clock[0] += self.cost(inputs.shape[-1])
+        return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_calibration_made_under_load_cannot_park_drafting(tiny_target, monkeypatch):
+    """The cached curve says a 2-row verify costs 2.89 steps (measured while another process
+    ran); the machine really verifies 7 rows for 1.2 steps. Through the engine, with the
+    target drafting for itself (always right): auto γ learns the real costs from its own
+    rounds and drafts; taking the curve as given, it never would."""
+    import mlx_spec.engine
+
+    clock = [0.0]
+    monkeypatch.setattr(mlx_spec.engine, "perf_counter", lambda: clock[0])
+    target = Clocked(tiny_target, clock, lambda width: 1.0 + 0.2 * (width - 1) / 6)
+    loaded = CostCurve(verify=[1.0 + 1.89 * w for w in range(7)], draft_step=0.0, context=256)
+    prompt = [2] + list(range(40, 60))
+    results = {}
+    for learn in (False, True):
+        engine = Engine(target, ModelDrafter(tiny_target, TINY_VOCAB))  # a free draft: not clocked
+        stats = Stats()
+        policy = AutoGamma(loaded, learn_costs=learn, max_probe_every=16)
+        rounds = list(engine.rounds(prompt, gamma=policy, max_tokens=300, stats=stats))
+        assert [t for r in rounds for t in r.tokens] == greedy_reference(tiny_target, prompt, 300)
+        results[learn] = stats, rounds
+    (given, _), (learned, rounds) = results[False], results[True]
+    assert given.drafted <= 300 // 16  # probes only: the curve says it never pays
+    assert learned.drafted > 200 and all(r.gamma >= 5 for r in rounds[-10:-1])  # learned: long drafts
+    assert learned.decode_time < 0.4 * given.decode_time

@@ -15,9 +15,10 @@ from typing import Annotated, Optional
 import mlx.core as mx
 import typer
 
-from mlx_spec import blas
+from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
+    RecalibrateOpt,
     OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
     ModelOpt, PresetOpt, QuantizeOpt, SeedOpt, setup_models, warn_replaced,
 )
@@ -55,6 +56,7 @@ def bench(
         help="γ values to compare with drafting off (repeatable or comma-separated; 'auto' adds "
              "the automatic policy). Default: 1 2 3 5.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Also run --gamma auto.")] = False,
+    recalibrate: RecalibrateOpt = False,
     prompts: Annotated[Optional[list[str]], typer.Option(
         "--prompt", metavar="NAME|@FILE|TEXT",
         help=f"Prompt(s) to run (repeatable): a committed one "
@@ -111,6 +113,8 @@ def bench(
     named = [tuple(pair) for pair in w.broadcast_json(named)]
 
     # the sweep's own temperature and seed, not the preset's sampling defaults
+    if recalibrate:
+        costs.recalibrate()
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma="auto", dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,

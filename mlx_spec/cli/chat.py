@@ -17,8 +17,10 @@ from typing import Annotated, Optional
 import typer
 
 from mlx_spec.chat import ChatSession
+from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
+    RecalibrateOpt,
     ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt,
     TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
@@ -220,6 +222,7 @@ def chat(
     drafter: DrafterOpt = None,
     preset: PresetOpt = None,
     gamma: GammaOpt = None,
+    recalibrate: RecalibrateOpt = False,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
@@ -241,6 +244,8 @@ def chat(
 
     Slash commands: /gamma N|auto, /temp X, /stats, /reset, /help, /quit.
     """
+    if recalibrate:
+        costs.recalibrate()
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,

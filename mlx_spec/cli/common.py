@@ -66,6 +66,12 @@ GammaOpt = Annotated[Optional[str], typer.Option(
     help="Draft tokens per round γ: a whole number (0 = plain decoding) or 'auto' (chosen each "
          "round from measured costs and live acceptance). Default: the preset's, else auto.")]
 
+RecalibrateOpt = Annotated[bool, typer.Option(
+    "--recalibrate", rich_help_panel=MODELS,
+    help="Measure the cost curve behind γ = auto again instead of reading the cached one "
+         "(costs.json in $MLX_SPEC_CACHE, default ~/.cache/mlx-spec); auto γ also corrects it "
+         "from every round's measured time while it runs.")]
+
 TempOpt = Annotated[Optional[float], typer.Option(
     "--temp", "-t", rich_help_panel=SAMPLING, min=0.0,
     help="Sampling temperature; 0 is greedy (output identical to the target alone).")]

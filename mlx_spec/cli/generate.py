@@ -15,9 +15,10 @@ from typing import Annotated, Optional
 import mlx.core as mx
 import typer
 
-from mlx_spec import blas
+from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
+    RecalibrateOpt,
     OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt,
     SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt,
@@ -43,6 +44,7 @@ def generate(
     drafter: DrafterOpt = None,
     preset: PresetOpt = None,
     gamma: GammaOpt = None,
+    recalibrate: RecalibrateOpt = False,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
@@ -67,6 +69,8 @@ def generate(
     Examples:  mlx-spec generate "Why is the sky blue?"  ·  echo "Once upon" | mlx-spec generate --raw
     """
     text = read_prompt(prompt)
+    if recalibrate:
+        costs.recalibrate()
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,

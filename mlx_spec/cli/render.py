@@ -34,7 +34,8 @@ class View:
     predicted_speedup: Optional[float] = None  # AutoGamma's expectation at its current γ
     measured_speedup: Optional[float] = None  # decode tok/s over the cost curve's plain rate,
     # only once something was drafted (without drafting it would be timing noise)
-    plain_tps: Optional[float] = None  # 1 / t_verify(1) from the cost curve
+    plain_tps: Optional[float] = None  # 1 / plain round time, learned in this run where it could be
+    plain_measured: bool = False  # plain_tps from this run's plain rounds (not the calibration)
     interrupted: bool = False  # the user stopped the run (Ctrl-C)
 
     def as_dict(self) -> dict:
@@ -45,6 +46,7 @@ class View:
             "predicted_speedup": self.predicted_speedup,
             "measured_speedup": self.measured_speedup,
             "plain_tps_estimate": self.plain_tps,
+            "plain_tps_measured": self.plain_measured,
             "prefill_share": _prefill_share(self.stats),
             "interrupted": self.interrupted,
         }
@@ -73,10 +75,14 @@ class ViewMaker:
             interrupted=interrupted,
         )
         if isinstance(self.policy, AutoGamma):
-            plain = 1.0 / self.policy.costs.verify_time(1)
+            # Plain speed as this run measured it (its plain rounds), else the calibration
+            # as corrected by this run's rounds: the machine as it is now, not a stored figure.
+            costs = self.policy.costs
+            plain = 1.0 / costs.round_time(0)
             view.gamma_now = self.policy.last_choice
             view.predicted_speedup = self.policy.predicted_speedup(self.policy.last_choice)
             view.plain_tps = plain
+            view.plain_measured = 0 in getattr(costs, "learned", {})
             view.measured_speedup = stats.decode_tps / plain if stats.drafted else None
         return view
 
@@ -144,10 +150,12 @@ def render_stats(view: View, title: str = "speculative decoding") -> Table:
 
 
 def speedup_text(view: View) -> str:
-    """Measured speedup and what it is measured against: the plain decoding speed the
-    calibration's cost curve predicts (shown only once tokens were drafted)."""
-    return (f"speedup {view.measured_speedup:.2f}× vs plain ≈ {view.plain_tps:.1f} tok/s from the cost "
-            f"curve (predicted {view.predicted_speedup:.2f}×)")
+    """Measured speedup and what it is measured against: the plain decoding speed of this
+    run's plain rounds, else the cost curve's as this run corrected it (shown only once
+    tokens were drafted)."""
+    source = "measured in this run" if view.plain_measured else "from the cost curve"
+    return (f"speedup {view.measured_speedup:.2f}× vs plain ≈ {view.plain_tps:.1f} tok/s {source} "
+            f"(predicted {view.predicted_speedup:.2f}×)")
 
 
 def summary_line(view: View) -> str:

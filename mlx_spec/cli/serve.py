@@ -14,8 +14,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
+    RecalibrateOpt,
     DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
     PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma,
     setup_models,
@@ -54,6 +56,7 @@ def serve(
     drafter: DrafterOpt = None,
     preset: PresetOpt = None,
     gamma: GammaOpt = None,
+    recalibrate: RecalibrateOpt = False,
     dtype: DtypeOpt = None,
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
@@ -82,6 +85,8 @@ def serve(
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
+    if recalibrate:
+        costs.recalibrate()
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
