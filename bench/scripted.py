@@ -152,5 +152,5 @@ class ScriptedMtpDrafter(MtpDrafter):
     def propose(self, gamma: int, history: list[int], key=None) -> Draft:
         own = super().propose(gamma, history, key)
         if own.tokens.size == 0:
-            return own  # the first round: no hidden state yet
+            return own  # γ = 0, or no hidden state (a first round that prefilled nothing)
         return Draft(self.script.through(own.tokens, len(history) - self.prompt_len))

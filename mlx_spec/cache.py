@@ -138,12 +138,19 @@ def _max_trim(layer) -> int:
     return 0  # recurrent state or an overwriting ring: no exact rollback
 
 
+def final_hidden(model, inputs: mx.array, cache) -> mx.array:
+    """The decoder's final (post-norm) hidden states, without the LM head: mlx-lm's
+    Gemma-family models are a decoder `model.model` ending in its final norm."""
+    lm = getattr(model, "language_model", model)  # multimodal wrappers hold the text model
+    return lm.model(inputs, cache=cache)
+
+
 def logits_and_hidden(model, inputs: mx.array, cache) -> tuple[mx.array, mx.array]:
     """One forward that also returns the final (post-norm) hidden states, for drafters that
-    read them. mlx-lm's Gemma-family models are a decoder `model.model` ending in its final
-    norm, then a tied embedding or an `lm_head`, then an optional logit soft-cap."""
-    lm = getattr(model, "language_model", model)  # multimodal wrappers hold the text model
-    hidden = lm.model(inputs, cache=cache)
+    read them: the decoder (`final_hidden`), then a tied embedding or an `lm_head`, then an
+    optional logit soft-cap."""
+    lm = getattr(model, "language_model", model)
+    hidden = final_hidden(model, inputs, cache)
     if getattr(lm, "tie_word_embeddings", not hasattr(lm, "lm_head")):
         logits = lm.model.embed_tokens.as_linear(hidden)
     else:
@@ -173,6 +180,9 @@ class SequenceCache:
         self.cache = make_cache(model, slack)
         self.ids: list[int] = []
         self.unsettled = 0
+        # [1, 1, H] final hidden state at the last position the latest prefill fed, when it
+        # was asked for one (hidden=True) and fed anything; None once the cache moves on.
+        self.prefill_hidden: Optional[mx.array] = None
 
     @property
     def rollbackable(self) -> bool:
@@ -186,18 +196,24 @@ class SequenceCache:
         self.cache = make_cache(self.model, self.slack)
         self.ids = []
         self.unsettled = 0
+        self.prefill_hidden = None
 
     def forward(self, tokens: mx.array, hidden: bool = False):
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
         (logits [n, V], final hidden states [n, H])."""
         self.unsettled += tokens.shape[0]
+        self.prefill_hidden = None
         out = self._call(tokens[None], hidden)
         return (out[0][0], out[1][0]) if hidden else out[0]
 
-    def _call(self, tokens: mx.array, hidden: bool = False):
+    def _call(self, tokens: mx.array, hidden: bool = False, head: bool = True):
+        """Logits; with hidden=True (logits, final hidden states); with head=False the final
+        hidden states only."""
         if self.vocab is not None:
             tokens = mx.where(tokens < self.vocab, tokens, 0)
         try:
+            if not head:
+                return final_hidden(self.model, tokens, self.cache)
             if hidden:
                 return logits_and_hidden(self.model, tokens, self.cache)
             return self.model(tokens, cache=self.cache)
@@ -226,6 +242,7 @@ class SequenceCache:
     def _trim(self, n: int) -> None:
         if n == 0:
             return
+        self.prefill_hidden = None
         if n > self.max_rollback():
             raise ValueError(f"cannot roll back {n} positions of {type(self.model).__name__}")
         for layer in self.cache:
@@ -236,9 +253,15 @@ class SequenceCache:
         ids: list[int],
         chunk_size: int = 512,
         progress: Optional[Callable[[int, int], None]] = None,
+        hidden: bool = False,
     ) -> int:
         """Make the cache hold exactly `ids`, reusing the longest common prefix it already
-        holds (multi-turn chat prefills only the new turn). Returns tokens processed."""
+        holds (multi-turn chat prefills only the new turn). Returns tokens processed.
+
+        hidden=True also keeps the final hidden state at the last position fed, from the
+        last chunk's own pass (no extra forward), in `prefill_hidden` (None if nothing was
+        fed): an MTP drafter starts its first draft from it."""
+        self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
         common = _common_prefix(self.ids, ids)
@@ -253,8 +276,11 @@ class SequenceCache:
             progress(0, len(todo))  # shown before the first chunk, which can take a while
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
-            self._call(mx.array(chunk)[None])
-            mx.eval([c.state for c in self.cache])
+            last = hidden and begin + chunk_size >= len(todo)
+            out = self._call(mx.array(chunk)[None], head=not last)
+            kept = out[:, -1:, :] if last else None  # [1, 1, H]
+            mx.eval([c.state for c in self.cache] + ([kept] if last else []))
+            self.prefill_hidden = kept
             self.ids.extend(chunk)
             if progress is not None:
                 progress(begin + len(chunk), len(todo))

@@ -125,9 +125,11 @@ class Engine:
         drafter = self.drafter
 
         # Prefill: both caches end up holding the prompt except its last token, which the
-        # first verify pass feeds.
+        # first verify pass feeds. A drafter that reads hidden states gets the last prefilled
+        # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
         start = perf_counter()
-        processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress)
+        processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
+                                         hidden=self.wants_hidden)
         if drafter is not None:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from cli_support import invoke_json
 from conftest import chat_turn_matches_plain_decoding, greedy_reference
@@ -127,7 +128,7 @@ def test_greedy_matches_plain_decoding(pair, references, prompt_name, gamma):
     prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
     tokens, stats = run(build_engine(pair), prompt, gamma)
     assert tokens == references[prompt_name]
-    assert stats.drafted > 0  # it drafted from the second round on
+    assert stats.drafted > 0
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +217,132 @@ def test_position_setting(pair, references, monkeypatch):
     monkeypatch.setenv("MLX_SPEC_MTP_POSITION", "next")
     with pytest.raises(MlxSpecError, match="MLX_SPEC_MTP_POSITION"):
         build_engine(pair)
+
+
+# ---------------------------------------------------------------------------------------
+# Round 1 drafts: the prefill hands the assistant the last prefilled position's hidden state
+# ---------------------------------------------------------------------------------------
+
+
+def recording(engine):
+    """Wrap the engine's MTP drafter so that every proposal's tokens are kept, in order."""
+    drafter, proposals = engine.drafter, []
+    propose = drafter.propose
+
+    def record(gamma, history, key=None):
+        draft = propose(gamma, history, key)
+        proposals.append(draft.tokens.tolist())
+        return draft
+
+    drafter.propose = record
+    return proposals
+
+
+def independent_first_draft(target, assistant, prompt, gamma):
+    """The first draft as computed from scratch, apart from the engine, its caches and
+    `draft_greedy`: mlx-lm's plain caches and one target pass over prompt[:-1]; h = the final
+    (post-norm) hidden state at its last row; the assistant's full logits, argmax, γ steps
+    at the transformers position (the tokens in the target's cache)."""
+    inner = target.model
+    cache = [KVCache() for _ in target.make_cache()]  # every key kept; the mask keeps the window
+    h = inner(mx.array([prompt[:-1]]), cache=cache)[:, -1:, :]
+    held = len(prompt) - 1
+    first = max(0, held - (WINDOW - 1))  # the sliding layer's window − 1 newest keys
+    kv = {"sliding_attention": (cache[1].keys[..., first:held, :], cache[1].values[..., first:held, :]),
+          "full_attention": (cache[2].keys[..., :held, :], cache[2].values[..., :held, :])}
+    token, tokens = mx.array([[prompt[-1]]]), []
+    for _ in range(gamma):
+        embedded = inner.embed_tokens(token) * inner.embed_scale
+        logits, h = assistant(mx.concatenate([embedded, h], axis=-1), kv, held)
+        token = mx.argmax(logits, axis=-1)
+        tokens.append(token.item())
+    return tokens
+
+
+@pytest.mark.parametrize("prompt", [SHORT_PROMPT, LONG_PROMPT, SHORT_PROMPT[:2]], ids=["short", "long", "two"])
+def test_first_round_drafts(pair, prompt):
+    """Round 1 after the prefill drafts γ tokens (it used to be plain: no hidden state)."""
+    engine = build_engine(pair)
+    stats = Stats()
+    first = next(iter(engine.rounds(prompt, gamma=3, max_tokens=MAX_TOKENS, stats=stats)))
+    assert first.gamma == 3 and stats.drafted == 3 and stats.rounds == 1
+
+
+@pytest.mark.parametrize("prompt", [SHORT_PROMPT, LONG_PROMPT, SHORT_PROMPT[:2]], ids=["short", "long", "two"])
+def test_first_draft_equals_an_independent_computation(pair, prompt):
+    """The first draft is the assistant's from the target's hidden state at prompt[-2],
+    fed prompt[-1]: the same tokens as computed apart from the engine."""
+    engine = build_engine(pair)
+    proposals = recording(engine)
+    next(iter(engine.rounds(prompt, gamma=4, max_tokens=MAX_TOKENS)))
+    assert proposals[0] == independent_first_draft(pair.target.model, pair.draft.model, prompt, 4)
+
+
+def test_prefill_hidden_is_the_last_chunks_own(pair):
+    """`prefill(hidden=True)` keeps the last fed position's final hidden state, across
+    chunks, equal to one whole pass's; without hidden=True it keeps nothing."""
+    engine = build_engine(pair)
+    ids = LONG_PROMPT[:-1]
+    whole = pair.target.model.model(mx.array([ids]))[:, -1:, :]
+    cache = engine.make_prompt_cache()
+    assert cache.target.prefill(ids, chunk_size=16, hidden=True) == len(ids)
+    assert cache.target.prefill_hidden.shape == whole.shape
+    assert mx.allclose(cache.target.prefill_hidden, whole, atol=1e-4).item()
+    assert cache.target.prefill(ids, hidden=True) == 0 and cache.target.prefill_hidden is None
+    plain = engine.make_prompt_cache()
+    plain.target.prefill(ids)
+    assert plain.target.prefill_hidden is None
+
+
+@pytest.mark.parametrize("prompt", [SHORT_PROMPT, LONG_PROMPT, [2], SHORT_PROMPT[:2]],
+                         ids=["short", "long", "one", "two"])
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_greedy_from_round_one_matches_plain_decoding(pair, prompt, gamma):
+    """Drafting from round 1 keeps greedy output mlx-lm's; a one-token prompt prefills
+    nothing, so its round 1 is plain (there is no hidden state before the first token)."""
+    engine = build_engine(pair)
+    rounds = list(engine.rounds(prompt, gamma=gamma, max_tokens=MAX_TOKENS))
+    assert [t for r in rounds for t in r.tokens] == greedy_reference(pair.target.model, prompt, MAX_TOKENS)
+    assert rounds[0].gamma == (0 if len(prompt) == 1 else gamma)
+    assert sum(r.gamma for r in rounds) > 0
+
+
+def test_nothing_prefilled_reuses_the_last_rounds_hidden_state(pair):
+    """A request whose prompt is exactly the cached ids plus one token prefills nothing; the
+    h the last round handed over is then the right one: round 1 drafts what an independent
+    computation gives, and output stays plain decoding's. If the cache rolled back instead
+    (prompt shorter than what it holds), no h is right and round 1 is plain."""
+    engine = build_engine(pair)
+    cache = engine.make_prompt_cache()
+    prompt = SHORT_PROMPT
+    tokens = run(engine, prompt, 3, max_tokens=12, prompt_cache=cache)[0]
+    follow = prompt + tokens  # the cache holds follow[:-1]
+    assert cache.target.ids == follow[:-1]
+    proposals = recording(engine)
+    rounds = list(engine.rounds(follow, gamma=3, max_tokens=MAX_TOKENS, prompt_cache=cache))
+    assert rounds[0].gamma == 3
+    assert proposals[0] == independent_first_draft(pair.target.model, pair.draft.model, follow, 3)
+    assert [t for r in rounds for t in r.tokens] == greedy_reference(pair.target.model, follow, MAX_TOKENS)
+    shorter = cache.target.ids[:-2] + [cache.target.ids[-2]]  # holds shorter[:-1] after a rollback
+    rounds = list(engine.rounds(shorter, gamma=3, max_tokens=12, prompt_cache=cache))
+    assert rounds[0].gamma == 0
+    assert [t for r in rounds for t in r.tokens] == greedy_reference(pair.target.model, shorter, 12)
+
+
+def test_chat_turns_draft_from_round_one(distilled):
+    """Each chat turn (the second prefills only its new tokens) drafts in its first round
+    and still equals plain decoding of the conversation."""
+    engine = build_engine(distilled)
+    session = ChatSession(engine, distilled.tokenizer)
+    proposals = recording(engine)
+    begin, starts = engine.drafter.begin, []
+
+    def begin_and_mark(prompt_ids, prompt_cache, processor=None):
+        starts.append(len(proposals))
+        return begin(prompt_ids, prompt_cache, processor)
+
+    engine.drafter.begin = begin_and_mark
+    for question in ["Hello there, who are you?", "And what is next?"]:
+        chat_turn_matches_plain_decoding(session, distilled.target.model, question)
+    assert len(starts) == 2
+    assert all(len(proposals[i]) == 3 for i in starts)

@@ -6,6 +6,9 @@ One small protocol, after llama.cpp's common/speculative.h (begin / draft / acce
   accept(committed)                            the tokens the round committed; roll back the rest
 
 A model-free drafter returns q = None and the verifier treats q as one-hot at its tokens.
+A drafter with `wants_hidden = True` (MTP) gets the target's final hidden states: those of
+the round's pass with accept(committed, target_hidden=...), and at begin the last prefilled
+position's in prompt_cache.target.prefill_hidden (None if the prefill fed nothing).
 """
 
 from __future__ import annotations

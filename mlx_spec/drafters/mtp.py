@@ -6,6 +6,14 @@ target's final hidden state h at the last accepted position (handed over by the 
 step feeding its own projected hidden state and the target's embedding of the token it just
 drafted. All steps query one position, so nothing is ever written and nothing needs rollback.
 
+Round 1 drafts too, as in LiteRT-LM, transformers and mlx-vlm: the engine's prefill keeps
+the final hidden state at the last prefilled token (prompt_ids[-2]) from its own last chunk
+(no extra target pass; only when a drafter wants hidden states), and `begin` starts from it,
+so the first proposal, fed prompt_ids[-1], is made exactly as any later round's. Otherwise
+every request would begin with a plain round, a real share of a short chat answer. When the
+prefill fed nothing (a one-token prompt, or a chat turn that adds a single token), the h of
+the previous round is still right if the cache has not moved since; else round 1 is plain.
+
 Which keys it sees: the target's cache after a round holds exactly the committed tokens
 before the newest one, so every step attends to the committed context only. Sliding layers
 see the window − 1 newest keys, the keys the target's own sliding layer would see at the
@@ -110,15 +118,27 @@ class MtpDrafter:
         self.position = position
         self.state = None  # the target's SequenceCache
         self.h: Optional[mx.array] = None  # [1, 1, H_target] at the last committed position
+        self.h_at = 0  # tokens in the target's cache when h was taken (h is at the newest)
 
     def embed(self, token: mx.array) -> mx.array:
         return self.inner.embed_tokens(token) * self.inner.embed_scale
 
     def begin(self, prompt_ids: list[int], prompt_cache, processor=None) -> int:
-        # The prefill computed no hidden state for us, so the first round is a plain one;
-        # it costs one target pass and yields a token, as any round does.
-        self.state = prompt_cache.target
-        self.h = None
+        """Start from the target's final hidden state at the last prefilled token
+        (prompt_ids[-2]), so round 1 drafts as any later round does. The engine's prefill
+        kept it (`prefill_hidden`). If the prefill fed nothing (the cache already held
+        prompt_ids[:-1]: a one-token prompt, or a turn adding one token), the h the last
+        round handed over is the right one only if the cache has not moved since; otherwise
+        there is no h and round 1 is plain (it costs one target pass and yields a token, as
+        any round does)."""
+        state = prompt_cache.target
+        held = len(prompt_ids) - 1  # what the prefill left in the cache
+        if state.prefill_hidden is not None and len(state.ids) == held:
+            self.h = state.prefill_hidden
+        elif not (state is self.state and self.h_at == held == len(state.ids)):
+            self.h = None
+        self.state = state
+        self.h_at = held
         return 0
 
     def propose(self, gamma: int, history: list[int], key=None) -> Draft:
@@ -140,3 +160,4 @@ class MtpDrafter:
             self.h = None
         else:
             self.h = target_hidden[len(committed) - 1].reshape(1, 1, -1)
+        self.h_at = len(self.state.ids)  # h is the hidden state at the newest cached token
