@@ -86,3 +86,19 @@ def test_the_suite_runs_under_the_fast_blas_where_there_is_one():
         assert info["name"] == "mkl", info
     elif find_spec("mlx") is None:
         pytest.skip("no MLX")
+
+
+@pytest.mark.skipif(not (LINUX_X86 and HAS_MKL), reason="MKL ships from PyPI for x86-64 Linux only")
+def test_threads_default_to_half_the_cores_and_follow_the_users_choice():
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
+    code = "import json, mlx_spec; from mlx_spec import blas; print(json.dumps(blas.describe()))"
+
+    def threads(**extra):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["threads"]
+
+    assert threads() == blas.default_threads() == max(1, os.cpu_count() // 2)
+    assert threads(MLX_SPEC_BLAS_THREADS="3") == 3
+    assert threads(MKL_NUM_THREADS="3") == 3  # the library's own variable, left alone
