@@ -175,4 +175,8 @@ def gamma_policy(
         engine.target, draft_model, max_width=max_gamma + 1,
         context=context_bucket(context), refresh=refresh, progress=progress,
     )
-    return AutoGamma(costs, max_gamma=max_gamma)
+    from mlx_spec.distributed import world
+
+    # Across ranks every rank must choose the same γ: learning from local round times could
+    # part them, so there the (rank 0's, broadcast) calibration is taken as given.
+    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=not world().active)
