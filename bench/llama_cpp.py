@@ -149,9 +149,15 @@ def llama_info(threads: int, lookup) -> dict:
             "prompt_lookup": {"max_ngram_size": lookup.max_ngram_size,
                               "num_pred_tokens": lookup.num_pred_tokens}}
     try:
+        info["libllama"] = llama_cpp.llama_version().decode()
+    except Exception:
+        pass
+    try:
         info["system_info"] = llama_cpp.llama_print_system_info().decode().strip()
     except Exception:
         pass
+    libs = Path(llama_cpp.__file__).parent / "lib"
+    info["libraries"] = sorted(p.name for p in libs.glob("*.so.*.*")) if libs.is_dir() else []
     return info
 
 
@@ -238,6 +244,9 @@ def main() -> None:
         raise SystemExit("needs llama-cpp-python: pip install -e '.[bench]'") from None
     Llama = llama_cpp.Llama
 
+    load_start = os.getloadavg()
+    print(f"load average {load_start[0]:.2f} on {os.cpu_count()} cores (other jobs slow a 2-thread "
+          "llama.cpp far more than MLX: run on a quiet machine)", file=sys.stderr)
     gguf = args.gguf or embedded_gguf()
     pair = load_pair(str(gguf), dtype="float32", progress=False)
     tokenizer = pair.tokenizer
@@ -330,6 +339,7 @@ def main() -> None:
                 "lookup, auto γ": ratio("mlx-spec ngram auto", "llama.cpp prompt lookup"),
                 "lookup, fixed γ": ratio(fixed, "llama.cpp prompt lookup"),
             },
+            "generated": {n: len(outputs[n]) for n in names},
             "md5": {n: digest(outputs[n]) for n in names},
             "llama_lookup_equals_plain": outputs["llama.cpp prompt lookup"] == outputs["llama.cpp plain"],
             "ours_lookup_equals_plain": (outputs["mlx-spec ngram auto"] == outputs["mlx-spec plain"]
@@ -375,6 +385,7 @@ def main() -> None:
         "llama_cpp": {**llama_info(args.threads, lookup), "n_ctx": n_ctx, "load_s": llama_load_s},
         "mlx_blas": mlx_blas(),
         "cpu": {"model": cpu_model(), "cores": os.cpu_count(),
+                "load_average_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
                 "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
                         if k in os.environ}},
         "rows": rows,
