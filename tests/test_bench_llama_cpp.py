@@ -1,0 +1,59 @@
+"""bench/llama_cpp.py's own helpers, without llama-cpp-python (the peer run itself needs it
+and minutes of CPU: `python bench/llama_cpp.py --max-tokens 16 --repeats 1` is its smoke check)."""
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent.parent / "bench" / "llama_cpp.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("bench_llama_cpp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_time_starts_at_the_first_hand_back(script):
+    def chunks():
+        time.sleep(0.2)  # "prompt processing"
+        yield [1, 2]  # a first round of two tokens: both count as prompt time
+        for token in range(3, 7):
+            time.sleep(0.01)
+            yield [token]
+
+    result = script.timed_chunks(chunks())
+    assert result["tokens"] == [1, 2, 3, 4, 5, 6]
+    assert result["prompt_s"] >= 0.2
+    assert 0.04 <= result["decode_s"] < 0.2  # the prompt's time is not in it
+    assert result["decode_tps"] == pytest.approx(4 / result["decode_s"])
+
+
+def test_first_difference(script):
+    assert script.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert script.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert script.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_the_script_does_not_shadow_the_package(script):
+    """The script's name is the package's: with bench/ on sys.path (as when it runs) the
+    import must still find llama-cpp-python, or nothing."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        llama_cpp, lookup = script.import_llama_cpp()
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert Path(llama_cpp.__file__).resolve() != SCRIPT.resolve()
+    assert hasattr(llama_cpp, "Llama") and lookup().num_pred_tokens > 0
+
+
+def test_blas_is_described(script):
+    info = script.mlx_blas()
+    assert "libraries" in info and "mlx_uses" in info
