@@ -17,7 +17,7 @@ py head_to_head.py --pair gemma270m-q8 --gammas 2 4 --max-tokens 32 --repeats 3
 # Peers: llama.cpp (llama-cpp-python, pip install -e '.[bench]') on the same GGUF and 2 threads.
 # Not in the 120 minutes above: estimated 30-45 min with MLX on the wheel's reference BLAS (our
 # prefill and fixed-γ runs dominate), from a 9-minute smoke run (16 tokens, 1 repetition).
-py llama_cpp.py --prompts quote long --max-tokens 96 --repeats 5 --threads 2 --gamma 3
+py vs_llama_cpp.py --prompts quote long --max-tokens 96 --repeats 5 --threads 2 --gamma 3
 py shaped.py --pairs gemma4-12b/assistant gemma3-12b/270m gemma3-27b/1b --scale 0.125 --prompt-tokens 256 --max-tokens 96 --repeats 3 --clock cpu
 # Past one Mac: the same sweeps in one process and across 2 ring ranks on this machine.
 py distributed.py --pair gemma270m-ngram --prompt quote --gammas 1,3 --max-tokens 24 --runs 2

@@ -1,5 +1,5 @@
-"""bench/llama_cpp.py's own helpers, without llama-cpp-python (the peer run itself needs it
-and minutes of CPU: `python bench/llama_cpp.py --max-tokens 16 --repeats 1` is its smoke check)."""
+"""bench/vs_llama_cpp.py's own helpers, without llama-cpp-python (the peer run itself needs it
+and minutes of CPU: `python bench/vs_llama_cpp.py --max-tokens 16 --repeats 1` is its smoke check)."""
 
 import importlib.util
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "bench" / "llama_cpp.py"
+SCRIPT = Path(__file__).parent.parent / "bench" / "vs_llama_cpp.py"
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def test_first_difference(script):
 
 
 def test_the_script_does_not_shadow_the_package(script):
-    """The script's name is the package's: with bench/ on sys.path (as when it runs) the
-    import must still find llama-cpp-python, or nothing."""
+    """With bench/ on sys.path (as when it runs) the import must find llama-cpp-python
+    (a script named llama_cpp.py there once shadowed it), or nothing."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         llama_cpp, lookup = script.import_llama_cpp()

@@ -2,8 +2,8 @@
 token budget; plain decoding and prompt-lookup drafting in each tool, interleaved repetitions
 after a warm-up, medians.
 
-    python bench/llama_cpp.py                                  # full run (the lead's, quiet machine)
-    python bench/llama_cpp.py --max-tokens 16 --repeats 1      # smoke check, a few minutes
+    python bench/vs_llama_cpp.py                                  # full run (the lead's, quiet machine)
+    python bench/vs_llama_cpp.py --max-tokens 16 --repeats 1      # smoke check, a few minutes
 
 The full run is `--prompts quote long --max-tokens 96 --repeats 5 --threads 2 --gamma 3` (the
 defaults). It needs `pip install -e '.[bench]'` (llama-cpp-python builds llama.cpp from source
@@ -71,15 +71,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def import_llama_cpp():
-    """The `llama_cpp` package, not this script: this file's name shadows it while its folder
-    is on sys.path (it is sys.path[0] when the script runs), so look past that folder."""
-    saved = sys.path[:]
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-    try:
-        import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    finally:
-        sys.path[:] = saved
+    """The `llama_cpp` package (llama-cpp-python) and its prompt-lookup drafter."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
     return llama_cpp, LlamaPromptLookupDecoding
 
 
