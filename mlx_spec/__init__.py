@@ -14,6 +14,11 @@ Layers: `Engine.rounds` (token ids) → `stream_generate` (text) → `generate` 
 
 from importlib import import_module
 
+from mlx_spec._mlx_lm import defer_package_init
+
+# Importing mlx-lm's model classes must not cost its transformers stack (`_mlx_lm`).
+defer_package_init()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

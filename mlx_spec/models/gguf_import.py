@@ -180,6 +180,12 @@ def cache_lock(cache_root: Path, name: str, what: str, tell: bool = True) -> Ite
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def is_imported(folder: Path) -> bool:
+    """Whether `folder` is one this module wrote (any format version; their layout is
+    the same: config.json, model*.safetensors, tokenizer.json, tokenizer_config.json)."""
+    return (folder / "mlx_spec_source.json").is_file()
+
+
 def converted_folder(cache_root: Path, sha256: str) -> Path:
     """Where the conversion of the GGUF file with this hash lives."""
     return cache_root / "gguf" / f"{sha256[:20]}-v{FORMAT_VERSION}"

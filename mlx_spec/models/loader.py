@@ -21,15 +21,18 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.progress import StderrProgress
+
+if TYPE_CHECKING:  # importing it costs transformers (~1 s)
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)
@@ -247,8 +250,6 @@ def _assemble_embedded(package, path: Path) -> Path:
 
 def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
     """mlx-lm model and config from a folder, with a one-line error for what is missing."""
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json, so it is not an MLX or Hugging Face "
                              "model folder")
@@ -257,12 +258,41 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
         hint = f" (found {', '.join(found)}; convert with mlx_lm.convert)" if found else ""
         raise ModelLoadError(f"{path} has no model*.safetensors weights{hint}")
     try:
+        if gguf_import.is_imported(path):
+            return _load_imported(path, lazy=lazy)
         # Gemma 4 MTP assistants are not an mlx-lm architecture: our class, mlx-lm's loading
         # (quantized checkpoints included).
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
         return mlx_lm_load_model(path, lazy=lazy, get_model_classes=gemma4_assistant.assistant_classes)
     except (ValueError, KeyError, OSError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the model in {path}: {reason}") from None
+
+
+def _load_imported(path: Path, *, lazy: bool) -> tuple[nn.Module, dict]:
+    """What mlx-lm's `load_model` does for a folder our GGUF import wrote (one architecture
+    mlx-lm has, unquantized safetensors, no remote code), without importing `mlx_lm.utils`
+    and with it transformers (~1 s of a warm run; `mlx_spec._mlx_lm`)."""
+    import importlib
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    except ImportError as error:
+        raise ValueError(f"Model type {config['model_type']} not supported.") from error
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(file)))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config
 
 
 def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
