@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
@@ -315,6 +314,7 @@ def _norm_parameters(model, class_name: str) -> set[str]:
 
 def _dequantize(path, tensors, shapes, gguf_name, shape, offset) -> mx.array:
     import gguf
+    import numpy as np  # here: a cached load imports this module but needs no numpy
 
     tensor = tensors.get(gguf_name)
     if tensor is None:

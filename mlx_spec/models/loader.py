@@ -31,7 +31,7 @@ from mlx_spec.models import gemma4_assistant, gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.progress import StderrProgress
 
-if TYPE_CHECKING:  # importing it costs transformers (~1 s)
+if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,8 +54,9 @@ class LoadedModel:
 
     Attributes:
         model: the mlx-lm model (`model(tokens, cache=...)` returns logits).
-        tokenizer: mlx-lm's TokenizerWrapper; `eos_token_ids` include Gemma's <end_of_turn>.
-            None for a Gemma 4 MTP assistant shipped without one (it speaks the target's ids).
+        tokenizer: mlx-lm's TokenizerWrapper, or for a GGUF import's folder a `FastTokenizer`
+            that behaves as one; `eos_token_ids` include Gemma's <end_of_turn>. None for a
+            Gemma 4 MTP assistant shipped without one (it speaks the target's ids).
         config: the model's config.json contents (with "quantization" when quantized).
         source: what the user passed ("default" for the embedded model).
         path: the local folder the weights came from (the converted cache folder for GGUF).
@@ -296,9 +297,9 @@ def _load_imported(path: Path, *, lazy: bool) -> tuple[nn.Module, dict]:
 
 
 def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
-    """mlx-lm's tokenizer for the folder, with Gemma 3's and Gemma 4's turn ends and chat
-    templates ensured."""
-    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+    """mlx-lm's tokenizer for the folder (for a GGUF import's folder, a `FastTokenizer`
+    that behaves as one), with Gemma 3's and Gemma 4's turn ends and chat templates ensured."""
+    from mlx_spec.models.fast_tokenizer import FastTokenizer, fast_loadable
 
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
@@ -307,7 +308,13 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:
-        tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer_config = fast_loadable(path) if gguf_import.is_imported(path) else None
+        if tokenizer_config is not None:
+            tokenizer = FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+        else:
+            from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+            tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as error:  # transformers raises many types for a bad tokenizer
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None
