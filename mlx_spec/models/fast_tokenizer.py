@@ -104,6 +104,10 @@ class FastTokenizer:
     def has_chat_template(self) -> bool:
         return self._full.has_chat_template if self._full is not None else self.chat_template is not None
 
+    @has_chat_template.setter
+    def has_chat_template(self, value: bool):
+        self.full.has_chat_template = value
+
     @property
     def eos_token_ids(self) -> set:
         return self._eos_token_ids

@@ -29,6 +29,7 @@ import mlx.nn as nn
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
+from mlx_spec.models.fast_tokenizer import FastTokenizer, fast_loadable
 from mlx_spec.progress import StderrProgress
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
@@ -129,7 +130,14 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
     with StderrProgress("bars" if progress and sys.stderr.isatty() else "off") as display:
         display.task(f"loading {source or DEFAULT_SOURCE}").phase()
         model, config = load_folder(path)
-        tokenizer = load_tokenizer(path, config, optional=gemma4_assistant.is_assistant_config(config))
+        optional = gemma4_assistant.is_assistant_config(config)
+        if gguf_import.is_imported(path) and fast_loadable(path) is not None:
+            # Parsing its tokenizer.json holds the GIL, MLX reading and casting the weights
+            # below does not: with two cores the two overlap (~1 s each for the 270M).
+            reading = _InBackground(_read_tokenizer, path, config, optional)
+        else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
+            reading = None
+            tokenizer = load_tokenizer(path, config, optional=optional)
         # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
         # where bfloat16 scales make quantized matmuls ~8x slower).
         model.set_dtype(getattr(mx, dtype))
@@ -147,6 +155,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             for layer in model.layers:
                 mx.eval(layer.parameters())
         mx.eval(model.parameters())
+        if reading is not None:
+            tokenizer = _with_turn_ends(reading.result(), config)
     return LoadedModel(model, tokenizer, config, source or DEFAULT_SOURCE, path, kind)
 
 
@@ -299,8 +309,10 @@ def _load_imported(path: Path, *, lazy: bool) -> tuple[nn.Module, dict]:
 def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
     """mlx-lm's tokenizer for the folder (for a GGUF import's folder, a `FastTokenizer`
     that behaves as one), with Gemma 3's and Gemma 4's turn ends and chat templates ensured."""
-    from mlx_spec.models.fast_tokenizer import FastTokenizer, fast_loadable
+    return _with_turn_ends(_read_tokenizer(path, config, optional), config)
 
+
+def _read_tokenizer(path: Path, config: dict, optional: bool):
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
         if optional:
@@ -310,16 +322,18 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
     try:
         tokenizer_config = fast_loadable(path) if gguf_import.is_imported(path) else None
         if tokenizer_config is not None:
-            tokenizer = FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
-        else:
-            from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+            return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+        from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
-            tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as error:  # transformers raises many types for a bad tokenizer
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None
+
+
+def _with_turn_ends(tokenizer, config: dict):
     family = str(config.get("model_type", ""))[:6]
-    if family in _TURN_ENDS:
+    if tokenizer is not None and family in _TURN_ENDS:
         # Instruction-tuned Gemma ends turns with <end_of_turn> (Gemma 3) or <turn|> (Gemma 4,
         # which also hands over to a tool with <|tool_response>); generation must stop there.
         for token in _TURN_ENDS[family]:
@@ -329,6 +343,29 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
             tokenizer._tokenizer.chat_template = _CHAT_TEMPLATES[family]
             tokenizer.has_chat_template = True
     return tokenizer
+
+
+class _InBackground:
+    """`fn(*args)` on a daemon thread; `result()` waits for it and re-raises its error."""
+
+    def __init__(self, fn, *args):
+        import threading
+
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._value = fn(*args)
+        except BaseException as error:  # handed to the caller of result()
+            self._error = error
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _quantize(model: nn.Module, config: dict, bits: int, group_size: int):
