@@ -216,3 +216,29 @@ def test_fast_tokenizer_of_a_gguf_import_matches_mlx_lm(tiny_imported):
 def test_fast_tokenizer_of_the_embedded_model_matches_mlx_lm(gemma270m):
     path, config = gemma270m.path, gemma270m.config
     check_same_tokenizer(load_tokenizer(path, config), reference_tokenizer(path, config))
+
+
+def test_an_imported_folder_with_another_decoder_loads_with_mlx_lm(tiny_imported, tmp_path):
+    import shutil
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    folder = tmp_path / "byte-level"
+    shutil.copytree(tiny_imported, folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    assert isinstance(load_tokenizer(folder, json.loads((folder / "config.json").read_text())), TokenizerWrapper)
+
+
+def test_a_damaged_tokenizer_read_on_the_thread_is_a_one_line_error(tiny_imported, tmp_path):
+    import shutil
+
+    from mlx_spec.errors import ModelLoadError
+    from mlx_spec.models import load_model
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(tiny_imported, folder)
+    (folder / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer in"):
+        load_model(str(folder), progress=False)

@@ -27,6 +27,10 @@ _SPM_DECODER = [  # mlx-lm's _is_spm_decoder_no_space; with a final Strip it is 
 _STRIP = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
 
 
+class NotSentencePiece(ValueError):
+    """The tokenizer's decoder is not one FastTokenizer streams: load it with mlx-lm."""
+
+
 def fast_loadable(path: Path) -> dict | None:
     """The tokenizer_config.json of `path` if FastTokenizer can load the folder, else None."""
     try:
@@ -50,7 +54,7 @@ class FastTokenizer:
         config: its tokenizer_config.json (from `fast_loadable`).
         eos_token_ids: the model config's EOS ids (mlx-lm's `eos_token_ids`).
     Raises:
-        ValueError: the tokenizer's decoder is not SentencePiece-style (use mlx-lm).
+        NotSentencePiece: the tokenizer's decoder is not SentencePiece-style.
     """
 
     def __init__(self, path: Path, config: dict, eos_token_ids=None):
@@ -62,7 +66,7 @@ class FastTokenizer:
         self._backend = Tokenizer.from_file(str(self._path / "tokenizer.json"))
         decoder = json.loads(self._backend.decoder.__getstate__()) if self._backend.decoder else None
         if decoder is None or decoder.get("decoders") not in (_SPM_DECODER, [*_SPM_DECODER, _STRIP]):
-            raise ValueError("not a SentencePiece-style decoder")
+            raise NotSentencePiece(f"decoder {decoder}")
         self._trim_space = len(decoder["decoders"]) == 4
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]

@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
-from mlx_spec.models.fast_tokenizer import FastTokenizer, fast_loadable
+from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
 from mlx_spec.progress import StderrProgress
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
@@ -322,7 +322,10 @@ def _read_tokenizer(path: Path, config: dict, optional: bool):
     try:
         tokenizer_config = fast_loadable(path) if gguf_import.is_imported(path) else None
         if tokenizer_config is not None:
-            return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+            try:
+                return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+            except NotSentencePiece:
+                pass  # mlx-lm picks its detokenizer
         from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
         return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
