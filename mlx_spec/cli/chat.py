@@ -26,7 +26,6 @@ from mlx_spec.cli.common import (
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.models.fast_tokenizer import FastTokenizer
 from mlx_spec.runner import build_engine, parse_gamma
 from mlx_spec.stats import Stats
 
@@ -245,13 +244,10 @@ def chat(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
-                         draft_on=draft_on,
+                         draft_on=draft_on, chat=True,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
-    tokenizer = setup.pair.tokenizer
-    if isinstance(tokenizer, FastTokenizer):  # chat templates are mlx-lm's: load its tokenizer
-        tokenizer = tokenizer.full            # now, not while the user waits for a first reply
-    session = ChatSession(engine, tokenizer, system=system)
+    session = ChatSession(engine, setup.pair.tokenizer, system=system)
     ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts).run()

@@ -99,7 +99,7 @@ def default_dtype() -> str:
 
 def load_model(source: str | None = None, *, dtype: str | None = None,
                quantize: int | None = None, group_size: int = 64,
-               progress: bool = True, group=None) -> LoadedModel:
+               progress: bool = True, group=None, for_chat: bool = False) -> LoadedModel:
     """Load a model and its tokenizer from any supported source.
 
     Args:
@@ -112,6 +112,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         progress: show progress bars for downloads and GGUF imports.
         group: an `mx.distributed` group of more than one rank: shard the model over it
             (tensor parallel, `models.sharding`); each rank keeps only its part.
+        for_chat: the caller will render chat templates, which only mlx-lm's tokenizer
+            does: load it at once rather than a GGUF import's `FastTokenizer` first.
     Returns:
         The LoadedModel, parameters evaluated.
     Raises:
@@ -131,13 +133,13 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         display.task(f"loading {source or DEFAULT_SOURCE}").phase()
         model, config = load_folder(path)
         optional = gemma4_assistant.is_assistant_config(config)
-        if gguf_import.is_imported(path) and fast_loadable(path) is not None:
+        if not for_chat and gguf_import.is_imported(path) and fast_loadable(path) is not None:
             # Parsing its tokenizer.json holds the GIL, MLX reading and casting the weights
             # below does not: with two cores the two overlap (~1 s each for the 270M).
             reading = _InBackground(_read_tokenizer, path, config, optional)
         else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
             reading = None
-            tokenizer = load_tokenizer(path, config, optional=optional)
+            tokenizer = _with_turn_ends(_read_tokenizer(path, config, optional, fast=not for_chat), config)
         # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
         # where bfloat16 scales make quantized matmuls ~8x slower).
         model.set_dtype(getattr(mx, dtype))
@@ -312,7 +314,7 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
     return _with_turn_ends(_read_tokenizer(path, config, optional), config)
 
 
-def _read_tokenizer(path: Path, config: dict, optional: bool):
+def _read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True):
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
         if optional:
@@ -320,7 +322,7 @@ def _read_tokenizer(path: Path, config: dict, optional: bool):
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:
-        tokenizer_config = fast_loadable(path) if gguf_import.is_imported(path) else None
+        tokenizer_config = fast_loadable(path) if fast and gguf_import.is_imported(path) else None
         if tokenizer_config is not None:
             try:
                 return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
