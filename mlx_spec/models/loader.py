@@ -148,6 +148,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
                 warnings.warn(f"{source} is already quantized; loading it as it is", stacklevel=2)
             else:
                 model, config = _quantize(model, config, quantize, group_size)
+        if reading is not None:
+            reading.start()  # the parse holds the GIL; mx.eval below releases it
         if group is not None and group.size() > 1:
             from mlx_spec.models.sharding import shard_model
 
@@ -351,22 +353,33 @@ def _with_turn_ends(tokenizer, config: dict):
 
 
 class _InBackground:
-    """`fn(*args)` on a daemon thread; `result()` waits for it and re-raises its error."""
+    """`fn(*args)` on a daemon thread once `start()` is called; `result()` waits for it and
+    re-raises its error.
+
+    The thread waits for `start()` because a call into native code that holds the GIL (a
+    Rust tokenizer parse) stops every other Python thread until it returns: started just
+    before the caller releases the GIL itself (`mx.eval`), it runs alongside, not before."""
 
     def __init__(self, fn, *args):
         import threading
 
         self._value, self._error = None, None
+        self._go = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
         self._thread.start()
 
     def _run(self, fn, args):
+        self._go.wait()
         try:
             self._value = fn(*args)
         except BaseException as error:  # handed to the caller of result()
             self._error = error
 
+    def start(self):
+        self._go.set()
+
     def result(self):
+        self.start()
         self._thread.join()
         if self._error is not None:
             raise self._error
