@@ -18,6 +18,11 @@ from mlx_spec import blas as _blas
 
 _blas.load()  # before anything imports mlx.core: an optimised BLAS must win the symbol lookup
 
+from mlx_spec._mlx_lm import defer_package_init
+
+# Importing mlx-lm's model classes must not cost its transformers stack (`_mlx_lm`).
+defer_package_init()
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

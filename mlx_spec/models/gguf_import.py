@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
@@ -180,6 +179,12 @@ def cache_lock(cache_root: Path, name: str, what: str, tell: bool = True) -> Ite
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def is_imported(folder: Path) -> bool:
+    """Whether `folder` is one this module wrote (any format version; their layout is
+    the same: config.json, model*.safetensors, tokenizer.json, tokenizer_config.json)."""
+    return (folder / "mlx_spec_source.json").is_file()
+
+
 def converted_folder(cache_root: Path, sha256: str) -> Path:
     """Where the conversion of the GGUF file with this hash lives."""
     return cache_root / "gguf" / f"{sha256[:20]}-v{FORMAT_VERSION}"
@@ -309,6 +314,7 @@ def _norm_parameters(model, class_name: str) -> set[str]:
 
 def _dequantize(path, tensors, shapes, gguf_name, shape, offset) -> mx.array:
     import gguf
+    import numpy as np  # here: a cached load imports this module but needs no numpy
 
     tensor = tensors.get(gguf_name)
     if tensor is None:

@@ -21,15 +21,19 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
+from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
 from mlx_spec.progress import StderrProgress
+
+if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_BITS = (2, 3, 4, 5, 6, 8)
@@ -51,8 +55,9 @@ class LoadedModel:
 
     Attributes:
         model: the mlx-lm model (`model(tokens, cache=...)` returns logits).
-        tokenizer: mlx-lm's TokenizerWrapper; `eos_token_ids` include Gemma's <end_of_turn>.
-            None for a Gemma 4 MTP assistant shipped without one (it speaks the target's ids).
+        tokenizer: mlx-lm's TokenizerWrapper, or for a GGUF import's folder a `FastTokenizer`
+            that behaves as one; `eos_token_ids` include Gemma's <end_of_turn>. None for a
+            Gemma 4 MTP assistant shipped without one (it speaks the target's ids).
         config: the model's config.json contents (with "quantization" when quantized).
         source: what the user passed ("default" for the embedded model).
         path: the local folder the weights came from (the converted cache folder for GGUF).
@@ -94,7 +99,7 @@ def default_dtype() -> str:
 
 def load_model(source: str | None = None, *, dtype: str | None = None,
                quantize: int | None = None, group_size: int = 64,
-               progress: bool = True, group=None) -> LoadedModel:
+               progress: bool = True, group=None, for_chat: bool = False) -> LoadedModel:
     """Load a model and its tokenizer from any supported source.
 
     Args:
@@ -107,6 +112,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         progress: show progress bars for downloads and GGUF imports.
         group: an `mx.distributed` group of more than one rank: shard the model over it
             (tensor parallel, `models.sharding`); each rank keeps only its part.
+        for_chat: the caller will render chat templates, which only mlx-lm's tokenizer
+            does: load it at once rather than a GGUF import's `FastTokenizer` first.
     Returns:
         The LoadedModel, parameters evaluated.
     Raises:
@@ -125,7 +132,14 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
     with StderrProgress("bars" if progress and sys.stderr.isatty() else "off") as display:
         display.task(f"loading {source or DEFAULT_SOURCE}").phase()
         model, config = load_folder(path)
-        tokenizer = load_tokenizer(path, config, optional=gemma4_assistant.is_assistant_config(config))
+        optional = gemma4_assistant.is_assistant_config(config)
+        if not for_chat and gguf_import.is_imported(path) and fast_loadable(path) is not None:
+            # Parsing its tokenizer.json holds the GIL, MLX reading and casting the weights
+            # below does not: with two cores the two overlap (~1 s each for the 270M).
+            reading = _InBackground(_read_tokenizer, path, config, optional)
+        else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
+            reading = None
+            tokenizer = _with_turn_ends(_read_tokenizer(path, config, optional, fast=not for_chat), config)
         # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
         # where bfloat16 scales make quantized matmuls ~8x slower).
         model.set_dtype(getattr(mx, dtype))
@@ -134,6 +148,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
                 warnings.warn(f"{source} is already quantized; loading it as it is", stacklevel=2)
             else:
                 model, config = _quantize(model, config, quantize, group_size)
+        if reading is not None:
+            reading.start()  # the parse holds the GIL; mx.eval below releases it
         if group is not None and group.size() > 1:
             from mlx_spec.models.sharding import shard_model
 
@@ -143,6 +159,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             for layer in model.layers:
                 mx.eval(layer.parameters())
         mx.eval(model.parameters())
+        if reading is not None:
+            tokenizer = _with_turn_ends(reading.result(), config)
     return LoadedModel(model, tokenizer, config, source or DEFAULT_SOURCE, path, kind)
 
 
@@ -247,8 +265,6 @@ def _assemble_embedded(package, path: Path) -> Path:
 
 def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
     """mlx-lm model and config from a folder, with a one-line error for what is missing."""
-    from mlx_lm.utils import load_model as mlx_lm_load_model
-
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json, so it is not an MLX or Hugging Face "
                              "model folder")
@@ -257,19 +273,50 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
         hint = f" (found {', '.join(found)}; convert with mlx_lm.convert)" if found else ""
         raise ModelLoadError(f"{path} has no model*.safetensors weights{hint}")
     try:
+        if gguf_import.is_imported(path):
+            return _load_imported(path, lazy=lazy)
         # Gemma 4 MTP assistants are not an mlx-lm architecture: our class, mlx-lm's loading
         # (quantized checkpoints included).
+        from mlx_lm.utils import load_model as mlx_lm_load_model
+
         return mlx_lm_load_model(path, lazy=lazy, get_model_classes=gemma4_assistant.assistant_classes)
     except (ValueError, KeyError, OSError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the model in {path}: {reason}") from None
 
 
-def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
-    """mlx-lm's tokenizer for the folder, with Gemma 3's and Gemma 4's turn ends and chat
-    templates ensured."""
-    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+def _load_imported(path: Path, *, lazy: bool) -> tuple[nn.Module, dict]:
+    """What mlx-lm's `load_model` does for a folder our GGUF import wrote (one architecture
+    mlx-lm has, unquantized safetensors, no remote code), without importing `mlx_lm.utils`
+    and with it transformers (~1 s of a warm run; `mlx_spec._mlx_lm`)."""
+    import importlib
+    import json
 
+    config = json.loads((path / "config.json").read_text())
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    except ImportError as error:
+        raise ValueError(f"Model type {config['model_type']} not supported.") from error
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = {}
+    for file in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(file)))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config
+
+
+def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:
+    """mlx-lm's tokenizer for the folder (for a GGUF import's folder, a `FastTokenizer`
+    that behaves as one), with Gemma 3's and Gemma 4's turn ends and chat templates ensured."""
+    return _with_turn_ends(_read_tokenizer(path, config, optional), config)
+
+
+def _read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True):
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
         if optional:
@@ -277,12 +324,23 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:
-        tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer_config = fast_loadable(path) if fast and gguf_import.is_imported(path) else None
+        if tokenizer_config is not None:
+            try:
+                return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+            except NotSentencePiece:
+                pass  # mlx-lm picks its detokenizer
+        from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+        return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as error:  # transformers raises many types for a bad tokenizer
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None
+
+
+def _with_turn_ends(tokenizer, config: dict):
     family = str(config.get("model_type", ""))[:6]
-    if family in _TURN_ENDS:
+    if tokenizer is not None and family in _TURN_ENDS:
         # Instruction-tuned Gemma ends turns with <end_of_turn> (Gemma 3) or <turn|> (Gemma 4,
         # which also hands over to a tool with <|tool_response>); generation must stop there.
         for token in _TURN_ENDS[family]:
@@ -292,6 +350,40 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
             tokenizer._tokenizer.chat_template = _CHAT_TEMPLATES[family]
             tokenizer.has_chat_template = True
     return tokenizer
+
+
+class _InBackground:
+    """`fn(*args)` on a daemon thread once `start()` is called; `result()` waits for it and
+    re-raises its error.
+
+    The thread waits for `start()` because a call into native code that holds the GIL (a
+    Rust tokenizer parse) stops every other Python thread until it returns: started just
+    before the caller releases the GIL itself (`mx.eval`), it runs alongside, not before."""
+
+    def __init__(self, fn, *args):
+        import threading
+
+        self._value, self._error = None, None
+        self._go = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        self._go.wait()
+        try:
+            self._value = fn(*args)
+        except BaseException as error:  # handed to the caller of result()
+            self._error = error
+
+    def start(self):
+        self._go.set()
+
+    def result(self):
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _quantize(model: nn.Module, config: dict, bits: int, group_size: int):

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
 from mlx_spec.models.loader import DEFAULT_SOURCE, LoadedModel, load_model
+
+if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE: tokenizers further apart are different vocabularies.
 MAX_VOCAB_SIZE_DIFFERENCE = 128

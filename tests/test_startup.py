@@ -1,0 +1,244 @@
+"""A fast start (issue 23): what a warm `mlx-spec generate` imports and parses, checked in
+fresh processes (this test process has imported everything already), and the fast-loaded
+tokenizer of a GGUF import checked against mlx-lm's own load of the same folder.
+
+No wall-clock limits here: bench/startup.py measures the seconds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_spec.models.fast_tokenizer import FastTokenizer
+from mlx_spec.models.loader import load_folder, load_tokenizer
+from test_models_gguf import TINY_GGUF_CONFIG, write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Modules a warm `generate` has no use for; each costs from 0.05 s (huggingface_hub) to
+# ~1 s (transformers, through mlx_lm.utils / mlx_lm.tokenizer_utils) to import.
+HEAVY = ("transformers", "huggingface_hub", "mlx_lm.utils", "mlx_lm.tokenizer_utils", "jinja2",
+         "fastapi", "uvicorn", "starlette", "matplotlib", "gguf", "numpy", "httpx")
+
+# Runs the CLI in-process, counting every parse of a tokenizer.json: Python opens of the
+# file (mlx-lm and transformers json.load it) and `tokenizers` constructors (Rust reads it).
+PROBE = r"""
+import builtins, io, json, sys
+parses = []
+real_open = io.open
+def counting_open(file, *args, **kwargs):
+    if str(file).endswith("tokenizer.json"):
+        parses.append(f"open {file}")
+    return real_open(file, *args, **kwargs)
+builtins.open = io.open = counting_open
+import tokenizers
+for name in ("from_file", "from_str", "from_buffer", "from_pretrained"):
+    def counted(*args, _real=getattr(tokenizers.Tokenizer, name), _name=name, **kwargs):
+        parses.append(f"Tokenizer.{_name}")
+        return _real(*args, **kwargs)
+    setattr(tokenizers.Tokenizer, name, staticmethod(counted))
+from mlx_spec.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as exit:
+    assert not exit.code, exit.code
+heavy = [m for m in json.loads(sys.stdin.read()) if m in sys.modules]
+print(json.dumps({"parses": parses, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+def run_python(code: str, *args, env=None, stdin="") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def warm_generate(*args, cache: Path) -> dict:
+    """Run `generate -n 1 Hello` twice (the first imports and calibrates); the second's
+    tokenizer.json parses and the HEAVY modules it imported."""
+    command = ["generate", "-n", "1", "Hello", *args]
+    env = {"MLX_SPEC_CACHE": str(cache)}
+    run_python("from mlx_spec.cli import main; main()", *command, env=env)
+    done = run_python(PROBE, *command, env=env, stdin=json.dumps(HEAVY))
+    return json.loads(done.stderr.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_path(tmp_path_factory):
+    from mlx_spec.models.tiny import tiny_gemma3
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny-gemma3-q8_0.gguf"
+    write_tiny_gguf(path, tiny_gemma3(seed=3, **TINY_GGUF_CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_imported(tiny_gguf_path, tmp_path_factory):
+    """The folder our GGUF import writes for the tiny model."""
+    from mlx_spec.models.gguf_import import import_gguf
+
+    return import_gguf(tiny_gguf_path, tmp_path_factory.mktemp("cache"), progress=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Imports
+# ---------------------------------------------------------------------------------------
+
+
+def test_cli_import_leaves_heavy_modules_out():
+    done = run_python("import json, sys, mlx_spec.cli; print(json.dumps(sorted(sys.modules)))")
+    loaded = set(json.loads(done.stdout))
+    assert not [m for m in HEAVY if m in loaded]
+
+
+def test_mlx_lm_package_init_runs_when_anything_else_needs_it():
+    code = """
+import sys, types
+import mlx_spec.cache, mlx_lm.models.gemma3_text  # model classes: no __init__, no transformers
+assert "transformers" not in sys.modules and "mlx_lm.generate" not in sys.modules
+import mlx_lm.generate  # any other module: the package __init__ first, as usual
+assert "mlx_lm.utils" in sys.modules
+from mlx_lm import generate, load
+assert callable(generate) and not isinstance(generate, types.ModuleType), generate
+import mlx_lm
+assert mlx_lm.__version__ and callable(mlx_lm.stream_generate)
+"""
+    run_python(code)
+    run_python("import mlx_spec, mlx_lm; assert callable(mlx_lm.load)")  # attribute first
+
+
+def test_warm_generate_of_a_gguf_import_parses_its_tokenizer_once(tiny_gguf_path, tmp_path):
+    # --raw as the embedded default's preset: a chat template is rendered by transformers.
+    probe = warm_generate("-m", str(tiny_gguf_path), "--raw", cache=tmp_path)
+    assert probe["heavy"] == []
+    assert probe["parses"] == ["Tokenizer.from_file"]
+
+
+@pytest.mark.slow
+def test_warm_generate_of_the_embedded_model_parses_its_tokenizer_once(gemma270m, mlx_spec_cache):
+    probe = warm_generate(cache=mlx_spec_cache)
+    assert probe["heavy"] == []
+    assert probe["parses"] == ["Tokenizer.from_file"]
+
+
+# ---------------------------------------------------------------------------------------
+# The fast-loaded model and tokenizer against mlx-lm's own load of the same folder
+# ---------------------------------------------------------------------------------------
+
+
+def test_imported_folder_loads_as_mlx_lm_loads_it(tiny_imported):
+    from mlx_lm.utils import load_model
+
+    model, config = load_folder(tiny_imported)
+    reference, reference_config = load_model(tiny_imported)
+    assert config == reference_config and type(model) is type(reference)
+    got, expected = dict(tree_flatten(model.parameters())), dict(tree_flatten(reference.parameters()))
+    assert got.keys() == expected.keys()
+    assert all(mx.array_equal(got[k], expected[k]).item() and got[k].dtype == expected[k].dtype for k in got)
+
+
+TEXTS = [
+    "Hello", "Hello world", " leading space", "trailing space ", "  two  spaces\n\nand lines\n",
+    "\ttabs\tand\r\nCRLF", "Explain speculative decoding in one sentence.",
+    "naïve café, Straße, ÆØÅ", "日本語のテキストと中文", "emoji 🤗🚀 and ZWJ 👩‍💻", "Ünïcödé ́combining",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<bos><eos><pad><unk>",
+    "code: def f(x):\n    return x ** 2  # comment", "1234567890 3.14159 -42", "", " ", "\n",
+]
+CHATS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},
+     {"role": "assistant", "content": "Rayleigh scattering."}, {"role": "user", "content": "Más, por favor 🤗"}],
+]
+
+
+def check_same_tokenizer(fast, reference):
+    """`fast` (a FastTokenizer, loaded by us) behaves as `reference` (mlx-lm's own
+    TokenizerWrapper for the same folder) on everything mlx-spec uses."""
+    assert isinstance(fast, FastTokenizer) and fast._full is None
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id",
+                 "unk_token_id", "pad_token_id", "chat_template", "has_chat_template", "eos_token_ids"):
+        assert getattr(fast, attr) == getattr(reference, attr), attr
+    assert len(fast) == len(reference)
+    for text in TEXTS:
+        for special in (True, False):
+            assert fast.encode(text, add_special_tokens=special) == reference.encode(text, add_special_tokens=special), text
+    for token in ("<end_of_turn>", "<start_of_turn>", "<bos>", "▁the", "no such token"):
+        assert fast.convert_tokens_to_ids(token) == reference.convert_tokens_to_ids(token)
+    # Streaming: the same pieces, token by token, as mlx-lm's detokenizer gives.
+    for text in TEXTS:
+        ids = reference.encode(text, add_special_tokens=False)
+        ours, theirs = fast.detokenizer, reference.detokenizer
+        for detokenizer in (ours, theirs):
+            detokenizer.reset()
+        for token in ids:
+            ours.add_token(token)
+            theirs.add_token(token)
+            assert ours.last_segment == theirs.last_segment, text
+        ours.finalize()
+        theirs.finalize()
+        assert (ours.last_segment, ours.text, ours.tokens) == (theirs.last_segment, theirs.text, theirs.tokens)
+    assert fast._full is None  # all of that without transformers
+    # The rest is mlx-lm's own wrapper, loaded on first use.
+    for chat in CHATS:
+        for tokenize in (False, True):
+            assert (fast.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize)
+                    == reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=tokenize))
+    ids = reference.encode(TEXTS[11] + TEXTS[9])
+    for skip in (False, True):
+        assert fast.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert fast._tokenizer.get_vocab() == reference._tokenizer.get_vocab()
+    assert fast.eos_token_ids == reference.eos_token_ids
+
+
+def reference_tokenizer(path: Path, config: dict):
+    """mlx-lm's load of the folder with the turn ends mlx-spec adds (as loader does)."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    tokenizer = mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    tokenizer.add_eos_token("<end_of_turn>")
+    return tokenizer
+
+
+def test_fast_tokenizer_of_a_gguf_import_matches_mlx_lm(tiny_imported):
+    config = json.loads((tiny_imported / "config.json").read_text())
+    check_same_tokenizer(load_tokenizer(tiny_imported, config), reference_tokenizer(tiny_imported, config))
+
+
+@pytest.mark.slow
+def test_fast_tokenizer_of_the_embedded_model_matches_mlx_lm(gemma270m):
+    path, config = gemma270m.path, gemma270m.config
+    check_same_tokenizer(load_tokenizer(path, config), reference_tokenizer(path, config))
+
+
+def test_an_imported_folder_with_another_decoder_loads_with_mlx_lm(tiny_imported, tmp_path):
+    import shutil
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    folder = tmp_path / "byte-level"
+    shutil.copytree(tiny_imported, folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    assert isinstance(load_tokenizer(folder, json.loads((folder / "config.json").read_text())), TokenizerWrapper)
+
+
+def test_a_damaged_tokenizer_read_on_the_thread_is_a_one_line_error(tiny_imported, tmp_path):
+    import shutil
+
+    from mlx_spec.errors import ModelLoadError
+    from mlx_spec.models import load_model
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(tiny_imported, folder)
+    (folder / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer in"):
+        load_model(str(folder), progress=False)
