@@ -278,7 +278,7 @@ def main() -> None:
         start = time.perf_counter()
         auto = gamma_policy("auto", ours_ngram_engine, context=len(ids))  # measures or reads the cost curve
         calibration_s = time.perf_counter() - start
-        costs = auto.costs
+        costs = getattr(auto.costs, "prior", auto.costs)  # the calibration (LiveCosts wraps it)
         # each makes one run's generator; a fresh AutoGamma (cost curve read from the cache)
         # is built before the run's clock starts
         settings = {
