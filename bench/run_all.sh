@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Re-run every benchmark behind a README number, one at a time (they share the CPU), and
-# write bench/results/*.json. About 120 minutes on a 2-core CPU (the shaped run is 45, across ranks 30).
+# write bench/results/*.json. About 3 hours on a 2-core CPU (blas.py 35 min, exactness 15, the shaped run 45, across ranks 30).
 set -euo pipefail
 cd "$(dirname "$0")"
 py() { echo "+ python $*"; python "$@"; }
+py blas.py --prompts quote long --max-tokens 96 --repeats 2 --workers 2   # ~35 min: the reference BLAS is slow
+py loop_efficiency.py --pair gemma270m-ngram --prompt quote --gammas 1 2 3 4 5 6 --max-tokens 96 --repeats 3
+py startup.py --repeats 5
+(cd .. && bash bench/exactness.sh)
 py head_to_head.py --pair tiny-self --gammas 0 2 4 --max-tokens 200 --repeats 21
 py auto_gamma.py --pair layered-tiny --max-tokens 300 --repeats 15
 py auto_gamma.py --pair gemma270m-bf16-ngram --prompt quote --max-tokens 96 --repeats 3
