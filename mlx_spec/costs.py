@@ -305,11 +305,13 @@ _recalibrate = False  # set by --recalibrate: each curve is measured afresh once
 _measured_here: set = set()
 
 
-def recalibrate() -> None:
-    """Measure every cost curve this process asks for once more, ignoring the cache
-    (`--recalibrate`); the new curves replace the cached ones."""
+def recalibrate(on: bool = True) -> None:
+    """From now on, measure every cost curve asked for once more, ignoring the cache
+    (`--recalibrate`; the new curves replace the cached ones), or (on=False) read the cache
+    again. Each CLI command sets it, so one invocation's flag never leaks into the next."""
     global _recalibrate
-    _recalibrate = True
+    _recalibrate = on
+    _measured_here.clear()
 
 
 def cache_path() -> Path:

@@ -135,3 +135,21 @@ def test_slow_steps_print_a_line_each_when_stderr_is_not_a_terminal(models, tmp_
     result = invoke(["generate", "Hello there", *models, "-n", "4", "--gamma", "auto", "--raw"])
     assert result.exit_code == 0, result.stderr
     assert "calibrating the cost curve for γ = auto" in result.stderr.splitlines()[0]
+
+
+def test_recalibrate_measures_the_cost_curve_again_and_caches_it(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    args = ["generate", "Hello there", *models, "-n", "4", "--gamma", "auto", "--raw"]
+
+    def run(*extra):
+        result = invoke(args + list(extra))
+        assert result.exit_code == 0, result.stderr
+        entries = json.loads((tmp_path / "costs.json").read_text())
+        return "calibrating the cost curve" in result.stderr, [e["measured_at"] for e in entries.values()]
+
+    calibrated, first = run()
+    assert calibrated and len(first) == 1
+    assert run() == (False, first)  # cached
+    calibrated, again = run("--recalibrate")
+    assert calibrated and len(again) == 1 and again[0] > first[0]  # measured anew, replacing it
+    assert run() == (False, again)  # and the flag did not outlive its command

@@ -113,8 +113,7 @@ def bench(
     named = [tuple(pair) for pair in w.broadcast_json(named)]
 
     # the sweep's own temperature and seed, not the preset's sampling defaults
-    if recalibrate:
-        costs.recalibrate()
+    costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma="auto", dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,

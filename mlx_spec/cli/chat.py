@@ -244,8 +244,7 @@ def chat(
 
     Slash commands: /gamma N|auto, /temp X, /stats, /reset, /help, /quit.
     """
-    if recalibrate:
-        costs.recalibrate()
+    costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,

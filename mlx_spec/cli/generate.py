@@ -69,8 +69,7 @@ def generate(
     Examples:  mlx-spec generate "Why is the sky blue?"  ·  echo "Once upon" | mlx-spec generate --raw
     """
     text = read_prompt(prompt)
-    if recalibrate:
-        costs.recalibrate()
+    costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,

@@ -85,8 +85,7 @@ def serve(
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
-    if recalibrate:
-        costs.recalibrate()
+    costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
