@@ -70,8 +70,8 @@ def _skip_reason() -> Optional[str]:
 
 
 def load() -> dict:
-    """Load the chosen BLAS globally, once, before `mlx.core`; never raises. Returns what
-    `describe()` reports (without thread counts, which need the library's own calls)."""
+    """Load the chosen BLAS globally, once, before `mlx.core`; never raises. Returns the
+    state `describe()` reports (thread count and version are added there, on first use)."""
     global _state
     if _state is not None:
         return _state
@@ -155,10 +155,12 @@ def _library_facts(state: dict) -> tuple[Optional[int], Optional[str]]:
 
 def describe() -> dict:
     """{"name": "mkl" | "openblas" | "reference" | "custom" | "Accelerate" | ..., "path",
-    "threads", "version", "requested", "problem"}: JSON-ready, for --version, --json and bench."""
-    state = dict(load())
-    state["threads"], state["version"] = _library_facts(state)
-    return state
+    "threads", "version", "requested", "problem"}: JSON-ready, for --version, --json and bench.
+    The library is asked once (on first use, not at import: its calls start its runtime)."""
+    state = load()
+    if "threads" not in state:
+        state["threads"], state["version"] = _library_facts(state)
+    return dict(state)
 
 
 def summary() -> str:

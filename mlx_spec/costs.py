@@ -117,13 +117,6 @@ class LiveCosts:
     def round_time(self, gamma: int, full_acceptance: float = 0.0) -> float:
         return self.prior.round_time(gamma, full_acceptance) * self.factor(gamma)
 
-    def verify_time(self, width: int) -> float:
-        return self.prior.verify_time(width) * self.factor(width - 1)
-
-    @property
-    def c(self) -> float:
-        return self.prior.c
-
     @property
     def learned(self) -> dict[int, int]:
         """Rounds measured per γ."""

@@ -20,9 +20,7 @@ length two fully accepted probes bring drafting back.
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
-
-from typing import Optional
+from typing import Optional, Protocol, Sequence
 
 from mlx_spec.costs import CostCurve, LiveCosts
 from mlx_spec.stats import Stats
@@ -113,9 +111,10 @@ class AutoGamma:
         parked_decay: weight kept per round that drafted nothing: while parked the evidence
             is a bad stretch that may be over, so it fades within a probe interval.
         probe_every, max_probe_every: parked rounds between probes, doubling after each
-            probe that is not fully accepted, reset by any fully accepted draft. Where even a perfect
-            draft would not pay, it still probes every `max_probe_every` rounds (at most one
-            probe's cost in that many rounds), so measured round times can overturn the curve.
+            probe that is not fully accepted, reset by any fully accepted draft. Where even
+            a perfect draft would not pay, it still probes every `max_probe_every` rounds (at
+            most one probe's cost in that many rounds), so measured round times can
+            overturn the curve.
         learn_costs: correct the cost curve with each round's measured time (`LiveCosts`);
             off, the curve is taken as given (tests with made-up curves).
         explore_every: while learning costs, every this many drafting rounds draft one
@@ -183,8 +182,9 @@ class AutoGamma:
     def choose(self, stats: Stats = None) -> int:
         # Parked, only a probe's outcome can bring drafting back: evidence fading while
         # parked must not by itself flip the choice (drafting, losing, parking, in a cycle).
+        can_pay = self.can_pay
         if not self.parked:
-            gamma = self.best() if self.can_pay else 0
+            gamma = self.best() if can_pay else 0
             self.parked = gamma == 0
             self.drafting_rounds += gamma > 0
             # Now and then one position more than the best, where it may well be accepted:
@@ -195,7 +195,7 @@ class AutoGamma:
         if self.parked:
             gamma = 0
             self.parked_for += 1
-            if self.parked_for >= (self.probe_every if self.can_pay else self.max_probe_every):
+            if self.parked_for >= (self.probe_every if can_pay else self.max_probe_every):
                 self.parked_for, self.probing = 0, True
                 gamma = self.best(min_gamma=1)
         self.last_choice = gamma
@@ -213,13 +213,14 @@ class AutoGamma:
         # A fully accepted draft means drafting pays again: probe soon after the next
         # parking. A probe that lost backs off. (A probe round is never pipelined, so it
         # is observed before the next choice.)
-        if gamma and accepted == gamma:
+        full = gamma > 0 and accepted == gamma
+        if full:
             self.probe_every = self.base_probe_every
-        elif gamma and self.probing:
-            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
         if gamma and self.probing:  # only a probe that was fully accepted may unpark
             self.probing = False
-            self.parked = not (accepted == gamma and self.can_pay and self.best() > 0)
+            if not full:
+                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+            self.parked = not (full and self.can_pay and self.best() > 0)
 
     def __repr__(self) -> str:
         return f"AutoGamma(max_gamma={self.max_gamma})"

@@ -18,9 +18,8 @@ import typer
 from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    RecalibrateOpt,
     OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
-    ModelOpt, PresetOpt, QuantizeOpt, SeedOpt, setup_models, warn_replaced,
+    ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, SeedOpt, setup_models, warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.distributed import world

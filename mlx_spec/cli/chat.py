@@ -16,14 +16,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlx_spec.chat import ChatSession
 from mlx_spec import costs
+from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    RecalibrateOpt,
     ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
-    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, StopOpt,
-    TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
+    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
+    StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world

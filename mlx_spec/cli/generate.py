@@ -18,10 +18,9 @@ import typer
 from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    RecalibrateOpt,
     OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
-    GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RepPenaltyOpt,
-    SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt,
+    GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
+    RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt,
     setup_models, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line

@@ -17,10 +17,9 @@ import typer
 from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    RecalibrateOpt,
     DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
-    PresetOpt, QuantizeOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    setup_models,
+    PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt,
+    calibrate_gamma, setup_models,
 )
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import build_engine

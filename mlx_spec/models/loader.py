@@ -353,10 +353,10 @@ def _with_turn_ends(tokenizer, config: dict):
 
 
 class _InBackground:
-    """`fn(*args)` on a daemon thread once `start()` is called; `result()` waits for it and
-    re-raises its error.
+    """`fn(*args)` on a daemon thread from `start()` on; `result()` waits for it (starting
+    it if need be) and re-raises its error.
 
-    The thread waits for `start()` because a call into native code that holds the GIL (a
+    Started only when called for, because a call into native code that holds the GIL (a
     Rust tokenizer parse) stops every other Python thread until it returns: started just
     before the caller releases the GIL itself (`mx.eval`), it runs alongside, not before."""
 
@@ -364,19 +364,17 @@ class _InBackground:
         import threading
 
         self._value, self._error = None, None
-        self._go = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
 
     def _run(self, fn, args):
-        self._go.wait()
         try:
             self._value = fn(*args)
         except BaseException as error:  # handed to the caller of result()
             self._error = error
 
     def start(self):
-        self._go.set()
+        if self._thread.ident is None:  # not started yet
+            self._thread.start()
 
     def result(self):
         self.start()
