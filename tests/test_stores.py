@@ -109,7 +109,7 @@ def test_ollama_refuses_what_it_cannot_read_in_one_line(env, tiny_pair, tmp_path
     llama = write_header_only_gguf(tmp_path / "llama.gguf", "llama")
     write_ollama_model(env["ollama"], "llama3.2", "1b", model=llama, config={"model_family": "llama"})
     result = invoke(["generate", "hi", "-m", "ollama:llama3.2:1b", "-n", "4"])
-    assert_one_line_error(result, "ollama:llama3.2:1b", "GGUF architecture 'llama'")
+    assert_one_line_error(result, "ollama:llama3.2:1b", "a GGUF of architecture 'llama'", "gemma3")
 
     write_ollama_model(env["ollama"], "odd-draft", "latest", model=target, draft=llama)
     result = invoke(["generate", "hi", "-m", "ollama:odd-draft", "-n", "4"])
@@ -146,6 +146,12 @@ def test_lmstudio_mlx_folder_and_gguf_file(env, tiny_pair, tiny_target):
     named = invoke_json(["generate", PROMPT, "-m", "lmstudio:lmstudio-community/tiny-GGUF/tiny-Q4_K_M.gguf",
                          "-n", "24", "--raw", "--drafter", "none"])
     assert named["text"] == gguf["text"]
+
+    other = env["lmstudio"] / "bartowski" / "Llama-3.2-1B-GGUF"
+    other.mkdir(parents=True)
+    write_header_only_gguf(other / "Llama-3.2-1B-Q4_K_M.gguf", "llama")
+    result = invoke(["generate", "hi", "-m", "lmstudio:bartowski/Llama-3.2-1B-GGUF", "-n", "4"])
+    assert_one_line_error(result, "lmstudio:bartowski/Llama-3.2-1B-GGUF", "GGUF of architecture 'llama'")
 
 
 # ---------------------------------------------------------------------------------------

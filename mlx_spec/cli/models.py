@@ -28,7 +28,8 @@ def list_command(
         "~/.ollama/models) and LM Studio's folder ($LMSTUDIO_MODELS, default ~/.lmstudio/models), "
         "with sizes and the -m value for each.")] = False,
 ) -> None:
-    """Show the presets: named target + draft pairs with their default γ and sampling."""
+    """Show the presets: named target + draft pairs with their default γ and sampling; with
+    --local, the models already on disk (HF cache, Ollama, LM Studio) that mlx-spec can run."""
     if local:
         list_local_models(as_json)
         return

@@ -117,7 +117,7 @@ def gguf_problem(header: GGUFHeader) -> str | None:
 
     if header.architecture in ARCHITECTURES:
         return None
-    return (f"GGUF architecture '{header.architecture}', which mlx-spec cannot import "
+    return (f"a GGUF of architecture '{header.architecture}', which mlx-spec cannot import "
             f"(it imports {', '.join(sorted(ARCHITECTURES))})")
 
 
@@ -158,27 +158,26 @@ class OllamaModel:
         return OLLAMA_PREFIX + self.name
 
     def problem(self) -> str | None:
-        """Why mlx-spec cannot run the model layer, or None."""
+        """Why mlx-spec cannot run the model layer (a clause to follow "NAME: "), or None."""
         if self.model is None:
-            fmt = self.model_format or "no GGUF model layer"
-            return (f"{self.source} is stored in Ollama's {fmt} format (tensor layers for its MLX "
-                    "engine), which mlx-spec cannot read; it reads Ollama models stored as GGUF")
+            fmt = self.model_format or "a format without a GGUF model layer"
+            return (f"it is stored in Ollama's {fmt} format (tensor layers for its MLX engine), "
+                    "which mlx-spec cannot read; it reads Ollama models stored as GGUF")
         return self._gguf_problem(self.model, "its model")
 
     def draft_problem(self) -> str | None:
         """Why mlx-spec cannot run the draft layer, or None (also None without a draft)."""
         if self.draft is None:
             if self.draft_format is not None:  # a safetensors draft, stored as prefixed tensors
-                return (f"{self.source}'s draft is stored in Ollama's {self.draft_format} format, "
-                        "which mlx-spec cannot read")
+                return f"its draft is stored in Ollama's {self.draft_format} format, which mlx-spec cannot read"
             return None
         return self._gguf_problem(self.draft, "its draft")
 
     def _gguf_problem(self, blob: Path, what: str) -> str | None:
         if not blob.is_file():
-            return f"{self.source}: {what} blob {blob} is missing; pull the model again with `ollama pull {self.name}`"
+            return f"{what} blob {blob} is missing; pull the model again with `ollama pull {self.name}`"
         problem = gguf_problem(read_gguf_header(blob))
-        return f"{self.source}: {what} is a {problem}" if problem else None
+        return f"{what} is {problem}" if problem else None
 
 
 def parse_ollama_name(name: str) -> tuple[str, str, str, str]:
@@ -416,23 +415,20 @@ def locate(source: str) -> StoreFile:
         wants_draft = name.endswith(DRAFT_SUFFIX)
         model = find_ollama(name.removesuffix(DRAFT_SUFFIX))
         if wants_draft:
-            if model.draft is None:
-                problem = model.draft_problem() or f"{model.source} has no draft layer"
-                raise ModelLoadError(problem)
-            problem = model.draft_problem()
+            problem = model.draft_problem() or (None if model.draft else "its manifest has no draft layer")
             if problem:
-                raise ModelLoadError(problem)
+                raise ModelLoadError(f"{source}: {problem}")
             return StoreFile(model.draft, True, model.draft_digest)
         problem = model.problem()
         if problem:
-            raise ModelLoadError(problem)
+            raise ModelLoadError(f"{source}: {problem}")
         return StoreFile(model.model, True, model.model_digest)
     model = find_lmstudio(source[len(LMSTUDIO_PREFIX):])
     if model.gguf is None:
         return StoreFile(model.folder, False)
     problem = gguf_problem(read_gguf_header(model.gguf))
     if problem:
-        raise ModelLoadError(f"{source} is a {problem}")
+        raise ModelLoadError(f"{source} is {problem}")
     return StoreFile(model.gguf, True)
 
 
@@ -464,7 +460,7 @@ def drafting_defaults(source: str) -> StoreDefaults:
         return StoreDefaults(None, None)  # locate() refuses it with the reason
     problem = model.draft_problem()
     if problem:
-        raise ModelLoadError(f"{problem}; run without it with --drafter ngram or --drafter none")
+        raise ModelLoadError(f"{model.source}: {problem}; run without it with --drafter ngram or --drafter none")
     if model.draft is None:
         header = read_gguf_header(model.model)
         if header.mtp_layers and model.draft_num_predict:
@@ -550,7 +546,8 @@ def _gguf_entry(source: str, store: str, path: Path, size: int, file_type: str |
         return LocalModel(source, store, "GGUF ?", size, problem="unreadable GGUF file")
     file_type = header.file_type or file_type
     label = f"GGUF {header.architecture}" + (f" {file_type}" if file_type else "")
-    return LocalModel(source, store, label, size, problem=gguf_problem(header))
+    problem = gguf_problem(header)
+    return LocalModel(source, store, label, size, problem=f"it is {problem}" if problem else None)
 
 
 def _ollama_entry(model: OllamaModel) -> LocalModel:
