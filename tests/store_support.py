@@ -64,10 +64,13 @@ def write_ollama_model(root: Path, name: str, tag: str, *, model: Path | None = 
     return path
 
 
-def write_header_only_gguf(path: Path, architecture: str) -> Path:
-    """A GGUF file with metadata and no tensors: enough to be refused by architecture."""
+def write_header_only_gguf(path: Path, architecture: str, **uint32_keys: int) -> Path:
+    """A GGUF file with metadata and no tensors: enough to be refused by its header.
+    `uint32_keys` add "{architecture}.{key}" fields (e.g. nextn_predict_layers=1)."""
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
+    for key, value in uint32_keys.items():
+        writer.add_uint32(f"{architecture}.{key}", value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -115,6 +115,11 @@ def test_ollama_refuses_what_it_cannot_read_in_one_line(env, tiny_pair, tmp_path
     result = invoke(["generate", "hi", "-m", "ollama:odd-draft", "-n", "4"])
     assert_one_line_error(result, "draft", "'llama'", "--drafter ngram")
 
+    embedded = write_header_only_gguf(tmp_path / "mtp.gguf", "gemma3", nextn_predict_layers=1)
+    write_ollama_model(env["ollama"], "inner-mtp", "latest", model=embedded, params={"draft_num_predict": 3})
+    result = invoke(["generate", "hi", "-m", "ollama:inner-mtp", "-n", "4"])
+    assert_one_line_error(result, "ollama:inner-mtp", "MTP tensors inside its model GGUF", "--drafter ngram")
+
     result = invoke(["generate", "hi", "-m", "ollama:nothere:7b", "-n", "4"])
     assert_one_line_error(result, "nothere:7b", "ollama pull")
 
@@ -168,11 +173,17 @@ def test_models_list_local_shows_every_store(env, tiny_pair, tiny_target, tmp_pa
     save_tiny_model(snapshot, tiny_target)
     (env["hf"] / "models--org--tiny" / "refs").mkdir()
     (env["hf"] / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    gguf_repo = env["hf"] / "models--org--tiny-GGUF" / "snapshots" / ("b" * 40)
+    gguf_repo.mkdir(parents=True)
+    (gguf_repo / "tiny-Q8_0.gguf").write_bytes(target.read_bytes())
+    hf_gguf = str(gguf_repo / "tiny-Q8_0.gguf")  # a GGUF repo's files run by path
 
     result = invoke(["models", "list", "--local", "--json"])
     assert result.exit_code == 0, (result.stdout, result.stderr)
     found = {m["source"]: m for m in json.loads(result.stdout)}
-    assert set(found) == {"org/tiny", "ollama:tiny:q8", "ollama:llama3.2:1b", "lmstudio:mlx-community/tiny-mlx"}
+    assert set(found) == {"org/tiny", hf_gguf, "ollama:tiny:q8", "ollama:llama3.2:1b",
+                          "lmstudio:mlx-community/tiny-mlx"}
+    assert found[hf_gguf]["format"] == "GGUF gemma3" and found[hf_gguf]["problem"] is None
     assert found["ollama:tiny:q8"]["problem"] is None
     assert found["ollama:tiny:q8"]["format"] == "GGUF gemma3 Q8_0"
     assert found["ollama:tiny:q8"]["size"] == target.stat().st_size + draft.stat().st_size
@@ -184,7 +195,7 @@ def test_models_list_local_shows_every_store(env, tiny_pair, tiny_target, tmp_pa
     table = invoke(["models", "list", "--local"])  # piped: tab-separated rows, problems on stderr
     rows = [line.split("\t") for line in table.stdout.strip().splitlines()]
     assert rows[0][0] == "model (-m)" and {r[0] for r in rows[1:]} == {
-        "org/tiny", "ollama:tiny:q8", "lmstudio:mlx-community/tiny-mlx"}
+        "org/tiny", hf_gguf, "ollama:tiny:q8", "lmstudio:mlx-community/tiny-mlx"}
     assert "cannot run ollama:llama3.2:1b" in table.stderr
 
 

@@ -497,7 +497,11 @@ def list_local() -> list[LocalModel]:
 
     found = []
     for repo_id, folder, size in hub.cached_models():
-        found.append(_folder_entry(repo_id, "hf", folder, size))
+        ggufs = _model_ggufs(folder)
+        if ggufs and not any(folder.glob("*.safetensors")):  # a GGUF repo: -m takes each file's path
+            found.extend(_gguf_entry(str(p), "hf", p, p.stat().st_size) for p in ggufs)
+        else:
+            found.append(_folder_entry(repo_id, "hf", folder, size))
     for model in list_ollama():
         found.append(_ollama_entry(model))
     for model in list_lmstudio():
