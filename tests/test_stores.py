@@ -10,9 +10,9 @@ import pytest
 import mlx_spec.models.gguf_import as gguf_import
 from cli_support import assert_one_line_error, invoke, invoke_json
 from conftest import greedy_reference
-from mlx_spec.errors import ModelLoadError
 from mlx_spec.models import load_model
-from mlx_spec.models.stores import drafting_defaults, parse_ollama_name
+from mlx_spec.models.ollama import parse_ollama_name
+from mlx_spec.models.stores import drafting_defaults
 from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
 from store_support import write_header_only_gguf, write_ollama_model
 from test_models_gguf import TINY_GGUF_CONFIG, write_tiny_gguf
