@@ -70,8 +70,11 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     """Presets supply defaults and flags override them; with no --model and no --preset the
     "default" preset (the embedded Gemma 3 270M) is used. An explicit --draft-model means
     drafting with it (as "mtp" if it is a Gemma 4 MTP assistant checkpoint, else "model":
-    decided by `build_engine` once it is loaded); a model-free drafter loads no draft model."""
+    decided by `build_engine` once it is loaded); a model-free drafter loads no draft model.
+    An Ollama model (`-m ollama:NAME`) whose model file has a draft drafts with it, at the
+    model file's γ (draft_num_predict), unless the flags say otherwise."""
     from mlx_spec.models import get_preset
+    from mlx_spec.models.stores import drafting_defaults as store_drafting
 
     if drafter is not None and drafter not in DRAFTER_NAMES:
         raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
@@ -83,12 +86,17 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
         _preset_value(chosen, "draft") if model is None or preset else None)
     if drafter is None and draft_model is None:
         drafter = _preset_value(chosen, "drafter")
+    store = None
+    if model is not None and draft is None and drafter not in ("none", "ngram"):
+        store = store_drafting(target)  # an Ollama model file's own draft and γ
+        draft = store.draft
     if drafter in ("model", "mtp") and not draft:
         raise MlxSpecError(f"--drafter {drafter} needs a draft model: give --draft-model or a preset with one")
     if drafter in ("none", "ngram"):
         draft = None  # no need to load (or hold in memory) a draft model that will not draft
     if gamma is None:
-        gamma = parse_gamma(_preset_value(chosen, "gamma", "auto"))
+        gamma = parse_gamma(store.gamma if store is not None and store.gamma is not None
+                            else _preset_value(chosen, "gamma", "auto"))
     if drafter == "none":
         gamma = 0
     return Choice(chosen, str(target), draft, drafter, gamma)

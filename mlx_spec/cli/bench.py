@@ -24,11 +24,16 @@ from mlx_spec.cli.common import (
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.stores import drafting_defaults as store_drafting
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
 from mlx_spec.runner import parse_gamma
 from mlx_spec.stream import encode_prompt
 from mlx_spec.sweep import BASELINE, DEFAULT_GAMMAS, SweepResult, run_sweep
+
+# The reference measurement's settings after drafting off (DESIGN §2: Ollama's gemma4:12b
+# with its built-in draft on an M3 Pro), and the automatic policy.
+REFERENCE_GAMMAS = (1, 2, 3, 5, "auto")
 
 CSV_FIELDS = (
     "prompt", "setting", "gamma", "runs", "decode_tps", "tps_min", "tps_max", "spread",
@@ -53,7 +58,8 @@ def bench(
     gammas: Annotated[Optional[list[str]], typer.Option(
         "--gamma", "-g", metavar="N[,N...]|auto",
         help="γ values to compare with drafting off (repeatable or comma-separated; 'auto' adds "
-             "the automatic policy). Default: 1 2 3 5.")] = None,
+             "the automatic policy). Default: 1 2 3 5; for an Ollama model that carries its own "
+             "draft (-m ollama:NAME), the reference run's 1 2 3 5 auto, plus the model file's γ.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Also run --gamma auto.")] = False,
     recalibrate: RecalibrateOpt = False,
     prompts: Annotated[Optional[list[str]], typer.Option(
@@ -88,14 +94,21 @@ def bench(
 
     At temperature 0 every output must be token-identical (md5) to drafting off; a mismatch
     fails the command. The recommendation is the fastest exact setting.
+
+    `mlx-spec bench -m ollama:NAME` on a model whose Ollama model file has a draft runs the
+    reference run's procedure on those weights: drafting off, then γ = 1, 2, 3, 5 and auto
+    (and the model file's own γ), md5 identity and per-position acceptance.
     """
     w = world()
     with w.together():  # across ranks: rank 0 reads the files, and a bad flag ends every rank
-        gamma_list = parse_gammas(gammas or [",".join(map(str, DEFAULT_GAMMAS))])
-        if auto and "auto" not in gamma_list:
-            gamma_list.append("auto")
         if drafter == "none":
             raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
+        store = store_drafting(model) if model is not None and draft_model is None and drafter != "ngram" else None
+        if store is not None and store.draft is None:
+            store = None
+        gamma_list = parse_gammas(gammas or [",".join(map(str, default_gammas(store)))])
+        if auto and "auto" not in gamma_list:
+            gamma_list.append("auto")
         specs = prompts or ["long"]
         if "all" in specs:
             specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
@@ -137,9 +150,12 @@ def bench(
 
     if json_out:
         print(json.dumps({"models": setup.models, "device": str(mx.default_device()), "blas": blas.describe(),
+                          "model_file_gamma": store.gamma if store is not None else None,
                           **result.as_dict()}, ensure_ascii=False))
     else:
         _print_table(result, setup)
+        if store is not None:
+            _print_store_note(model, store)
     if not w.is_root:  # across ranks, rank 0 alone writes files
         csv_file = plot = None
     if csv_file is not None:
@@ -153,6 +169,16 @@ def bench(
         for mismatch in result.failures:
             _warn(f"IDENTITY CHECK FAILED: {mismatch}", "bold red")
         raise typer.Exit(1)
+
+
+def default_gammas(store=None) -> list:
+    """The γ sweep when --gamma is not given: DEFAULT_GAMMAS; for a store model with its own
+    draft (`stores.drafting_defaults`), the reference run's REFERENCE_GAMMAS with the model
+    file's γ among them."""
+    if store is None:
+        return list(DEFAULT_GAMMAS)
+    fixed = sorted({g for g in REFERENCE_GAMMAS if g != "auto"} | ({store.gamma} if store.gamma else set()))
+    return fixed + ["auto"]
 
 
 def parse_gammas(values: list[str]) -> list:
@@ -264,6 +290,13 @@ def _print_table(result: SweepResult, setup) -> None:
     else:
         console.print(f"T = {params.temperature:g}: sampled outputs differ by design; no identity check")
     console.print(f"[bold]{recommendation_text(result)}[/bold]")
+
+
+def _print_store_note(model: str, store) -> None:
+    name = model.removeprefix("ollama:")
+    print(f"{model}'s model file drafts with its draft layer at γ = {store.gamma} (draft_num_predict). "
+          f"Ollama's own numbers for the same weights: `ollama run {name} --verbose` prints the eval rate "
+          "(decode tok/s); `/set parameter draft_num_predict 0` turns its draft off (README: Side by side with Ollama).")
 
 
 def recommendation_text(result: SweepResult) -> str:

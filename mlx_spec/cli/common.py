@@ -27,12 +27,15 @@ SAMPLING = "Sampling"
 OUTPUT = "Output"
 
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", rich_help_panel=MODELS, metavar="PATH|HF-ID|default",
-    help="Target model p: a local mlx-lm folder, a .gguf file, a Hugging Face id, or 'default' "
-         "(the embedded Gemma 3 270M). Overrides the preset's target.")]
+    "--model", "-m", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME|lmstudio:PUB/MODEL|default",
+    help="Target model p: a local mlx-lm folder, a .gguf file, a Hugging Face id, a model in "
+         "Ollama's store (ollama:NAME[:TAG]; its model file's draft and γ become the defaults) or "
+         "LM Studio's folder (lmstudio:PUBLISHER/MODEL), or 'default' (the embedded Gemma 3 270M). "
+         "Overrides the preset's target. `mlx-spec models list --local` shows what is on disk.")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft-model", "-d", rich_help_panel=MODELS, metavar="PATH|HF-ID|default",
-    help="Draft model q (same tokenizer as the target). Overrides the preset's draft.")]
+    "--draft-model", "-d", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME#draft|default",
+    help="Draft model q (same tokenizer as the target), in any form --model takes; "
+         "ollama:NAME#draft is an Ollama model's own draft layer. Overrides the preset's draft.")]
 DrafterOpt = Annotated[Optional[str], typer.Option(
     "--drafter", rich_help_panel=MODELS, metavar="model|mtp|ngram|none",
     help="Who drafts: 'model' (the draft model), 'mtp' (a Gemma 4 MTP assistant as the draft "

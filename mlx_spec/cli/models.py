@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,8 +20,19 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object 
 
 
 @models_app.command("list")
-def list_command(as_json: JsonOption = False) -> None:
-    """Show the presets: named target + draft pairs with their default γ and sampling."""
+def list_command(
+    as_json: JsonOption = False,
+    local: Annotated[bool, typer.Option(
+        "--local", help="Instead of the presets, list the models already on this machine that "
+        "mlx-spec can run: the Hugging Face cache, Ollama's store ($OLLAMA_MODELS, default "
+        "~/.ollama/models) and LM Studio's folder ($LMSTUDIO_MODELS, default ~/.lmstudio/models), "
+        "with sizes and the -m value for each.")] = False,
+) -> None:
+    """Show the presets: named target + draft pairs with their default γ and sampling; with
+    --local, the models already on disk (HF cache, Ollama, LM Studio) that mlx-spec can run."""
+    if local:
+        list_local_models(as_json)
+        return
     from mlx_spec.models.presets import list_presets
 
     presets = list_presets()
@@ -44,10 +56,44 @@ def list_command(as_json: JsonOption = False) -> None:
     console.print(table)
 
 
+def list_local_models(as_json: bool) -> None:
+    """`models list --local`: one row per runnable model, then one line per store's models
+    that cannot run (with why). Its own table, apart from the presets'."""
+    from mlx_spec.cli.render import human_bytes
+    from mlx_spec.models.stores import list_local
+
+    found = list_local()
+    if as_json:
+        print(json.dumps([vars(m) for m in found], indent=2))
+        return
+    runnable = [m for m in found if m.problem is None]
+    columns = ("model (-m)", "store", "format", "size", "draft (its model file)")
+    rows = [(m.source, m.store, m.format, human_bytes(m.size),
+             f"{m.draft}, {human_bytes(m.draft_size)}" if m.draft else "-") for m in runnable]
+    console = Console()
+    if not console.is_terminal:
+        print("\t".join(columns))
+        for row in rows:
+            print("\t".join(row))
+    else:
+        table = Table(title="models on this machine that mlx-spec can run")
+        for column in columns:
+            table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for m in found:
+        if m.problem is not None:
+            print(f"cannot run {m.source}: {m.problem}", file=sys.stderr)
+    if not found:
+        print("no models found in the HF cache, Ollama's store or LM Studio's folder", file=sys.stderr)
+
+
 @models_app.command("info")
 def info_command(
     source: Annotated[str, typer.Argument(
-        help="A preset name, a model folder, a .gguf file, a Hub id (org/name) or 'default'.")],
+        help="A preset name, a model folder, a .gguf file, a Hub id (org/name), ollama:NAME[:TAG], "
+             "lmstudio:PUBLISHER/MODEL or 'default'.")],
     as_json: JsonOption = False,
 ) -> None:
     """Architecture, parameters, quantization, weight bytes, attention layout and vocabulary."""

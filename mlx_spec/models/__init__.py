@@ -1,7 +1,9 @@
 """Getting target and draft models into MLX memory.
 
     load_model(source)          one model + tokenizer from the embedded default, a .gguf file,
-                                a local folder or a Hugging Face repo id -> LoadedModel
+                                a local folder, a Hugging Face repo id, or a model in Ollama's
+                                store / LM Studio's folder (ollama:NAME, lmstudio:PUB/MODEL;
+                                see stores) -> LoadedModel
     load_pair(target, draft)    both, checked compatible, with their logits widths -> ModelPair
     check_compatible(t, d)      the tokenizer check alone
     list_presets / get_preset   named target + draft pairs (presets/presets.toml)

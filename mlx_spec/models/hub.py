@@ -126,3 +126,22 @@ def _silent_tqdm():
             super().__init__(*args, **kwargs)
 
     return Silent
+
+
+def cached_models() -> list[tuple[str, Path, int]]:
+    """(repo id, snapshot folder, bytes on disk) for each model repo in the HF cache: the
+    snapshot `main` points to, else the newest one. Empty when there is no cache."""
+    from huggingface_hub import CacheNotFound, scan_cache_dir
+
+    try:
+        info = scan_cache_dir(hub_cache_dir())
+    except CacheNotFound:
+        return []
+    found = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        revision = next((r for r in repo.revisions if "main" in r.refs),
+                        max(repo.revisions, key=lambda r: r.last_modified))
+        found.append((repo.repo_id, Path(revision.snapshot_path), int(repo.size_on_disk)))
+    return found

@@ -4,6 +4,8 @@
     path/to/file.gguf  imported once into the cache (see gguf_import), then loaded from there
     path/to/folder     an MLX or Hugging Face safetensors checkpoint, loaded by mlx-lm
     org/name           a Hugging Face Hub repo, downloaded into (or read from) the HF cache
+    ollama:NAME[:TAG]  a model in Ollama's store; lmstudio:PUBLISHER/MODEL one in LM Studio's
+                       folder (see stores: their GGUF files are imported as above)
 
 Models are mlx-lm's own classes; this module only finds the files, then applies the dtype
 and optional quantization that suit the device.
@@ -27,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
-from mlx_spec.models import gemma4_assistant, gguf_import, hub
+from mlx_spec.models import gemma4_assistant, gguf_import, hub, stores
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
 from mlx_spec.progress import StderrProgress
@@ -61,7 +63,7 @@ class LoadedModel:
         config: the model's config.json contents (with "quantization" when quantized).
         source: what the user passed ("default" for the embedded model).
         path: the local folder the weights came from (the converted cache folder for GGUF).
-        kind: "hf" | "local" | "gguf" | "embedded".
+        kind: "hf" | "local" | "gguf" | "embedded" | "ollama" | "lmstudio".
     """
 
     model: nn.Module
@@ -166,9 +168,12 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
 
 def _kind_of(source: str | None) -> str:
     """What `source` names, without touching the network: "embedded", "dir", "file",
-    "hub" (a repo id), "missing" (a path that does not exist) or "unknown"."""
+    "store" (ollama:… or lmstudio:…), "hub" (a repo id), "missing" (a path that does not
+    exist) or "unknown"."""
     if source is None or source == DEFAULT_SOURCE:
         return "embedded"
+    if stores.is_store_source(source):
+        return "store"
     path = Path(source).expanduser()
     if path.is_dir():
         return "dir"
@@ -182,10 +187,16 @@ def _kind_of(source: str | None) -> str:
 def check_source(source: str | None, role: str | None = None) -> None:
     """Refuse, in one line naming the `role` ("draft model") if given, a source that cannot
     load, before anything slow happens: a path that does not exist, a name that is neither
-    a path nor a repo id, the embedded model when its package is missing."""
+    a path nor a repo id, the embedded model when its package is missing, a store's model
+    that is not there or is in a format mlx-spec cannot read."""
     kind = _kind_of(source)
     problem = None
-    if kind == "missing":
+    if kind == "store":
+        try:
+            stores.locate(source)
+        except ModelLoadError as error:
+            problem = str(error)
+    elif kind == "missing":
         problem = f"no such file or folder: {source}"
     elif kind == "unknown":
         problem = f"'{source}' is not a file or folder, nor a Hugging Face repo id (org/name)"
@@ -210,8 +221,25 @@ def resolve_source(source: str | None, *, progress: bool = True) -> tuple[Path, 
                              "a model folder or a Hugging Face repo id")
     if kind == "hub":
         return hub.download(source, progress=progress), "hf"
+    if kind == "store":
+        return _store_folder(source, progress=progress)
     check_source(source)  # raises with the reason
     raise AssertionError(kind)
+
+
+def _store_folder(source: str, *, progress: bool) -> tuple[Path, str]:
+    """An Ollama or LM Studio model's folder: its GGUF imported (once, like any GGUF file;
+    Ollama's blobs are named by their sha256, so they are not hashed again), or LM Studio's
+    MLX folder as it is."""
+    found = stores.locate(source)
+    kind = "ollama" if source.startswith(stores.OLLAMA_PREFIX) else "lmstudio"
+    if not found.is_gguf:
+        return found.path, kind
+    try:
+        return gguf_import.import_gguf(found.path, cache_root(), sha256=found.sha256,
+                                       progress=progress), kind
+    except ModelLoadError as error:  # it names the blob file; say which model that is
+        raise ModelLoadError(f"{source}: {error}") from None
 
 
 def embedded_folder(*, progress: bool = True) -> Path:

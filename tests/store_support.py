@@ -1,0 +1,78 @@
+"""Tiny Ollama stores and LM Studio folders, laid out as the real tools write them.
+
+Ollama (its source: manifest/manifest.go WriteManifest, manifest/layer.go NewLayer,
+server/create.go): manifests/registry.ollama.ai/library/NAME/TAG is a Docker v2 manifest
+whose config and layers name blobs/sha256-<hex of the blob's bytes>; layer media types
+application/vnd.ollama.image.{model,draft,params,template,license,tensor}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import gguf
+
+MANIFEST_MEDIA = "application/vnd.docker.distribution.manifest.v2+json"
+CONFIG_MEDIA = "application/vnd.docker.container.image.v1+json"
+IMAGE = "application/vnd.ollama.image."
+
+
+def _blob(root: Path, data: bytes, media: str, **extra) -> dict:
+    digest = hashlib.sha256(data).hexdigest()
+    blobs = root / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    (blobs / f"sha256-{digest}").write_bytes(data)
+    return {"mediaType": media, "digest": f"sha256:{digest}", "size": len(data), **extra}
+
+
+def write_ollama_model(root: Path, name: str, tag: str, *, model: Path | None = None,
+                       draft: Path | None = None, params: dict | None = None,
+                       config: dict | None = None, tensors: dict | None = None,
+                       namespace: str = "library") -> Path:
+    """One model in an Ollama store at `root` (what OLLAMA_MODELS points to).
+
+    Args:
+        model / draft: GGUF files copied in as the model and draft layers.
+        params: the params layer's JSON (e.g. {"draft_num_predict": 3}).
+        config: the config blob's JSON (model_format, model_family, draft, ...).
+        tensors: name -> bytes, written as .tensor layers (Ollama's safetensors format).
+    Returns:
+        The manifest file.
+    """
+    layers = []
+    if model is not None:
+        layers.append(_blob(root, model.read_bytes(), IMAGE + "model"))
+    if draft is not None:
+        layers.append(_blob(root, draft.read_bytes(), IMAGE + "draft"))
+    for tensor_name, data in (tensors or {}).items():
+        layers.append(_blob(root, data, IMAGE + "tensor", name=tensor_name))
+    layers.append(_blob(root, b"{{ .Prompt }}", IMAGE + "template"))
+    layers.append(_blob(root, b"Gemma Terms of Use", IMAGE + "license"))
+    if params is not None:
+        layers.append(_blob(root, json.dumps(params).encode(), IMAGE + "params"))
+    config_json = {"model_format": "gguf", "model_family": "gemma3", "model_families": ["gemma3"],
+                   "model_type": "1M", "file_type": "Q8_0", "architecture": "amd64", "os": "linux",
+                   **(config or {})}
+    manifest = {"schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
+                "config": _blob(root, json.dumps(config_json).encode(), CONFIG_MEDIA),
+                "layers": layers}
+    path = root / "manifests" / "registry.ollama.ai" / namespace / name / tag
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def write_header_only_gguf(path: Path, architecture: str, **uint32_keys: int) -> Path:
+    """A GGUF file with metadata and no tensors: enough to be refused by its header.
+    `uint32_keys` add "{architecture}.{key}" fields (e.g. nextn_predict_layers=1)."""
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    for key, value in uint32_keys.items():
+        writer.add_uint32(f"{architecture}.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,219 @@
+"""Models other tools downloaded: a tiny Ollama store and LM Studio folder in the real
+layouts (tests/store_support.py), loaded through the real CLI, greedy output checked against
+mlx-lm's plain decoding of the weights the store holds."""
+
+import json
+
+import mlx.core as mx
+import pytest
+
+import mlx_spec.models.gguf_import as gguf_import
+from cli_support import assert_one_line_error, invoke, invoke_json
+from conftest import greedy_reference
+from mlx_spec.models import load_model
+from mlx_spec.models.ollama import parse_ollama_name
+from mlx_spec.models.stores import drafting_defaults
+from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
+from store_support import write_header_only_gguf, write_ollama_model
+from test_models_gguf import TINY_GGUF_CONFIG, write_tiny_gguf
+
+PROMPT = "the cat and the hat"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """(target GGUF, draft GGUF, reference target): Gemma 3 GGUFs as llama.cpp writes
+    them, the draft a perturbed copy; the reference holds the target's stored weights."""
+    folder = tmp_path_factory.mktemp("ggufs")
+    target = tiny_gemma3(seed=5, **TINY_GGUF_CONFIG)
+    draft = perturbed_copy(target, noise=0.02, seed=6)
+    stored = write_tiny_gguf(folder / "target.gguf", target)
+    write_tiny_gguf(folder / "draft.gguf", draft)
+    target.load_weights([(k, mx.array(v)) for k, v in stored.items()])
+    return folder / "target.gguf", folder / "draft.gguf", target
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """Empty Ollama store, LM Studio folder, HF cache and mlx-spec cache; float32 import
+    storage so the imported model equals the reference exactly."""
+    paths = {name: tmp_path / name for name in ("ollama", "lmstudio", "hf", "cache")}
+    monkeypatch.setenv("OLLAMA_MODELS", str(paths["ollama"]))
+    monkeypatch.setenv("LMSTUDIO_MODELS", str(paths["lmstudio"]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(paths["hf"]))
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(paths["cache"]))
+    monkeypatch.delenv("MLX_SPEC_DEBUG", raising=False)
+    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    return paths
+
+
+def plain_text(reference, tokenizer_source, max_tokens, prompt=PROMPT):
+    """What plain greedy decoding of `reference` (mlx-lm's generate_step) writes for the
+    prompt, cut at the first end-of-turn id as the CLI cuts it; the tokenizer is the one
+    `tokenizer_source` (a .gguf file or model folder) loads with."""
+    # mlx-lm's own tokenizer (for_chat), not a GGUF import's FastTokenizer
+    tokenizer = load_model(str(tokenizer_source), progress=False, for_chat=True).tokenizer
+    ids = greedy_reference(reference, tokenizer.encode(prompt), max_tokens)
+    cut = next((i for i, t in enumerate(ids) if t in tokenizer.eos_token_ids), len(ids))
+    detokenizer = tokenizer.detokenizer  # byte tokens join into characters as they stream
+    detokenizer.reset()
+    for token in ids[:cut]:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
+
+
+# ---------------------------------------------------------------------------------------
+# Ollama
+# ---------------------------------------------------------------------------------------
+
+
+def test_ollama_model_drafts_with_its_draft_at_its_gamma(env, tiny_pair):
+    target, draft, reference = tiny_pair
+    write_ollama_model(env["ollama"], "tiny", "q8", model=target, draft=draft,
+                       params={"draft_num_predict": 3, "stop": ["<end_of_turn>"]},
+                       config={"draft": {"model_format": "gguf", "architecture": "gemma3"}})
+    out = invoke_json(["generate", PROMPT, "-m", "ollama:tiny:q8", "-n", "32", "--raw"])
+    assert out["models"]["draft"] == "ollama:tiny:q8#draft"
+    assert out["drafter"] == "model" and out["gamma"] == 3  # the model file's draft_num_predict
+    assert out["stats"]["drafted"] > 0 and len(out["stats"]["acceptance_by_position"]) == 3
+    assert 0 < out["stats"]["acceptance_rate"] < 1  # the draft is not the target
+    assert out["text"] == plain_text(reference, target, 32)
+    # flags still win over the model file
+    plain = invoke_json(["generate", PROMPT, "-m", "ollama:tiny:q8", "-n", "32", "--raw", "--drafter", "none"])
+    assert plain["models"]["draft"] is None and plain["text"] == out["text"]
+    gamma_5 = invoke_json(["generate", PROMPT, "-m", "ollama:tiny:q8", "-n", "32", "--raw", "-g", "5"])
+    assert gamma_5["gamma"] == 5 and gamma_5["text"] == out["text"]
+
+
+def test_ollama_names_resolve_as_ollama_does(env, tiny_pair):
+    target, draft, _ = tiny_pair
+    write_ollama_model(env["ollama"], "tiny", "latest", model=target, draft=draft)  # no params
+    write_ollama_model(env["ollama"], "Mixed", "Q8", model=target, namespace="someone")
+    assert parse_ollama_name("gemma4:12b") == ("registry.ollama.ai", "library", "gemma4", "12b")
+    assert parse_ollama_name("someone/m") == ("registry.ollama.ai", "someone", "m", "latest")
+    defaults = drafting_defaults("ollama:tiny")  # tag "latest"
+    assert defaults.draft == "ollama:tiny#draft" and defaults.gamma == 4  # Ollama's default
+    assert drafting_defaults("ollama:someone/mixed:q8").draft is None  # case-insensitive; no draft
+    out = invoke_json(["generate", PROMPT, "-m", "ollama:someone/mixed:q8", "-n", "4", "--raw"])
+    assert out["drafter"] == "ngram" and out["models"]["draft"] is None
+
+
+def test_ollama_refuses_what_it_cannot_read_in_one_line(env, tiny_pair, tmp_path):
+    target, _, _ = tiny_pair
+    write_ollama_model(env["ollama"], "mlxmodel", "latest", tensors={"model.embed_tokens.weight": b"\0" * 64},
+                       config={"model_format": "safetensors"})
+    result = invoke(["generate", "hi", "-m", "ollama:mlxmodel", "-n", "4"])
+    assert_one_line_error(result, "ollama:mlxmodel", "safetensors")
+
+    llama = write_header_only_gguf(tmp_path / "llama.gguf", "llama")
+    write_ollama_model(env["ollama"], "llama3.2", "1b", model=llama, config={"model_family": "llama"})
+    result = invoke(["generate", "hi", "-m", "ollama:llama3.2:1b", "-n", "4"])
+    assert_one_line_error(result, "ollama:llama3.2:1b", "a GGUF of architecture 'llama'", "gemma3")
+
+    write_ollama_model(env["ollama"], "odd-draft", "latest", model=target, draft=llama)
+    result = invoke(["generate", "hi", "-m", "ollama:odd-draft", "-n", "4"])
+    assert_one_line_error(result, "draft", "'llama'", "--drafter ngram")
+
+    embedded = write_header_only_gguf(tmp_path / "mtp.gguf", "gemma3", nextn_predict_layers=1)
+    write_ollama_model(env["ollama"], "inner-mtp", "latest", model=embedded, params={"draft_num_predict": 3})
+    result = invoke(["generate", "hi", "-m", "ollama:inner-mtp", "-n", "4"])
+    assert_one_line_error(result, "ollama:inner-mtp", "MTP tensors inside its model GGUF", "--drafter ngram")
+
+    result = invoke(["generate", "hi", "-m", "ollama:nothere:7b", "-n", "4"])
+    assert_one_line_error(result, "nothere:7b", "ollama pull")
+
+
+# ---------------------------------------------------------------------------------------
+# LM Studio
+# ---------------------------------------------------------------------------------------
+
+
+def test_lmstudio_mlx_folder_and_gguf_file(env, tiny_pair, tiny_target):
+    target_gguf, _, reference = tiny_pair
+    save_tiny_model(env["lmstudio"] / "mlx-community" / "tiny-mlx", tiny_target)
+    gguf_folder = env["lmstudio"] / "lmstudio-community" / "tiny-GGUF"
+    gguf_folder.mkdir(parents=True)
+    (gguf_folder / "tiny-Q8_0.gguf").write_bytes(target_gguf.read_bytes())
+    (gguf_folder / "mmproj-tiny-f16.gguf").write_bytes(b"GGUF")  # a vision projector, not a model
+
+    mlx = invoke_json(["generate", "Hello", "-m", "lmstudio:mlx-community/tiny-mlx", "-n", "16",
+                       "--raw", "--drafter", "none"])
+    assert mlx["text"] == plain_text(tiny_target, env["lmstudio"] / "mlx-community" / "tiny-mlx", 16, "Hello")
+
+    gguf = invoke_json(["generate", PROMPT, "-m", "lmstudio:lmstudio-community/tiny-GGUF", "-n", "24",
+                        "--raw", "--drafter", "ngram", "-g", "2"])
+    assert gguf["text"] == plain_text(reference, target_gguf, 24)
+
+    (gguf_folder / "tiny-Q4_K_M.gguf").write_bytes(target_gguf.read_bytes())
+    result = invoke(["generate", "hi", "-m", "lmstudio:lmstudio-community/tiny-GGUF", "-n", "4"])
+    assert_one_line_error(result, "several GGUF files", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf")
+    named = invoke_json(["generate", PROMPT, "-m", "lmstudio:lmstudio-community/tiny-GGUF/tiny-Q4_K_M.gguf",
+                         "-n", "24", "--raw", "--drafter", "none"])
+    assert named["text"] == gguf["text"]
+
+    other = env["lmstudio"] / "bartowski" / "Llama-3.2-1B-GGUF"
+    other.mkdir(parents=True)
+    write_header_only_gguf(other / "Llama-3.2-1B-Q4_K_M.gguf", "llama")
+    result = invoke(["generate", "hi", "-m", "lmstudio:bartowski/Llama-3.2-1B-GGUF", "-n", "4"])
+    assert_one_line_error(result, "lmstudio:bartowski/Llama-3.2-1B-GGUF", "GGUF of architecture 'llama'")
+
+
+# ---------------------------------------------------------------------------------------
+# models list --local
+# ---------------------------------------------------------------------------------------
+
+
+def test_models_list_local_shows_every_store(env, tiny_pair, tiny_target, tmp_path):
+    target, draft, _ = tiny_pair
+    write_ollama_model(env["ollama"], "tiny", "q8", model=target, draft=draft, params={"draft_num_predict": 3})
+    write_ollama_model(env["ollama"], "llama3.2", "1b", model=write_header_only_gguf(tmp_path / "l.gguf", "llama"))
+    save_tiny_model(env["lmstudio"] / "mlx-community" / "tiny-mlx", tiny_target)
+    snapshot = env["hf"] / "models--org--tiny" / "snapshots" / ("a" * 40)
+    save_tiny_model(snapshot, tiny_target)
+    (env["hf"] / "models--org--tiny" / "refs").mkdir()
+    (env["hf"] / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    gguf_repo = env["hf"] / "models--org--tiny-GGUF" / "snapshots" / ("b" * 40)
+    gguf_repo.mkdir(parents=True)
+    (gguf_repo / "tiny-Q8_0.gguf").write_bytes(target.read_bytes())
+    hf_gguf = str(gguf_repo / "tiny-Q8_0.gguf")  # a GGUF repo's files run by path
+
+    result = invoke(["models", "list", "--local", "--json"])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    found = {m["source"]: m for m in json.loads(result.stdout)}
+    assert set(found) == {"org/tiny", hf_gguf, "ollama:tiny:q8", "ollama:llama3.2:1b",
+                          "lmstudio:mlx-community/tiny-mlx"}
+    assert found[hf_gguf]["format"] == "GGUF gemma3" and found[hf_gguf]["problem"] is None
+    assert found["ollama:tiny:q8"]["problem"] is None
+    assert found["ollama:tiny:q8"]["format"] == "GGUF gemma3 Q8_0"
+    assert found["ollama:tiny:q8"]["size"] == target.stat().st_size + draft.stat().st_size
+    assert found["ollama:tiny:q8"]["draft"] == "GGUF gemma3, γ 3"
+    assert "'llama'" in found["ollama:llama3.2:1b"]["problem"]
+    assert found["org/tiny"]["format"] == "MLX gemma3_text" and found["org/tiny"]["problem"] is None
+    assert found["org/tiny"]["size"] == sum(p.stat().st_size for p in snapshot.iterdir())
+
+    table = invoke(["models", "list", "--local"])  # piped: tab-separated rows, problems on stderr
+    rows = [line.split("\t") for line in table.stdout.strip().splitlines()]
+    assert rows[0][0] == "model (-m)" and {r[0] for r in rows[1:]} == {
+        "org/tiny", hf_gguf, "ollama:tiny:q8", "lmstudio:mlx-community/tiny-mlx"}
+    assert "cannot run ollama:llama3.2:1b" in table.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# bench: the reference run's procedure on an Ollama model
+# ---------------------------------------------------------------------------------------
+
+
+def test_bench_on_an_ollama_model_runs_the_reference_procedure(env, tiny_pair):
+    target, draft, _ = tiny_pair
+    write_ollama_model(env["ollama"], "tiny", "q8", model=target, draft=draft, params={"draft_num_predict": 4})
+    out = invoke_json(["bench", "-m", "ollama:tiny:q8", "--prompt", PROMPT, "-n", "12", "--runs", "1"])
+    settings = [s["setting"] for s in out["settings"]]
+    assert settings == ["off", "γ=1", "γ=2", "γ=3", "γ=4", "γ=5", "auto"]  # reference + model file's γ
+    assert out["model_file_gamma"] == 4 and out["models"]["draft"] == "ollama:tiny:q8#draft"
+    md5 = {s["md5"] for s in out["settings"]}
+    assert len(md5) == 1 and all(s["identical"] is not False for s in out["settings"])
+    by_gamma = {s["setting"]: s for s in out["settings"]}
+    assert len(by_gamma["γ=3"]["acceptance_by_position"]) == 3
+    explicit = invoke_json(["bench", "-m", "ollama:tiny:q8", "--prompt", PROMPT, "-n", "8", "--runs", "1", "-g", "2"])
+    assert [s["setting"] for s in explicit["settings"]] == ["off", "γ=2"]
