@@ -35,6 +35,8 @@ log = logging.getLogger("mlx_spec.server")
 @dataclass
 class Piece:
     text: str  # new text (may be empty)
+    # with Job.logprobs: (token id, log-prob, top alternatives) per token released with text
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Done:
     completion_tokens: int
     prefilled_target: int  # prompt tokens the target processed (the rest came from its cache)
     stats: Stats
+    stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Job:
     max_tokens: int
     stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
+    logprobs: Optional[int] = None  # top alternatives per token; None: no log-probs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -179,20 +183,25 @@ class Worker:
         responses = stream_generate(
             self.engine, self.tokenizer, job.prompt_ids, job.params, gamma=policy,
             max_tokens=job.max_tokens, stop=job.stop, prompt_cache=self.cache, stats=stats,
-            prefill_progress=on_prefill,
+            prefill_progress=on_prefill, logprobs=job.logprobs,
         )
-        tokens, finish = 0, None
+        tokens, finish, stop_string = 0, None, None
+        scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
                 # The ids released with the text: a stop string and what followed it are
                 # neither shown nor counted.
                 tokens += len(response.tokens)
-                finish = response.finish_reason
-                if response.text:
-                    job.emit(Piece(response.text))
+                finish, stop_string = response.finish_reason, response.stop_string
+                if response.round.logprobs is not None:
+                    scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
+                released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
+                released = [r for r in released if r[0] not in self.engine.eos_ids]
+                if response.text or released:
+                    job.emit(Piece(response.text, released))
                 if job.cancelled.is_set() and finish is None:
                     break
         finally:
             responses.close()  # between rounds: the caches hold exactly what was committed
         self.counts["completed" if finish else "cancelled"] += 1
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot()))
+        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string))
