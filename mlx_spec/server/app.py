@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from mlx_spec.sampling import SamplingParams
+from mlx_spec.server import anthropic
 from mlx_spec.server.protocol import (
     ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, logprobs_object,
     new_id, parse_body, sse, usage, usage_chunk,
@@ -46,7 +47,8 @@ class ServerOptions:
         max_tokens: completion length when a request gives none.
         context_length: prompt plus completion tokens the model takes.
         queue_size: requests that may wait while one generates.
-        api_key: if set, every /v1 request needs "Authorization: Bearer <key>".
+        api_key: if set, every /v1 request needs "Authorization: Bearer <key>" (or, as
+            Anthropic's clients send it, "x-api-key: <key>").
         info: what /health reports about the loaded models (target, draft, preset).
     """
 
@@ -102,6 +104,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
+        if "x-api-key" in request.headers:
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), options.api_key):
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
@@ -203,6 +207,12 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         if calls:
             answer["choices"][0]["message"].update(content=text or None, tool_calls=calls)
         return answer
+
+    anthropic.add_routes(
+        app, options=options, tokenizer=tokenizer, syntax=syntax, authorize=authorize,
+        check_model=check_model, chat_prompt=chat_prompt, submit=submit, collect=collect,
+        usage_counts=token_counts,
+        extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 
     async def stream(job: Job, chat: bool, rid: str, include_usage: bool, extra_base: dict,
                      plan: ToolPlan):
@@ -310,10 +320,15 @@ def decode_token(tokenizer, token: int) -> str:
 
 
 def usage_of(job: Job, done: Done) -> dict:
+    return usage(*token_counts(job, done))
+
+
+def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of a finished job."""
     prompt = len(job.prompt_ids)
     # The target prefills all but the prompt's last token (the first verify pass feeds it).
     cached = max(0, prompt - 1 - done.prefilled_target)
-    return usage(prompt, done.completion_tokens, cached)
+    return prompt, done.completion_tokens, cached
 
 
 def statistics(done: Done) -> dict:
