@@ -8,6 +8,7 @@ so a taken port is a one-line error and `--port 0` picks a free port (printed).
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import sys
 from typing import Annotated, Optional
@@ -50,6 +51,15 @@ def serve(
     log_level: Annotated[str, typer.Option(
         "--log-level", rich_help_panel=SERVER, metavar="warning|info|debug",
         help="uvicorn's log level; info adds one line per request.")] = "warning",
+    cache_memory: Annotated[Optional[float], typer.Option(
+        "--cache-memory", rich_help_panel=SERVER, min=0.0, metavar="GB",
+        help="KV memory for cached conversations (several are kept, least recently used "
+             "dropped first); default: half the memory free once the models are "
+             "loaded.")] = None,
+    cors_origin: Annotated[Optional[list[str]], typer.Option(
+        "--cors-origin", rich_help_panel=SERVER, metavar="ORIGIN",
+        help="Let browser pages from ORIGIN (e.g. http://localhost:3000, or *) call the API; "
+             "repeatable. Off by default.")] = None,
     model: ModelOpt = None,
     draft_model: DraftOpt = None,
     drafter: DrafterOpt = None,
@@ -83,6 +93,10 @@ def serve(
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+    for origin in cors_origin or ():
+        if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
+            raise MlxSpecError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
+                               "(e.g. http://localhost:3000) or *")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
@@ -106,6 +120,8 @@ def serve(
         queue_size=queue_size,
         api_key=api_key,
         info=setup.models,
+        cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
+        cors_origins=tuple(cors_origin or ()),
     )
     application = create_app(engine, setup.pair.tokenizer, options)
     bound_host, bound_port = sock.getsockname()[:2]

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from mlx_spec.sampling import SamplingParams
@@ -50,6 +51,9 @@ class ServerOptions:
         api_key: if set, every /v1 request needs "Authorization: Bearer <key>" (or, as
             Anthropic's clients send it, "x-api-key: <key>").
         info: what /health reports about the loaded models (target, draft, preset).
+        cache_budget: bytes of KV the cached conversations may hold (None: from the
+            device's free memory; see `worker.Worker`).
+        cors_origins: origins whose browser pages may call the API (none by default).
     """
 
     model_name: str
@@ -61,12 +65,14 @@ class ServerOptions:
     queue_size: int = 8
     api_key: Optional[str] = None
     info: dict = field(default_factory=dict)
+    cache_budget: Optional[int] = None
+    cors_origins: tuple[str, ...] = ()
 
 
 def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     """An ASGI app serving `engine` (run it with uvicorn). The generation worker starts and
     stops with the app's lifespan."""
-    worker = Worker(engine, tokenizer, options.gamma, options.queue_size)
+    worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
     vocab_size = len(tokenizer.get_vocab())  # ids the detokenizer knows
     gamma_mode = worker.gamma
@@ -82,6 +88,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="mlx-spec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.worker = worker
+    if options.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
 
     # -- errors in OpenAI's shape --------------------------------------------------------
 
@@ -116,6 +125,12 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     async def health():
         return {"status": "ok", "model": options.model_name, "models": options.info,
                 "drafter": drafter, "gamma": gamma_mode, **worker.health()}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        authorize(request)
+        return PlainTextResponse(worker.metrics.render(worker.health()),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -1,0 +1,67 @@
+"""Prompt caches for several conversations at once.
+
+An agent and its summariser, or two editor tabs, alternate requests; with one cache each
+switch would prefill everything again. The pool keeps several `PromptCache`s, least recently
+used first out, within a memory budget. Each request takes the cache holding the longest
+common prefix of its prompt: if that cache holds nothing beyond the prompt (the same
+conversation, grown by a turn) it is used as it is; if it holds more (another conversation
+that shares a system prompt, or an earlier version of this one), a fork of it is used, so
+the conversation it holds survives. A fork shares the arrays until it writes. Every cache
+is exact on its own (`mlx_spec.cache`), so which one serves a request never changes an
+answer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from mlx_spec.cache import PromptCache, _common_prefix
+
+
+def default_budget(free_bytes: int) -> int:
+    """Half the device memory left free once the models are loaded, at least 256 MiB."""
+    return max(256 * 2**20, free_bytes // 2)
+
+
+class CachePool:
+    """Least-recently-used prompt caches within `budget` bytes (both models' KV)."""
+
+    def __init__(self, make: Callable[[], PromptCache], budget: int):
+        self.make = make
+        self.budget = budget
+        self.caches: list[PromptCache] = []  # least recently used first
+        self.hits = 0  # requests that reused at least one cached token
+
+    def take(self, prompt_ids: list[int]) -> PromptCache:
+        """The cache to serve `prompt_ids` from, now the most recently used."""
+        held = prompt_ids[:-1]  # what a prefill leaves in the cache
+        best, common = None, 0
+        for cache in reversed(self.caches):  # the most recent wins a tie
+            n = _common_prefix(cache.target.ids, held)
+            if n > common:
+                best, common = cache, n
+        if best is None:
+            chosen = self.make()
+        elif common == len(best.target.ids):
+            self.caches.remove(best)
+            chosen = best
+        else:
+            chosen = best.fork()
+        if common:
+            self.hits += 1
+        self.caches.append(chosen)
+        return chosen
+
+    def fit(self) -> None:
+        """Drop least recently used caches until the pool is within its budget; the most
+        recent one always stays."""
+        while len(self.caches) > 1 and self.nbytes > self.budget:
+            self.caches.pop(0)
+
+    def discard(self, cache: PromptCache) -> None:
+        if cache in self.caches:
+            self.caches.remove(cache)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self.caches)
