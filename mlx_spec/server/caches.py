@@ -3,10 +3,11 @@
 An agent and its summariser, or two editor tabs, alternate requests; with one cache each
 switch would prefill everything again. The pool keeps several `PromptCache`s, least recently
 used first out, within a memory budget. Each request takes the cache holding the longest
-common prefix of its prompt: if that cache holds nothing beyond the prompt (the same
-conversation, grown by a turn) it is used as it is; if it holds more (another conversation
-that shares a system prompt, or an earlier version of this one), a fork of it is used, so
-the conversation it holds survives. A fork shares the arrays until it writes. Every cache
+common prefix of its prompt. If that cache holds little beyond the prompt (the same
+conversation grown by a turn, perhaps re-rendered a little differently at its end) it is
+used as it is, rolling back what differs; if it holds much more (another conversation that
+shares a system prompt, or an answer being regenerated), a fork of it is used, so the
+conversation it holds survives. A fork shares the arrays until it writes. Every cache
 is exact on its own (`mlx_spec.cache`), so which one serves a request never changes an
 answer.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 from mlx_spec.cache import PromptCache, _common_prefix
+
+FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 
 
 def default_budget(free_bytes: int) -> int:
@@ -42,7 +45,7 @@ class CachePool:
                 best, common = cache, n
         if best is None:
             chosen = self.make()
-        elif common == len(best.target.ids):
+        elif len(best.target.ids) - common <= FORK_SURPLUS:
             self.caches.remove(best)
             chosen = best
         else:

@@ -43,11 +43,12 @@ class Metrics:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help: str, samples) -> None:
-            lines.append(f"# HELP {PREFIX}{name} {help}")
-            lines.append(f"# TYPE {PREFIX}{name} {kind}")
+            full = PREFIX + name + ("_total" if kind == "counter" else "")  # the format's convention
+            lines.append(f"# HELP {full} {help}")
+            lines.append(f"# TYPE {full} {kind}")
             for labels, value in samples:
                 label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-                lines.append(f"{PREFIX}{name}{'_total' if kind == 'counter' else ''}{label} {value}")
+                lines.append(f"{full}{label} {value}")
 
         with self.lock:
             t = self.total
