@@ -1,4 +1,4 @@
-"""`mlx-spec serve`: the OpenAI-compatible server (mlx_spec.server) on uvicorn.
+"""`mlx-spec serve`: the OpenAI- and Anthropic-compatible server (mlx_spec.server) on uvicorn.
 
 Takes the model, drafter, γ, dtype and preset flags of `generate`; sampling flags set the
 defaults for fields a request leaves out. The socket is bound here, before uvicorn starts,
@@ -77,11 +77,13 @@ def serve(
     repetition_penalty: RepPenaltyOpt = None,
     seed: SeedOpt = None,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streamed or
-    not), with exact speculative decoding and its statistics in each answer.
+    """Serve the model over OpenAI-compatible (chat, completions) and Anthropic-compatible
+    (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
+    conversations cached at once, exact speculative decoding and its statistics in each
+    answer; GET /metrics for Prometheus.
 
     Example:  mlx-spec serve --port 8080  ·  then point any OpenAI client at
-    http://127.0.0.1:8080/v1
+    http://127.0.0.1:8080/v1, or an Anthropic one at http://127.0.0.1:8080
     """
     import uvicorn
 

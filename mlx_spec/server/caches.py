@@ -21,9 +21,19 @@ from mlx_spec.cache import PromptCache, _common_prefix
 FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 
 
-def default_budget(free_bytes: int) -> int:
-    """Half the device memory left free once the models are loaded, at least 256 MiB."""
-    return max(256 * 2**20, free_bytes // 2)
+def default_budget() -> int:
+    """Half the device memory left free once the models are loaded, at least 256 MiB. A
+    Mac's GPU reports its working set; MLX's CPU device reports none, so there it is the
+    machine's RAM."""
+    import os
+
+    import mlx.core as mx
+
+    info = mx.device_info()
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(256 * 2**20, (total - mx.get_active_memory()) // 2)
 
 
 class CachePool:

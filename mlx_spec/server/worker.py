@@ -110,13 +110,8 @@ class Worker:
         if queue_size < 1:  # queue.Queue(0) would be unbounded
             raise ValueError("queue_size must be at least 1")
         self.gamma = gamma if engine.drafter is not None else "0"
-        if cache_budget is None:
-            import mlx.core as mx
-
-            info = mx.device_info()
-            total = info.get("max_recommended_working_set_size") or info.get("memory_size", 0)
-            cache_budget = default_budget(total - mx.get_active_memory())
-        self.caches = CachePool(engine.make_prompt_cache, cache_budget)
+        self.caches = CachePool(engine.make_prompt_cache,
+                                default_budget() if cache_budget is None else cache_budget)
         self.metrics = Metrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.current: Optional[Job] = None
