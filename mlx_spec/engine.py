@@ -270,8 +270,10 @@ def _token_logprobs(scores: mx.array, emitted: list[int], top: int) -> list:
     rows = scores[: len(emitted)]
     chosen = mx.take_along_axis(rows, mx.array(emitted)[:, None], axis=-1)[:, 0]
     if top > 0:
-        ids = mx.argsort(-rows, axis=-1)[:, :top]
+        ids = mx.argpartition(-rows, top - 1, axis=-1)[:, :top]  # the top, in no order
         values = mx.take_along_axis(rows, ids, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
         mx.eval(chosen, ids, values)
         alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     else:

@@ -105,7 +105,11 @@ def test_errors_in_anthropics_shape(spec_server, tiny_dirs):
                  {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]},
               "messages[0].content[0]: image"),
              ({"model": tiny_dirs[0], "max_tokens": 5, "tools": [WEATHER],
-               "messages": [{"role": "user", "content": "hi"}]}, "no tool-call format")]
+               "messages": [{"role": "user", "content": "hi"}]}, "no tool-call format"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024},
+               "messages": [{"role": "user", "content": "hi"}]}, "thinking: extended thinking is not supported"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+               "messages": [{"role": "user", "content": "hi"}]}, "tools[0].type")]
     for body, fragment in cases:
         response = httpx.post(base, json=body, timeout=30)
         assert response.status_code == 400, response.text
@@ -176,3 +180,9 @@ def test_a_tool_round_trip(streamed, scripted, tokenizer):
     named = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
                                    tool_choice={"type": "tool", "name": "get_weather"})
     assert json.dumps(named.content[0].input) == '{"city": "Paris"}'
+    say(scripted, tokenizer, CALL + CALL.replace("Paris", "Rome"))
+    both = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask)
+    assert [b.input["city"] for b in both.content] == ["Paris", "Rome"]
+    one = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
+                                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input["city"] for b in one.content] == ["Paris"]

@@ -126,10 +126,13 @@ def test_metrics_total_what_the_answers_reported_and_cors(tiny_dirs, cost_cache,
     server = _serve(tiny_dirs, cost_cache, "--cors-origin", ORIGIN, "--cors-origin", "http://127.0.0.1:5173")
     try:
         answers = [a for row in _interleave(server, tiny_dirs, reference, turns=2) for a, _, _ in row]
+        assert server.post("/completions", {"model": tiny_dirs[0], "prompt": "hi", "top_p": 7}).status_code == 400
         response = httpx.get(server.url + "/metrics", timeout=10)
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
         families = _families(response.text)
         stats = [a.model_extra["mlx_spec"] for a in answers]
+        assert _value(families, "mlx_spec_http_responses", code="400") == 1
+        assert _value(families, "mlx_spec_http_responses", code="200") >= len(answers)  # and /health
         assert _value(families, "mlx_spec_requests", outcome="completed") == len(answers)
         assert _value(families, "mlx_spec_requests", outcome="failed") == 0
         assert _value(families, "mlx_spec_queue_depth") == 0

@@ -79,6 +79,15 @@ def test_a_call_whole_and_streamed(served, tokenizer):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(served, tokenizer):
+    client = served[0].client()
+    say(served, tokenizer, CALL + "<|tool_call>call:get_time{}<tool_call|>")
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME],
+                                            parallel_tool_calls=False)
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["get_weather"]
+    assert answer.choices[0].message.content is None and answer.choices[0].finish_reason == "tool_calls"
+
+
 def test_two_calls_and_the_tool_round_trip(served, tokenizer):
     server, model = served
     client = server.client()
@@ -155,6 +164,9 @@ def test_bad_tool_requests(served):
 
     assert_openai_error(post({"tools": [{"type": "function", "function": {"name": ""}}]}), 400, "tools[0].function.name")
     assert_openai_error(post({"tools": [{"type": "retrieval"}]}), 400, "tools[0].type")
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    error = assert_openai_error(post({"tools": [strict]}), 400, "tools[0].function.strict", "not supported")
+    assert error["code"] == "unsupported_parameter"
     assert_openai_error(post({"tools": [WEATHER], "tool_choice": "sometimes"}), 400, "tool_choice")
     assert_openai_error(post({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
                         400, "no tool is named 'nope'")

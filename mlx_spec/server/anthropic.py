@@ -56,10 +56,10 @@ class AnthropicMessage(_Strict):
 
 
 class AnthropicTool(_Strict):
+    type: Optional[Literal["custom"]] = None  # server tools (web search, bash, ...) are Anthropic's
     name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: dict
-    type: Optional[str] = None
 
 
 class ToolChoice(_Strict):
@@ -76,6 +76,25 @@ class MessagesRequest(_Common):
     tools: Optional[list[AnthropicTool]] = None
     tool_choice: Optional[ToolChoice] = None
     metadata: Optional[dict] = None
+    # Features this server cannot give: refused by name rather than quietly ignored.
+    thinking: Optional[dict] = None
+    output_config: Optional[dict] = None
+    mcp_servers: Optional[list] = None
+    container: Union[str, dict, None] = None
+    context_management: Optional[dict] = None
+
+    def refuse_unsupported(self) -> None:
+        unsupported = [("thinking", self.thinking and self.thinking.get("type") != "disabled",
+                        "extended thinking is not supported"),
+                       ("output_config.format", (self.output_config or {}).get("format") is not None,
+                        "structured output formats are not supported"),
+                       ("mcp_servers", bool(self.mcp_servers), "MCP servers are not supported"),
+                       ("container", self.container is not None, "containers are not supported"),
+                       ("context_management", self.context_management is not None,
+                        "context management is not supported")]
+        for param, bad, message in unsupported:
+            if bad:
+                raise ApiError(400, f"{param}: {message}", param=param)
 
     def stops(self) -> tuple[str, ...]:
         return tuple(self.stop_sequences or ())
@@ -148,7 +167,8 @@ def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
                        param="tool_choice.name")
     named = {None: None, "auto": "auto", "any": "required", "none": "none"}
     return plan_tools(tools or None, choice.name if choice and choice.type == "tool"
-                      else named[choice.type if choice else None], syntax)
+                      else named[choice.type if choice else None], syntax,
+                      single=bool(choice and choice.disable_parallel_tool_use))
 
 
 # ---------------------------------------------------------------------------------------
@@ -213,6 +233,7 @@ def add_routes(app, *, options, tokenizer, syntax, authorize, check_model, chat_
         authorize(request)
         body = parse_body(raw, model)
         check_model(body)
+        body.refuse_unsupported()
         plan = tool_plan(body, syntax)
         return body, plan, chat_prompt(tokenizer, template_messages(body), plan)
 

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
+from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.protocol import (
     ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, logprobs_object,
     new_id, parse_body, sse, usage, usage_chunk,
@@ -88,6 +89,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     app = FastAPI(title="mlx-spec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.worker = worker
+    app.add_middleware(CountResponses, metrics=worker.metrics)
     if options.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)

@@ -1,6 +1,6 @@
 """`GET /metrics`: the server's counters in Prometheus' text exposition format.
 
-Requests by outcome, queue depth, prompt and decode tokens with the seconds they took
+HTTP responses by status code, generations by outcome, queue depth, prompt and decode tokens with the seconds they took
 (tokens/s is their ratio; Prometheus' rate() of each gives it over any window), drafted and
 accepted tokens, acceptance **by position** (`stats` definitions: rounds whose draft token
 i was accepted / rounds that drafted at least i), and prompt-cache reuse.
@@ -24,6 +24,11 @@ class Metrics:
         self.total = Stats()
         self.cached_tokens = 0
         self.cache_hits = 0
+        self.responses: dict[int, int] = {}  # HTTP status -> responses sent
+
+    def observe_response(self, status: int) -> None:
+        with self.lock:
+            self.responses[status] = self.responses.get(status, 0) + 1
 
     def observe(self, stats: Stats, cached_tokens: int) -> None:
         with self.lock:
@@ -52,6 +57,8 @@ class Metrics:
 
         with self.lock:
             t = self.total
+            metric("http_responses", "counter", "HTTP responses by status code.",
+                   [({"code": str(code)}, n) for code, n in sorted(self.responses.items())])
             metric("requests", "counter", "Generation requests by outcome.",
                    [({"outcome": k}, health[k]) for k in ("completed", "cancelled", "failed", "refused")])
             metric("queue_depth", "gauge", "Requests waiting for the device.", [({}, health["queued"])])
@@ -84,3 +91,23 @@ class Metrics:
             metric("prompt_cache_bytes", "gauge", "KV bytes the cached conversations hold.",
                    [({}, health["prompt_cache_bytes"])])
         return "\n".join(lines) + "\n"
+
+
+class CountResponses:
+    """ASGI middleware counting responses by status into `metrics` (a plain ASGI wrapper:
+    Starlette's BaseHTTPMiddleware would get between a streamed answer and its client)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.observe_response(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)

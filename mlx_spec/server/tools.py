@@ -46,18 +46,24 @@ class ToolPlan:
         forced: the prompt ends with the start marker (tool_choice required / named).
         syntax: how calls are parsed from the answer; None: the answer is all text.
         names: the functions the model may call.
+        single: one call per answer (parallel_tool_calls false); later calls are dropped.
     """
 
     tools: Optional[list[dict]] = None
     forced: bool = False
     syntax: Optional[ToolSyntax] = None
     names: frozenset = frozenset()
+    single: bool = False
 
 
 def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax],
-               param: str = "tools") -> ToolPlan:
+               param: str = "tools", single: bool = False) -> ToolPlan:
     """A `ToolPlan` from OpenAI-shaped `tools` and `tool_choice` ("none", "auto",
     "required", or the name of one function); refuses tools the model cannot call."""
+    for i, tool in enumerate(tools or []):
+        if tool["function"].get("strict"):  # would need decoding constrained to the schema
+            raise ApiError(400, f"{param}[{i}].function.strict: strict schemas are not supported",
+                           param=f"{param}[{i}].function.strict", code="unsupported_parameter")
     if not tools or choice == "none":
         return ToolPlan()
     if syntax is None:
@@ -68,7 +74,7 @@ def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax]
         tools = [t for t in tools if t["function"]["name"] == choice]
         if not tools:
             raise ApiError(400, f"tool_choice: no tool is named {choice!r}", param="tool_choice")
-    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools))
+    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single)
 
 
 def openai_plan(body: ChatRequest, syntax: Optional[ToolSyntax]) -> ToolPlan:
@@ -76,7 +82,7 @@ def openai_plan(body: ChatRequest, syntax: Optional[ToolSyntax]) -> ToolPlan:
     choice = body.tool_choice
     if choice is not None and not isinstance(choice, str):
         choice = choice.function.name
-    return plan_tools(tools, choice, syntax)
+    return plan_tools(tools, choice, syntax, single=body.parallel_tool_calls is False)
 
 
 def template_messages(messages: list[Message]) -> list[dict]:
@@ -197,6 +203,8 @@ class CallSplitter:
                 raise ValueError("not a call to an offered function")
         except Exception:  # the parsers raise ValueError, KeyError, JSONDecodeError, ...
             return [self.syntax.start + body + end]
+        if self.plan.single:
+            events = events[: max(0, 1 - self.calls)]
         self.calls += len(events)
         return events
 
