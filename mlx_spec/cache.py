@@ -14,6 +14,7 @@ Caches with recurrent state (SSM / linear-attention layers) cannot roll back at 
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -206,6 +207,21 @@ class SequenceCache:
         out = self._call(tokens[None], hidden)
         return (out[0][0], out[1][0]) if hidden else out[0]
 
+    def fork(self) -> "SequenceCache":
+        """A copy holding the same ids, which then moves independently of this one. The
+        arrays are shared until either side writes (MLX copies a shared buffer on write)."""
+        if self.unsettled:
+            self.settle([])
+        twin = copy.copy(self)
+        twin.cache = [_fork_layer(layer) for layer in self.cache]
+        twin.ids = list(self.ids)
+        twin.prefill_hidden = None
+        return twin
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(layer, "nbytes", 0) for layer in self.cache)
+
     def _call(self, tokens: mx.array, hidden: bool = False, head: bool = True):
         """Logits; with hidden=True (logits, final hidden states); with head=False the final
         hidden states only."""
@@ -287,6 +303,18 @@ class SequenceCache:
         return len(todo)
 
 
+def _fork_layer(layer):
+    # New handles for the layer's arrays: an in-place update (`keys[...] = x`) rebinds the
+    # handle it is applied to, so the twin must not hold the same ones.
+    twin = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, mx.array):
+            setattr(twin, name, value[...])
+        elif isinstance(value, list) and any(isinstance(v, mx.array) for v in value):
+            setattr(twin, name, [v[...] if isinstance(v, mx.array) else v for v in value])
+    return twin
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -314,3 +342,14 @@ class PromptCache:
         self.target.reset()
         if self.draft is not None:
             self.draft.reset()
+
+    def fork(self) -> "PromptCache":
+        """A copy of both caches (see `SequenceCache.fork`)."""
+        twin = copy.copy(self)
+        twin.target = self.target.fork()
+        twin.draft = self.draft.fork() if self.draft is not None else None
+        return twin
+
+    @property
+    def nbytes(self) -> int:
+        return self.target.nbytes + (self.draft.nbytes if self.draft is not None else 0)

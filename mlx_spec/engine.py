@@ -38,6 +38,9 @@ class Round:
     gamma: int  # draft tokens verified
     accepted: int  # n, of the γ drafted (before any stop cut)
     finish_reason: Optional[str] = None  # "stop" (an EOS id), "length" (max_tokens) or None
+    # With `rounds(logprobs=k)`: per committed token, (its log-prob under the target's p,
+    # the k likeliest (id, log-prob)), from the verify pass that scored it.
+    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
 class Engine:
@@ -99,6 +102,7 @@ class Engine:
         prompt_cache: Optional[PromptCache] = None,
         stats: Optional[Stats] = None,
         prefill_progress: Optional[Callable[[int, int], None]] = None,
+        logprobs: Optional[int] = None,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -110,6 +114,9 @@ class Engine:
             prompt_cache: caches to reuse across calls (multi-turn); a fresh one if None.
             stats: a `Stats` to update in place (a fresh one if None).
             prefill_progress: called with (done, total) prompt tokens during prefill.
+            logprobs: if set, each `Round` carries the target's log-probs of its tokens and
+                this many top alternatives (raw logits, before sampling's processing, as
+                plain decoding would report them).
         Yields:
             `Round`s; the last has a finish_reason.
         """
@@ -141,7 +148,7 @@ class Engine:
         while generated < max_tokens:
             start = perf_counter()
             if queued is not None:  # steps 1-3 of this plain round were queued last round
-                (verdict, hidden), queued = queued, None
+                (verdict, hidden, scores), queued = queued, None
                 gamma, draft = 0, Draft.empty()
             else:
                 if not params.greedy:
@@ -156,7 +163,8 @@ class Engine:
                     mx.eval(draft.tokens)
                 # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                verdict, hidden = self._verify(cache, block, draft, history, None, processor, key_verify)
+                verdict, hidden, scores = self._verify(cache, block, draft, history, None, processor,
+                                                       key_verify, logprobs)
             drafted = perf_counter()
             # 3b. Another plain round next? Then queue its pass, fed this round's token, so
             # the device computes it while the host waits below. A plain round teaches the
@@ -168,7 +176,8 @@ class Engine:
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
-                    queued = self._verify(cache, block, Draft.empty(), history, block, processor, key_verify)
+                    queued = self._verify(cache, block, Draft.empty(), history, block, processor,
+                                          key_verify, logprobs)
                     mx.async_eval(queued[0])
             # 4. accept: the round's one host synchronisation
             mx.eval(verdict)
@@ -185,7 +194,8 @@ class Engine:
             stats.observe_round(gamma, n, len(emitted), drafted - start, end - drafted)
             stats.draft_forwards += gamma * drafter.passes_per_token if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
-            yield Round(emitted, gamma, n, finish)
+            yield Round(emitted, gamma, n, finish,
+                        None if scores is None else _token_logprobs(scores, emitted, logprobs))
             if finish:
                 return
 
@@ -197,10 +207,11 @@ class Engine:
             raise MlxSpecError(f"the prompt is {len(prompt_ids):,} tokens, but the model's context "
                                f"is {self.context_length:,} tokens")
 
-    def _verify(self, cache, block, draft, history, unseen, processor, key) -> tuple:
+    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None) -> tuple:
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
-        acceptance rule, as a lazy (`Verdict`, hidden states or None). `unseen`: tokens after
-        `history` not yet on the host (a queued round's input), for the repetition penalty."""
+        acceptance rule, as a lazy (`Verdict`, hidden states or None, log-probs [γ+1, V] or
+        None unless `logprobs` is set). `unseen`: tokens after `history` not yet on the host
+        (a queued round's input), for the repetition penalty."""
         if self.wants_hidden:
             logits, hidden = cache.target.forward(block, hidden=True)
         else:
@@ -216,7 +227,11 @@ class Engine:
             verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
         if self.agree is not None:
             verdict = self.agree(verdict)
-        return verdict, hidden
+        scores = None
+        if logprobs is not None:
+            scores = logits.astype(mx.float32)
+            scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        return verdict, hidden, scores
 
     def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
                 drafting: bool, hidden: Optional[mx.array]):
@@ -247,3 +262,21 @@ class Engine:
                 )
                 return False
         return True
+
+
+def _token_logprobs(scores: mx.array, emitted: list[int], top: int) -> list:
+    """Row i of `scores` (log-probs [γ+1, V]) scored emitted token i: its log-prob and the
+    `top` likeliest alternatives, for the committed tokens only (one extra host sync)."""
+    rows = scores[: len(emitted)]
+    chosen = mx.take_along_axis(rows, mx.array(emitted)[:, None], axis=-1)[:, 0]
+    if top > 0:
+        ids = mx.argpartition(-rows, top - 1, axis=-1)[:, :top]  # the top, in no order
+        values = mx.take_along_axis(rows, ids, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        mx.eval(chosen, ids, values)
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        mx.eval(chosen)
+        alternatives = [[] for _ in emitted]
+    return list(zip(chosen.tolist(), alternatives))

@@ -26,6 +26,7 @@ class Response:
     finish_reason: Optional[str] = None  # "stop", "length" or None while generating
     from_draft: list[bool] = field(default_factory=list)  # per character of text
     tokens: list[int] = field(default_factory=list)  # the token ids whose text this releases
+    stop_string: Optional[str] = None  # the stop string that ended generation, if one did
 
     def segments(self) -> list[tuple[str, bool]]:
         """`text` split into runs of (text, came from accepted draft tokens)."""
@@ -77,6 +78,7 @@ class _StopText:
         self.tokens: list[tuple[int, int]] = []  # unreleased (id, end of its text in self.text)
         self.textless: list[int] = []  # ids whose text has not appeared yet (partial UTF-8, EOS)
         self.dropped = 0  # tokens cut with a stop string
+        self.matched: Optional[str] = None  # the stop string found
 
     def add(self, token: Optional[int], piece: str, flags: list[bool]) -> None:
         """Add a token (None: text alone, e.g. the detokenizer's final flush) and its text."""
@@ -91,10 +93,10 @@ class _StopText:
     def release(self, final: bool = False) -> tuple[str, list[bool], list[int], bool]:
         """(text safe to release, its flags, the tokens released with it, whether a stop
         string was found). `final`: generation ended, so nothing more is held back."""
-        found = [self.text.find(s, max(0, self.released - len(s))) for s in self.stops]
-        found = [i for i in found if i >= 0]
+        found = [(self.text.find(s, max(0, self.released - len(s))), s) for s in self.stops]
+        found = [(i, s) for i, s in found if i >= 0]
         if found:
-            cut = min(found)
+            cut, self.matched = min(found)
             self.text, self.flags = self.text[:cut], self.flags[:cut]
             out = self._release(cut)
             self.dropped = len(self.tokens) + len(self.textless)
@@ -137,6 +139,7 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     stats: Optional[Stats] = None,
     prefill_progress=None,
+    logprobs: Optional[int] = None,
 ) -> Iterator[Response]:
     """Stream text from `prompt`, one `Response` per engine round.
 
@@ -144,7 +147,8 @@ def stream_generate(
         engine: the `Engine` (target, drafter).
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
-        params, gamma, max_tokens, prompt_cache, prefill_progress: as `Engine.rounds`.
+        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs: as
+            `Engine.rounds`.
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
     Yields:
@@ -163,6 +167,7 @@ def stream_generate(
         prompt_cache=prompt_cache,
         stats=stats,
         prefill_progress=prefill_progress,
+        logprobs=logprobs,
     )
     for rnd in rounds:
         for i, t in enumerate(rnd.tokens):
@@ -181,7 +186,7 @@ def stream_generate(
         if stopped:
             stats.retract(stops.dropped)
         finish = "stop" if stopped else rnd.finish_reason
-        yield Response(text, rnd, stats, finish, text_flags, tokens)
+        yield Response(text, rnd, stats, finish, text_flags, tokens, stops.matched if stopped else None)
         if finish:
             rounds.close()
             return

@@ -150,3 +150,62 @@ def test_disconnects_and_malformed_bodies_leave_the_server_exact(server, tiny_di
         pieces = [json.loads(line[6:])["choices"][0]["text"] for line in response.iter_lines()
                   if line.startswith("data: {")]
     assert "".join(pieces) == expected[PROMPTS[2]]
+
+
+def test_the_agent_endpoints_in_the_mix(server, tiny_dirs):
+    """Anthropic Messages requests, chat with log-probs and plain completions at once, past
+    the queue: each is answered with mlx-lm's text or refused in its own API's shape, and a
+    streamed Messages client that leaves is cancelled."""
+    model_dir = tiny_dirs[0]
+    model, tokenizer = load(model_dir)
+    question = [{"role": "user", "content": "Client says hi"}]
+    chat_ids = list(tokenizer.apply_chat_template(question, add_generation_prompt=True))
+    expected_chat = generate(model, tokenizer, chat_ids, max_tokens=24)
+    expected_plain = generate(model, tokenizer, PROMPTS[0], max_tokens=24)
+
+    def messages():
+        body = {"model": model_dir, "max_tokens": 24, "temperature": 0, "messages": question}
+        return "messages", httpx.post(server.url + "/v1/messages", json=body, timeout=BOUND_S)
+
+    def chat():
+        body = {"model": model_dir, "max_tokens": 24, "temperature": 0, "messages": question,
+                "logprobs": True, "top_logprobs": 2}
+        return "chat", httpx.post(server.base + "/chat/completions", json=body, timeout=BOUND_S)
+
+    def plain():
+        return "plain", _greedy(server, model_dir, PROMPTS[0])
+
+    def leave():
+        body = {"model": model_dir, "max_tokens": 3000, "stream": True, "messages": question}
+        with httpx.Client(timeout=BOUND_S) as client:
+            with client.stream("POST", server.url + "/v1/messages", json=body) as response:
+                if response.status_code != 200:
+                    return "leave", response.status_code
+                for line in response.iter_lines():
+                    if line.startswith("event: content_block_delta"):
+                        return "leave", "left"
+        return "leave", "finished"
+
+    server.wait_idle(30)
+    before = server.health()
+    results = _run_all([messages, chat, plain, leave] * 6)
+    left = 0
+    for result in results:
+        assert not isinstance(result, Exception), result
+        kind, response = result
+        if kind == "leave":
+            assert response in ("left", 503), response
+            left += response == "left"
+        elif response.status_code == 503 and kind == "messages":
+            assert response.json()["error"]["type"] == "overloaded_error"
+        elif response.status_code == 503:
+            assert_openai_error(response, 503, "busy")
+        elif kind == "messages":
+            assert response.status_code == 200 and response.json()["content"][0]["text"] == expected_chat
+        elif kind == "chat":
+            choice = response.json()["choices"][0]
+            assert choice["message"]["content"] == expected_chat and choice["logprobs"]["content"]
+        else:
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected_plain
+    after = server.wait_idle(20)
+    assert left >= 1 and after["cancelled"] - before["cancelled"] >= left and after["failed"] == before["failed"]

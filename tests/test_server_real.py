@@ -65,3 +65,35 @@ def test_chat_second_turn_reuses_the_first(server, gemma270m):
     assert stats["prefill_tokens_target"] == len(p2) - 1 - usage.prompt_tokens_details.cached_tokens
     assert text == generate(gemma270m.model, tokenizer, p2, max_tokens=8)
     assert stats["drafted"] > 0  # the n-gram drafter found the conversation repeating itself
+
+
+def test_logprobs_of_drafted_tokens_equal_mlx_lm(server, gemma270m):
+    """A copying prompt, so the n-gram drafter's tokens are accepted: their log-probs (and
+    the top alternatives) are the target's, as mlx-lm's plain `generate_step` reports them."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    client = server.client(timeout=120)
+    prompt = "one two three four five six seven eight. one two three four five six seven eight. one two"
+    answer = client.completions.create(model="default", prompt=prompt, max_tokens=10, temperature=0,
+                                       logprobs=3)
+    assert answer.model_extra["mlx_spec"]["accepted"] > 0
+    got = answer.choices[0].logprobs
+    ids = gemma270m.tokenizer.encode(prompt)
+    steps = generate_step(mx.array(ids), gemma270m.model, max_tokens=len(got.tokens))
+    for i, (token, logprobs) in enumerate(steps):
+        assert abs(got.token_logprobs[i] - logprobs[int(token)].item()) < 1e-3
+        top = sorted(logprobs.tolist(), reverse=True)[:3]
+        assert sorted(got.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-3)
+
+
+def test_anthropic_messages_equal_mlx_lm(server, gemma270m):
+    import anthropic
+
+    tokenizer = mlx_lm_tokenizer(gemma270m)
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    message = client.messages.create(model="default", max_tokens=8, messages=messages,
+                                     extra_body={"temperature": 0})
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert message.content[0].text == generate(gemma270m.model, tokenizer, ids, max_tokens=8)

@@ -1,4 +1,4 @@
-"""`mlx-spec serve`: the OpenAI-compatible server (mlx_spec.server) on uvicorn.
+"""`mlx-spec serve`: the OpenAI- and Anthropic-compatible server (mlx_spec.server) on uvicorn.
 
 Takes the model, drafter, γ, dtype and preset flags of `generate`; sampling flags set the
 defaults for fields a request leaves out. The socket is bound here, before uvicorn starts,
@@ -8,6 +8,7 @@ so a taken port is a one-line error and `--port 0` picks a free port (printed).
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 import sys
 from typing import Annotated, Optional
@@ -50,6 +51,15 @@ def serve(
     log_level: Annotated[str, typer.Option(
         "--log-level", rich_help_panel=SERVER, metavar="warning|info|debug",
         help="uvicorn's log level; info adds one line per request.")] = "warning",
+    cache_memory: Annotated[Optional[float], typer.Option(
+        "--cache-memory", rich_help_panel=SERVER, min=0.0, metavar="GB",
+        help="KV memory for cached conversations (several are kept, least recently used "
+             "dropped first); default: half the memory free once the models are "
+             "loaded.")] = None,
+    cors_origin: Annotated[Optional[list[str]], typer.Option(
+        "--cors-origin", rich_help_panel=SERVER, metavar="ORIGIN",
+        help="Let browser pages from ORIGIN (e.g. http://localhost:3000, or *) call the API; "
+             "repeatable. Off by default.")] = None,
     model: ModelOpt = None,
     draft_model: DraftOpt = None,
     drafter: DrafterOpt = None,
@@ -67,11 +77,13 @@ def serve(
     repetition_penalty: RepPenaltyOpt = None,
     seed: SeedOpt = None,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (chat and completions, streamed or
-    not), with exact speculative decoding and its statistics in each answer.
+    """Serve the model over OpenAI-compatible (chat, completions) and Anthropic-compatible
+    (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
+    conversations cached at once, exact speculative decoding and its statistics in each
+    answer; GET /metrics for Prometheus.
 
     Example:  mlx-spec serve --port 8080  ·  then point any OpenAI client at
-    http://127.0.0.1:8080/v1
+    http://127.0.0.1:8080/v1, or an Anthropic one at http://127.0.0.1:8080
     """
     import uvicorn
 
@@ -83,6 +95,10 @@ def serve(
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+    for origin in cors_origin or ():
+        if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
+            raise MlxSpecError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
+                               "(e.g. http://localhost:3000) or *")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
@@ -106,6 +122,8 @@ def serve(
         queue_size=queue_size,
         api_key=api_key,
         info=setup.models,
+        cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
+        cors_origins=tuple(cors_origin or ()),
     )
     application = create_app(engine, setup.pair.tokenizer, options)
     bound_host, bound_port = sock.getsockname()[:2]

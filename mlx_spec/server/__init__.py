@@ -1,10 +1,12 @@
-"""`mlx-spec serve`: an OpenAI-compatible HTTP server over one engine.
+"""`mlx-spec serve`: an OpenAI- and Anthropic-compatible HTTP server over one engine.
 
     app = create_app(engine, tokenizer, ServerOptions(model_name="default"))
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
 `protocol` has the wire format (request checks, response objects, error shape), `worker`
-the single generation thread with its bounded queue and long-lived caches, `app` the routes.
+the single generation thread with its bounded queue and long-lived caches (`caches`: several
+conversations at once), `app` the routes, `tools` tool calls (mlx-lm's parsers),
+`anthropic` the Messages API, `metrics` `GET /metrics`.
 """
 
 from mlx_spec.server.app import ServerOptions, create_app

@@ -23,6 +23,7 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.sampling import SamplingParams
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
 class ApiError(Exception):
@@ -50,20 +51,72 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Strict):
+    # Any part type parses, so a non-text part is refused by name (`content_text`), not with
+    # pydantic's union report.
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Optional[str] = None
+
+
+Content = Union[str, list[ContentPart], None]
+
+
+def content_text(content: Content, where: str) -> str:
+    """The text of a message's content: a string, or a list of text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for i, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            kind = part.type if part.type != "text" else "text part without text"
+            raise ApiError(400, f"{where}[{i}]: {kind} content is not supported; this server "
+                                "takes text only", param=f"{where}[{i}]", code="unsupported_content")
+    return "".join(part.text for part in content)
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Content = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool message answers this call
+    name: Optional[str] = None
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, where: str = "content") -> dict:
         """The message as chat templates take it: "developer" is OpenAI's newer "system"."""
-        content = self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content or [])
+        content = content_text(self.content, where)
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Strict):
@@ -87,7 +140,6 @@ class _Common(_Strict):
     n: Optional[int] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
-    logprobs: Union[bool, int, None] = None
 
     def requested_tokens(self) -> Optional[int]:
         """max_completion_tokens (OpenAI's current name) over max_tokens."""
@@ -101,7 +153,6 @@ class _Common(_Strict):
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The request's values over the server's defaults, checked by `SamplingParams`."""
         unsupported = [("n", self.n not in (None, 1), "only n = 1 is supported"),
-                       ("logprobs", bool(self.logprobs), "logprobs are not supported"),
                        ("frequency_penalty", bool(self.frequency_penalty),
                         "frequency_penalty is not supported; use repetition_penalty"),
                        ("presence_penalty", bool(self.presence_penalty),
@@ -120,10 +171,25 @@ class _Common(_Strict):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    def logprob_count(self) -> Optional[int]:
+        """Alternatives per token when log-probs are asked for; None when they are not."""
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[int]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_count(self) -> Optional[int]:
+        return self.logprobs
 
 
 def _sampling_param(message: str) -> Optional[str]:
@@ -238,6 +304,28 @@ def usage_chunk(chat: bool, rid: str, model: str, created: int, usage_: dict, ex
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [], "usage": usage_,
             "mlx_spec": extra}
+
+
+def logprobs_object(chat: bool, scored: list, token_text, offset: Optional[list] = None) -> dict:
+    """Log-probs of answer tokens in OpenAI's shape: chat's `{"content": [...]}` or the
+    completions API's parallel lists. `scored`: (id, log-prob, [(id, log-prob)...]) per
+    token; `token_text`: id -> text; `offset`: [characters of answer text before these
+    tokens], advanced in place (completions' text_offset across streamed chunks)."""
+    if chat:
+        def entry(t, lp):
+            text = token_text(t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, lp, top in scored]}
+    offset = offset if offset is not None else [0]
+    tokens, offsets = [], []
+    for t, _, _ in scored:
+        tokens.append(token_text(t))
+        offsets.append(offset[0])
+        offset[0] += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in scored],
+            "top_logprobs": [{token_text(a): b for a, b in top} for _, _, top in scored],
+            "text_offset": offsets}
 
 
 def sse(obj) -> bytes:

@@ -2,10 +2,11 @@
 detokenizer; requests wait in a bounded queue in front of it.
 
 All MLX work runs on this one thread (mlx-lm's server does the same), so no two requests
-ever share a cache. The caches live as long as the server: each request prefills only the
-tokens after the longest common prefix of its prompt and what the caches hold, so a
-conversation that grows by a turn reuses everything before it, and a request that diverges
-earlier rolls back to where it diverges.
+ever share a cache. The caches live as long as the server, several conversations' worth
+(`caches.CachePool`): each request prefills only the tokens after the longest common prefix
+of its prompt and what a cache holds, so a conversation that grows by a turn reuses
+everything before it, however many others came in between, and a request that diverges
+earlier starts from where it diverges.
 
 A request is cancelled by setting `Job.cancelled` (its client went away). The worker checks
 it between rounds and closes the `stream_generate` generator, which leaves both caches
@@ -26,6 +27,8 @@ from typing import Optional, Union
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import gamma_policy
 from mlx_spec.sampling import SamplingParams
+from mlx_spec.server.caches import CachePool, default_budget
+from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
 from mlx_spec.stream import stream_generate
 
@@ -35,6 +38,8 @@ log = logging.getLogger("mlx_spec.server")
 @dataclass
 class Piece:
     text: str  # new text (may be empty)
+    # with Job.logprobs: (token id, log-prob, top alternatives) per token released with text
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Done:
     completion_tokens: int
     prefilled_target: int  # prompt tokens the target processed (the rest came from its cache)
     stats: Stats
+    stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
 
 
 @dataclass
@@ -63,6 +69,7 @@ class Job:
     max_tokens: int
     stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
+    logprobs: Optional[int] = None  # top alternatives per token; None: no log-probs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -92,15 +99,20 @@ class Worker:
             request from the cached cost curve, exactly as `mlx-spec generate` does, so a
             seeded request draws the same tokens as the same command would.
         queue_size: requests that may wait while one generates; more get `Busy`.
+        cache_budget: bytes of KV the cached conversations may hold; None: half of the
+            device memory left once the models are loaded.
     """
 
-    def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8):
+    def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8,
+                 cache_budget: Optional[int] = None):
         self.engine = engine
         self.tokenizer = tokenizer
         if queue_size < 1:  # queue.Queue(0) would be unbounded
             raise ValueError("queue_size must be at least 1")
         self.gamma = gamma if engine.drafter is not None else "0"
-        self.cache = engine.make_prompt_cache()
+        self.caches = CachePool(engine.make_prompt_cache,
+                                default_budget() if cache_budget is None else cache_budget)
+        self.metrics = Metrics()
         self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
         self.current: Optional[Job] = None
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
@@ -141,7 +153,9 @@ class Worker:
 
     def health(self) -> dict:
         return {"busy": self.current is not None, "queued": self.jobs.qsize(),
-                "queue_size": self.jobs.maxsize, **self.counts}
+                "queue_size": self.jobs.maxsize, **self.counts,
+                "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
+                "prompt_cache_budget": self.caches.budget}
 
     # -- the device side (worker thread) -------------------------------------------------
 
@@ -154,21 +168,23 @@ class Worker:
                 self.counts["cancelled"] += 1
                 continue
             self.current, start = job, time.perf_counter()
+            cache = self.caches.take(job.prompt_ids)
             try:
-                self._generate(job)
+                self._generate(job, cache)
             except MlxSpecError as error:
                 self.counts["failed"] += 1
                 job.emit(Failed(400, str(error)))
             except Exception as error:  # keep serving; the log has the traceback
                 log.exception("generation failed")
                 self.counts["failed"] += 1
-                self.cache.reset()  # whatever state the error left, start clean
+                self.caches.discard(cache)  # whatever state the error left, start clean
                 job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
             finally:
+                self.caches.fit()
                 self.current = None
                 self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - start)
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job, cache) -> None:
         stats = Stats()
         prefilled = [0]
 
@@ -178,21 +194,28 @@ class Worker:
         policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids))
         responses = stream_generate(
             self.engine, self.tokenizer, job.prompt_ids, job.params, gamma=policy,
-            max_tokens=job.max_tokens, stop=job.stop, prompt_cache=self.cache, stats=stats,
-            prefill_progress=on_prefill,
+            max_tokens=job.max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
+            prefill_progress=on_prefill, logprobs=job.logprobs,
         )
-        tokens, finish = 0, None
+        tokens, finish, stop_string = 0, None, None
+        scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
                 # The ids released with the text: a stop string and what followed it are
                 # neither shown nor counted.
                 tokens += len(response.tokens)
-                finish = response.finish_reason
-                if response.text:
-                    job.emit(Piece(response.text))
+                finish, stop_string = response.finish_reason, response.stop_string
+                if response.round.logprobs is not None:
+                    scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
+                released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
+                released = [r for r in released if r[0] not in self.engine.eos_ids]
+                if response.text or released:
+                    job.emit(Piece(response.text, released))
                 if job.cancelled.is_set() and finish is None:
                     break
         finally:
             responses.close()  # between rounds: the caches hold exactly what was committed
         self.counts["completed" if finish else "cancelled"] += 1
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot()))
+        # The target prefills all but the prompt's last token (the first verify pass feeds it).
+        self.metrics.observe(stats, max(0, len(job.prompt_ids) - 1 - prefilled[0]))
+        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string))

@@ -1,0 +1,315 @@
+"""The Anthropic Messages API: `POST /v1/messages` (and `/v1/messages/count_tokens`) over the
+same worker as the OpenAI routes.
+
+A request is turned into the chat-template messages the OpenAI route builds (`system` as a
+system turn, `tool_use` blocks as an assistant's calls, `tool_result` blocks as tool
+turns), generated the same way, and answered in Anthropic's shapes: a `message` object, or
+its event stream (`message_start`, `content_block_start` / `_delta` / `_stop`,
+`message_delta`, `message_stop`). Errors come as `{"type": "error", "error": {"type",
+"message"}}`; the key may come as `x-api-key` or `Authorization: Bearer`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Literal, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ConfigDict, Field
+
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.server.protocol import ApiError, _Common, _Strict, parse_body
+from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, new_call_id, plan_tools, template_call
+from mlx_spec.server.worker import Done, Failed, Piece
+
+log = logging.getLogger("mlx_spec.server")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
+
+
+# ---------------------------------------------------------------------------------------
+# Request bodies
+# ---------------------------------------------------------------------------------------
+
+
+class Block(_Strict):
+    # Any block type parses, so an unsupported one is refused by name.
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Optional[str] = None
+    id: Optional[str] = None  # tool_use
+    name: Optional[str] = None
+    input: Optional[dict] = None
+    tool_use_id: Optional[str] = None  # tool_result
+    content: Union[str, list["Block"], None] = None
+    is_error: Optional[bool] = None
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Block]]
+
+
+class AnthropicTool(_Strict):
+    type: Optional[Literal["custom"]] = None  # server tools (web search, bash, ...) are Anthropic's
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    input_schema: dict
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class MessagesRequest(_Common):
+    max_tokens: int = Field(ge=1)  # required by the Messages API
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[Block], None] = None
+    stop_sequences: Optional[list[str]] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[ToolChoice] = None
+    metadata: Optional[dict] = None
+    # Features this server cannot give: refused by name rather than quietly ignored.
+    thinking: Optional[dict] = None
+    output_config: Optional[dict] = None
+    mcp_servers: Optional[list] = None
+    container: Union[str, dict, None] = None
+    context_management: Optional[dict] = None
+
+    def refuse_unsupported(self) -> None:
+        unsupported = [("thinking", self.thinking and self.thinking.get("type") != "disabled",
+                        "extended thinking is not supported"),
+                       ("output_config.format", (self.output_config or {}).get("format") is not None,
+                        "structured output formats are not supported"),
+                       ("mcp_servers", bool(self.mcp_servers), "MCP servers are not supported"),
+                       ("container", self.container is not None, "containers are not supported"),
+                       ("context_management", self.context_management is not None,
+                        "context management is not supported")]
+        for param, bad, message in unsupported:
+            if bad:
+                raise ApiError(400, f"{param}: {message}", param=param)
+
+    def stops(self) -> tuple[str, ...]:
+        return tuple(self.stop_sequences or ())
+
+    def logprob_count(self) -> None:
+        return None
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        if self.temperature is not None and not 0 <= self.temperature <= 1:
+            raise ApiError(400, "temperature: must be between 0 and 1", param="temperature")
+        return super().sampling(defaults)
+
+
+class CountRequest(MessagesRequest):
+    max_tokens: Optional[int] = None
+
+
+def _text(content, where: str) -> str:
+    """The text of a string or a list of text blocks."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    for j, block in enumerate(content):
+        if block.type != "text" or block.text is None:
+            raise ApiError(400, f"{where}[{j}]: {block.type} blocks are not supported here; this "
+                                "server takes text only", param=f"{where}[{j}]")
+    return "".join(block.text for block in content)
+
+
+def template_messages(body: MessagesRequest) -> list[dict]:
+    """The conversation as chat templates take it (OpenAI's roles, Hugging Face's tool
+    convention), as `tools.template_messages` builds it for the OpenAI route."""
+    out = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
+    called: dict[str, str] = {}  # tool_use id -> function name
+    for i, message in enumerate(body.messages):
+        where = f"messages[{i}].content"
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        text, calls = [], []
+        for j, block in enumerate(message.content):
+            if block.type == "text" and block.text is not None:
+                text.append(block.text)
+            elif block.type == "tool_use" and message.role == "assistant" and block.id and block.name:
+                calls.append(template_call(block.id, block.name, block.input or {}))
+                called[block.id] = block.name
+            elif block.type == "tool_result" and message.role == "user" and block.tool_use_id:
+                result = {"role": "tool", "tool_call_id": block.tool_use_id,
+                          "content": _text(block.content, f"{where}[{j}].content")}
+                if block.tool_use_id in called:
+                    result["name"] = called[block.tool_use_id]
+                out.append(result)
+            else:
+                raise ApiError(400, f"{where}[{j}]: {block.type} blocks are not supported in "
+                                    f"{message.role} messages", param=f"{where}[{j}]")
+        if text or calls or message.role == "assistant":
+            turn = {"role": message.role, "content": "".join(text)}
+            if calls:
+                turn["tool_calls"] = calls
+            out.append(turn)
+    return out
+
+
+def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
+    tools = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
+                                               **({"description": t.description} if t.description else {})}}
+             for t in body.tools or []]
+    choice = body.tool_choice
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise ApiError(400, "tool_choice.name: a tool choice of type tool needs a name",
+                       param="tool_choice.name")
+    named = {None: None, "auto": "auto", "any": "required", "none": "none"}
+    return plan_tools(tools or None, choice.name if choice and choice.type == "tool"
+                      else named[choice.type if choice else None], syntax,
+                      single=bool(choice and choice.disable_parallel_tool_use))
+
+
+# ---------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": error.message}},
+                        status_code=error.status, headers=error.headers)
+
+
+def stop_reason(done: Done, calls: int) -> str:
+    if done.finish_reason == "length":
+        return "max_tokens"
+    if done.stop_string is not None:
+        return "stop_sequence"
+    return "tool_use" if calls else "end_turn"
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
+    # Anthropic counts cache reads apart from input: input + cache reads = the prompt.
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def content_blocks(parts: list) -> list[dict]:
+    blocks: list[dict] = []
+    for part in parts:
+        if isinstance(part, Call):
+            blocks.append(tool_use(part))
+        elif blocks and blocks[-1]["type"] == "text":
+            blocks[-1]["text"] += part
+        else:
+            blocks.append({"type": "text", "text": part})
+    return blocks
+
+
+def tool_use(call: Call, input: Optional[dict] = None) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call.id.split("_", 1)[1], "name": call.name,
+            "input": call.arguments if input is None else input}
+
+
+def event(kind: str, data: dict) -> bytes:
+    """One event of Anthropic's stream: a named SSE event whose data repeats the type."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
+
+
+# ---------------------------------------------------------------------------------------
+# Routes
+# ---------------------------------------------------------------------------------------
+
+
+def add_routes(app, *, options, tokenizer, syntax, authorize, check_model, chat_prompt, submit,
+               collect, usage_counts, extra) -> None:
+    """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
+    (`usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
+    `mlx_spec` statistics field)."""
+
+    def prompt_of(request: Request, raw: bytes, model: type) -> tuple:
+        authorize(request)
+        body = parse_body(raw, model)
+        check_model(body)
+        body.refuse_unsupported()
+        plan = tool_plan(body, syntax)
+        return body, plan, chat_prompt(tokenizer, template_messages(body), plan)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        try:
+            _, _, ids = prompt_of(request, await request.body(), CountRequest)
+        except ApiError as error:
+            return error_response(error)
+        return {"input_tokens": len(ids)}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        try:
+            body, plan, ids = prompt_of(request, await request.body(), MessagesRequest)
+            job = submit(body, ids, "messages")
+            mid = "msg_" + uuid.uuid4().hex[:24]
+            if body.stream:
+                return StreamingResponse(stream(job, mid, plan), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            pieces, done = await collect(job, request)
+        except ApiError as error:
+            return error_response(error)
+        except Exception:  # never the OpenAI shape on this route
+            log.exception("messages request failed")
+            return error_response(ApiError(500, "internal server error"))
+        splitter = CallSplitter(plan)
+        parts = splitter.feed("".join(p.text for p in pieces)) + splitter.finish()
+        counts = usage_counts(job, done)
+        return {"id": mid, "type": "message", "role": "assistant", "model": options.model_name,
+                "content": content_blocks(parts), "stop_reason": stop_reason(done, splitter.calls),
+                "stop_sequence": done.stop_string, "usage": usage(*counts),
+                "mlx_spec": extra(done)}
+
+    async def stream(job, mid: str, plan: ToolPlan):
+        splitter = CallSplitter(plan)
+        index, open_text = 0, False
+        try:
+            yield event("message_start", {"message": {
+                "id": mid, "type": "message", "role": "assistant", "model": options.model_name,
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": usage(len(job.prompt_ids), 0, 0)}})
+            while True:
+                item = await job.events.get()
+                if isinstance(item, Failed):
+                    kind = ERROR_TYPES.get(item.status, "api_error")
+                    yield event("error", {"error": {"type": kind, "message": item.message}})
+                    return
+                parts = splitter.feed(item.text) if isinstance(item, Piece) else splitter.finish()
+                for part in parts:
+                    if isinstance(part, str):
+                        if not open_text:
+                            yield event("content_block_start", {"index": index,
+                                                                "content_block": {"type": "text", "text": ""}})
+                            open_text = True
+                        yield event("content_block_delta", {"index": index,
+                                                            "delta": {"type": "text_delta", "text": part}})
+                        continue
+                    if open_text:
+                        yield event("content_block_stop", {"index": index})
+                        index, open_text = index + 1, False
+                    yield event("content_block_start", {"index": index, "content_block": tool_use(part, {})})
+                    yield event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(part.arguments, ensure_ascii=False)}})
+                    yield event("content_block_stop", {"index": index})
+                    index += 1
+                if isinstance(item, Done):
+                    if open_text:
+                        yield event("content_block_stop", {"index": index})
+                    counts = usage_counts(job, item)
+                    yield event("message_delta", {
+                        "delta": {"stop_reason": stop_reason(item, splitter.calls),
+                                  "stop_sequence": item.stop_string},
+                        "usage": {"output_tokens": counts[1], "cache_read_input_tokens": counts[2]},
+                        "mlx_spec": extra(item)})
+                    yield event("message_stop", {})
+                    return
+        finally:
+            job.cancelled.set()  # the client went away, or the answer is complete

@@ -1,0 +1,80 @@
+"""Prompt caches for several conversations at once.
+
+An agent and its summariser, or two editor tabs, alternate requests; with one cache each
+switch would prefill everything again. The pool keeps several `PromptCache`s, least recently
+used first out, within a memory budget. Each request takes the cache holding the longest
+common prefix of its prompt. If that cache holds little beyond the prompt (the same
+conversation grown by a turn, perhaps re-rendered a little differently at its end) it is
+used as it is, rolling back what differs; if it holds much more (another conversation that
+shares a system prompt, or an answer being regenerated), a fork of it is used, so the
+conversation it holds survives. A fork shares the arrays until it writes. Every cache
+is exact on its own (`mlx_spec.cache`), so which one serves a request never changes an
+answer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from mlx_spec.cache import PromptCache, _common_prefix
+
+FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
+
+
+def default_budget() -> int:
+    """Half the device memory left free once the models are loaded, at least 256 MiB. A
+    Mac's GPU reports its working set; MLX's CPU device reports none, so there it is the
+    machine's RAM."""
+    import os
+
+    import mlx.core as mx
+
+    info = mx.device_info()
+    total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    if not total:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(256 * 2**20, (total - mx.get_active_memory()) // 2)
+
+
+class CachePool:
+    """Least-recently-used prompt caches within `budget` bytes (both models' KV)."""
+
+    def __init__(self, make: Callable[[], PromptCache], budget: int):
+        self.make = make
+        self.budget = budget
+        self.caches: list[PromptCache] = []  # least recently used first
+        self.hits = 0  # requests that reused at least one cached token
+
+    def take(self, prompt_ids: list[int]) -> PromptCache:
+        """The cache to serve `prompt_ids` from, now the most recently used."""
+        held = prompt_ids[:-1]  # what a prefill leaves in the cache
+        best, common = None, 0
+        for cache in reversed(self.caches):  # the most recent wins a tie
+            n = _common_prefix(cache.target.ids, held)
+            if n > common:
+                best, common = cache, n
+        if best is None:
+            chosen = self.make()
+        elif len(best.target.ids) - common <= FORK_SURPLUS:
+            self.caches.remove(best)
+            chosen = best
+        else:
+            chosen = best.fork()
+        if common:
+            self.hits += 1
+        self.caches.append(chosen)
+        return chosen
+
+    def fit(self) -> None:
+        """Drop least recently used caches until the pool is within its budget; the most
+        recent one always stays."""
+        while len(self.caches) > 1 and self.nbytes > self.budget:
+            self.caches.pop(0)
+
+    def discard(self, cache: PromptCache) -> None:
+        if cache in self.caches:
+            self.caches.remove(cache)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(cache.nbytes for cache in self.caches)

@@ -1,0 +1,113 @@
+"""`GET /metrics`: the server's counters in Prometheus' text exposition format.
+
+HTTP responses by status code, generations by outcome, queue depth, prompt and decode tokens with the seconds they took
+(tokens/s is their ratio; Prometheus' rate() of each gives it over any window), drafted and
+accepted tokens, acceptance **by position** (`stats` definitions: rounds whose draft token
+i was accepted / rounds that drafted at least i), and prompt-cache reuse.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mlx_spec.stats import Stats
+
+PREFIX = "mlx_spec_"
+
+
+class Metrics:
+    """Totals over every finished generation; `observe` runs on the worker thread,
+    `render` on the event loop, hence the lock."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.total = Stats()
+        self.cached_tokens = 0
+        self.cache_hits = 0
+        self.responses: dict[int, int] = {}  # HTTP status -> responses sent
+
+    def observe_response(self, status: int) -> None:
+        with self.lock:
+            self.responses[status] = self.responses.get(status, 0) + 1
+
+    def observe(self, stats: Stats, cached_tokens: int) -> None:
+        with self.lock:
+            t = self.total
+            for name in ("rounds", "drafted", "accepted", "generated", "prompt_tokens",
+                         "prefill_tokens", "prefill_time", "decode_time"):
+                setattr(t, name, getattr(t, name) + getattr(stats, name))
+            for mine, theirs in ((t.drafted_at, stats.drafted_at), (t.accepted_at, stats.accepted_at)):
+                mine += [0] * (len(theirs) - len(mine))
+                for i, n in enumerate(theirs):
+                    mine[i] += n
+            self.cached_tokens += cached_tokens
+            self.cache_hits += cached_tokens > 0
+
+    def render(self, health: dict) -> str:
+        """The exposition text; `health` is the worker's (outcome counts, queue, caches)."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, samples) -> None:
+            full = PREFIX + name + ("_total" if kind == "counter" else "")  # the format's convention
+            lines.append(f"# HELP {full} {help}")
+            lines.append(f"# TYPE {full} {kind}")
+            for labels, value in samples:
+                label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+                lines.append(f"{full}{label} {value}")
+
+        with self.lock:
+            t = self.total
+            metric("http_responses", "counter", "HTTP responses by status code.",
+                   [({"code": str(code)}, n) for code, n in sorted(self.responses.items())])
+            metric("requests", "counter", "Generation requests by outcome.",
+                   [({"outcome": k}, health[k]) for k in ("completed", "cancelled", "failed", "refused")])
+            metric("queue_depth", "gauge", "Requests waiting for the device.", [({}, health["queued"])])
+            metric("busy", "gauge", "1 while a request generates.", [({}, int(health["busy"]))])
+            metric("prompt_tokens", "counter", "Prompt tokens of finished requests.", [({}, t.prompt_tokens)])
+            metric("prefill_tokens", "counter", "Prompt tokens processed (the rest came from a cache).",
+                   [({}, t.prefill_tokens)])
+            metric("prefill_seconds", "counter", "Time spent processing prompts.", [({}, t.prefill_time)])
+            metric("generated_tokens", "counter", "Tokens generated.", [({}, t.generated)])
+            metric("decode_seconds", "counter", "Time spent generating (prompt processing excluded).",
+                   [({}, t.decode_time)])
+            metric("prefill_tokens_per_second", "gauge", "Prompt tokens processed per second, all requests.",
+                   [({}, t.prefill_tps)])
+            metric("decode_tokens_per_second", "gauge", "Tokens generated per second, all requests.",
+                   [({}, t.decode_tps)])
+            metric("rounds", "counter", "Verify passes of the target.", [({}, t.rounds)])
+            metric("drafted_tokens", "counter", "Draft tokens proposed.", [({}, t.drafted)])
+            metric("accepted_tokens", "counter", "Draft tokens accepted.", [({}, t.accepted)])
+            positions = [{"position": str(i + 1)} for i in range(len(t.drafted_at))]
+            metric("position_drafted", "counter", "Rounds that drafted at least this many tokens.",
+                   zip(positions, t.drafted_at))
+            metric("position_accepted", "counter", "Rounds whose draft token at this position was accepted.",
+                   zip(positions, t.accepted_at))
+            metric("acceptance_by_position", "gauge", "Accepted / drafted at each draft position.",
+                   zip(positions, t.acceptance_by_position))
+            metric("prompt_cache_hits", "counter", "Requests that reused cached prompt tokens.",
+                   [({}, self.cache_hits)])
+            metric("prompt_cache_tokens", "counter", "Prompt tokens read from a cache.", [({}, self.cached_tokens)])
+            metric("prompt_caches", "gauge", "Conversations cached.", [({}, health["prompt_caches"])])
+            metric("prompt_cache_bytes", "gauge", "KV bytes the cached conversations hold.",
+                   [({}, health["prompt_cache_bytes"])])
+        return "\n".join(lines) + "\n"
+
+
+class CountResponses:
+    """ASGI middleware counting responses by status into `metrics` (a plain ASGI wrapper:
+    Starlette's BaseHTTPMiddleware would get between a streamed answer and its client)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.observe_response(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)

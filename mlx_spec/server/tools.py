@@ -1,0 +1,224 @@
+"""Tool calling: tools rendered through the model's own chat template, calls parsed from its
+output by mlx-lm's tool parsers (`mlx_lm/tool_parsers/`), OpenAI's and Anthropic's shapes
+built from what they return.
+
+mlx-lm's tokenizer names the model's call syntax (`tool_call_start` / `tool_call_end`
+markers and a `tool_parser`), inferred from the chat template. A template with none (Gemma
+3's) cannot take tools, and a request that sends them is refused, as mlx-lm's server and
+Ollama refuse them for such models. `tool_choice` "required" or a named function is kept by
+ending the prompt with the start marker, so the model's first words are a call (a named
+function is the only tool the template shows). Whatever fails to parse, or names a function
+that was not offered, is the model's text: it is returned as content, never as an error.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from mlx_spec.server.protocol import ApiError, ChatRequest, Message
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How the model writes a call: start marker, end marker, and mlx-lm's parser."""
+
+    start: str
+    end: str
+    parse: Callable  # (text between the markers, tools) -> {"name", "arguments"} or a list
+
+
+def tool_syntax(tokenizer) -> Optional[ToolSyntax]:
+    """The tokenizer's tool-call syntax, or None when its template has none."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools make of the prompt and the answer.
+
+    Attributes:
+        tools: tool definitions (OpenAI's shape) for the chat template, or None.
+        forced: the prompt ends with the start marker (tool_choice required / named).
+        syntax: how calls are parsed from the answer; None: the answer is all text.
+        names: the functions the model may call.
+        single: one call per answer (parallel_tool_calls false); later calls are dropped.
+    """
+
+    tools: Optional[list[dict]] = None
+    forced: bool = False
+    syntax: Optional[ToolSyntax] = None
+    names: frozenset = frozenset()
+    single: bool = False
+
+
+def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax],
+               param: str = "tools", single: bool = False) -> ToolPlan:
+    """A `ToolPlan` from OpenAI-shaped `tools` and `tool_choice` ("none", "auto",
+    "required", or the name of one function); refuses tools the model cannot call."""
+    for i, tool in enumerate(tools or []):
+        if tool["function"].get("strict"):  # would need decoding constrained to the schema
+            raise ApiError(400, f"{param}[{i}].function.strict: strict schemas are not supported",
+                           param=f"{param}[{i}].function.strict", code="unsupported_parameter")
+    if not tools or choice == "none":
+        return ToolPlan()
+    if syntax is None:
+        raise ApiError(400, f"{param}: this model's chat template has no tool-call format, so it "
+                            "cannot call tools", param=param, code="unsupported_parameter")
+    forced = choice not in (None, "auto")
+    if forced and choice != "required":
+        tools = [t for t in tools if t["function"]["name"] == choice]
+        if not tools:
+            raise ApiError(400, f"tool_choice: no tool is named {choice!r}", param="tool_choice")
+    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single)
+
+
+def openai_plan(body: ChatRequest, syntax: Optional[ToolSyntax]) -> ToolPlan:
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.function.name
+    return plan_tools(tools, choice, syntax, single=body.parallel_tool_calls is False)
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """OpenAI messages as chat templates take them (Hugging Face's convention): an
+    assistant's calls with their arguments as objects, a tool's answer with the name of the
+    function it answers."""
+    called: dict[str, str] = {}  # call id -> function name
+    out = []
+    for i, message in enumerate(messages):
+        turn = message.as_template_message(f"messages[{i}].content")
+        if message.tool_calls:
+            turn["tool_calls"] = []
+            for j, call in enumerate(message.tool_calls):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                turn["tool_calls"].append(template_call(call.id, call.function.name,
+                                                        _arguments(call.function.arguments, where)))
+                called[call.id] = call.function.name
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise ApiError(400, f"messages[{i}].tool_call_id: a tool message needs the id of "
+                                    "the call it answers", param=f"messages[{i}].tool_call_id")
+            turn["tool_call_id"] = message.tool_call_id
+            name = message.name or called.get(message.tool_call_id)
+            if name is not None:
+                turn["name"] = name
+        out.append(turn)
+    return out
+
+
+def template_call(call_id: str, name: str, arguments: dict) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments(text: str, where: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"{where}: not valid JSON ({error.msg})", param=where) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{where}: must be a JSON object", param=where)
+    return value
+
+
+def new_call_id(prefix: str = "call") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+# ---------------------------------------------------------------------------------------
+# Reading calls out of the answer as it streams
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    name: str
+    arguments: dict
+    id: str
+
+
+Event = Union[str, Call]
+
+
+class CallSplitter:
+    """Splits streamed answer text into text and parsed `Call`s.
+
+    Text that could still be the start of a start marker is held back until it cannot;
+    from a start marker to its end marker the text is a call, handed to mlx-lm's parser
+    when the end marker arrives (or the answer ends). A call that does not parse, or names
+    a function that was not offered, comes out as the text it was.
+    """
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.syntax = plan.syntax
+        self.buffer = ""
+        self.in_call = plan.forced  # a forced call's start marker ended the prompt
+        self.calls = 0
+
+    def feed(self, text: str) -> list[Event]:
+        if self.syntax is None:
+            return [text] if text else []
+        self.buffer += text
+        out: list[Event] = []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(self.syntax.end)
+                if end < 0:
+                    return out
+                out += self._call(self.buffer[:end], self.syntax.end)
+                self.buffer, self.in_call = self.buffer[end + len(self.syntax.end):], False
+            else:
+                start = self.buffer.find(self.syntax.start)
+                if start < 0:
+                    keep = _partial_suffix(self.buffer, self.syntax.start)
+                    text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                    return out + ([text] if text else [])
+                if start:
+                    out.append(self.buffer[:start])
+                self.buffer, self.in_call = self.buffer[start + len(self.syntax.start):], True
+
+    def finish(self) -> list[Event]:
+        """What is left when the answer ends: an unterminated call is parsed as it is."""
+        rest, self.buffer = self.buffer, ""
+        if self.syntax is None or not rest and not self.in_call:
+            return [rest] if rest else []
+        if not self.in_call:
+            return [rest]
+        self.in_call = False
+        return self._call(rest, "")
+
+    def _call(self, body: str, end: str) -> list[Event]:
+        try:
+            parsed = self.syntax.parse(body, self.plan.tools)
+            calls = parsed if isinstance(parsed, list) else [parsed]
+            events = [Call(c["name"], c["arguments"], new_call_id()) for c in calls]
+            if not events or any(not isinstance(c.arguments, dict) or c.name not in self.plan.names
+                                 for c in events):
+                raise ValueError("not a call to an offered function")
+        except Exception:  # the parsers raise ValueError, KeyError, JSONDecodeError, ...
+            return [self.syntax.start + body + end]
+        if self.plan.single:
+            events = events[: max(0, 1 - self.calls)]
+        self.calls += len(events)
+        return events
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of `marker`."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def openai_call(call: Call, index: Optional[int] = None) -> dict:
+    """A call in OpenAI's shape (arguments as JSON text); `index` for a streamed delta."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}

@@ -1,0 +1,138 @@
+"""`mlx-spec serve` for agents and editors (issue 19), on tiny models through the official
+`openai` client: message content as parts, the target's log-probs (checked against mlx-lm's
+own `generate_step`), tool calls."""
+
+import math
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from server_support import Server, assert_openai_error
+
+pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
+pytestmark = pytest.mark.usefixtures("private_cost_cache")
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_dirs, cost_cache):
+    target, draft = tiny_dirs
+    server = Server(["--model", target, "--draft-model", draft, "--gamma", "3"],
+                    {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log, server.log
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    """mlx-lm's model and tokenizer for the target, loaded independently of mlx-spec."""
+    return load(tiny_dirs[0])
+
+
+def mlx_lm_logprobs(model, prompt_ids, n):
+    """(token, its log-prob, the vector of log-probs) for n greedy steps of mlx-lm."""
+    out = []
+    for token, logprobs in generate_step(mx.array(prompt_ids), model, max_tokens=n):
+        out.append((int(token), logprobs))
+    return out
+
+
+def test_content_as_text_parts(spec_server, tiny_dirs):
+    client = spec_server.client()
+    ask = dict(model=tiny_dirs[0], max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}], **ask)
+    parts = client.chat.completions.create(
+        messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                               {"type": "text", "text": "there"}]}], **ask)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    response = spec_server.post("/chat/completions", {
+        "model": tiny_dirs[0], "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]})
+    error = assert_openai_error(response, 400, "messages[0].content[1]", "image_url", "text only")
+    assert error["param"] == "messages[0].content[1]" and error["code"] == "unsupported_content"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(messages=[{"role": "user", "content": [image]}], **ask)
+
+
+def _assert_close(a, b, tol=2e-4):
+    assert abs(a - b) < tol, (a, b)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_are_the_targets_for_drafted_tokens_too(stream, spec_server, tiny_dirs, reference):
+    model, tokenizer = reference
+    messages = [{"role": "user", "content": "Tell me a story about a cat"}]
+    n, top = 24, 3
+    ask = dict(model=tiny_dirs[0], messages=messages, max_tokens=n, temperature=0, logprobs=True,
+               top_logprobs=top)
+    if stream:
+        chunks = list(spec_server.client().chat.completions.create(**ask, stream=True))
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        stats = chunks[-1].model_extra["mlx_spec"]
+    else:
+        answer = spec_server.client().chat.completions.create(**ask)
+        content, text = answer.choices[0].logprobs.content, answer.choices[0].message.content
+        stats = answer.model_extra["mlx_spec"]
+    assert stats["accepted"] > 0  # some of the tokens scored came from the draft
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    expected = [(t, lp) for t, lp in mlx_lm_logprobs(model, prompt, n)]
+    eos = set(tokenizer.eos_token_ids)
+    for i, (t, _) in enumerate(expected):
+        if t in eos:
+            expected = expected[:i]
+            break
+    assert len(content) == len(expected) > 0
+    for entry, (token, logprobs) in zip(content, expected):
+        assert entry.token == tokenizer.decode([token])
+        _assert_close(entry.logprob, logprobs[token].item())
+        ids = mx.argsort(-logprobs)[:top].tolist()
+        assert [a.token for a in entry.top_logprobs] == [tokenizer.decode([i]) for i in ids]
+        for alt, i in zip(entry.top_logprobs, ids):
+            _assert_close(alt.logprob, logprobs[i].item())
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+
+
+def test_completion_logprobs_and_checks(spec_server, tiny_dirs, reference):
+    model, tokenizer = reference
+    client = spec_server.client()
+    prompt = "Hello there, how"
+    answer = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=16, temperature=0,
+                                       logprobs=2)
+    got = answer.choices[0].logprobs
+    expected = mlx_lm_logprobs(model, tokenizer.encode(prompt), len(got.tokens))
+    assert len(got.tokens) == answer.usage.completion_tokens - (answer.choices[0].finish_reason == "stop")
+    for i, (token, logprobs) in enumerate(expected):
+        _assert_close(got.token_logprobs[i], logprobs[token].item())
+        assert got.tokens[i] == tokenizer.decode([token])
+        ids = mx.argsort(-logprobs)[:2].tolist()
+        assert sorted(got.top_logprobs[i].values(), reverse=True) == pytest.approx(
+            [logprobs[j].item() for j in ids], abs=2e-4)
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
+    assert all(math.isfinite(v) and v <= 0 for v in got.token_logprobs)
+    plain = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=16, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == answer.choices[0].text
+    for body, fragment in [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs")]:
+        assert_openai_error(spec_server.post("/completions", {"model": tiny_dirs[0], "prompt": "hi", **body}),
+                            400, fragment)
+    chat = {"model": tiny_dirs[0], "messages": [{"role": "user", "content": "hi"}]}
+    assert_openai_error(spec_server.post("/chat/completions", {**chat, "top_logprobs": 2}), 400,
+                        "top_logprobs needs logprobs")
+    assert_openai_error(spec_server.post("/chat/completions", {**chat, "logprobs": True, "top_logprobs": 30}),
+                        400, "top_logprobs")
+
+
+def test_tools_on_a_template_without_tool_calls_are_refused(spec_server, tiny_dirs):
+    """Gemma 3's template has no tool-call format: tools are refused (as mlx-lm's server and
+    Ollama refuse them), unless tool_choice is "none"."""
+    tool = {"type": "function", "function": {"name": "get_time"}}
+    chat = {"model": tiny_dirs[0], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_openai_error(spec_server.post("/chat/completions", {**chat, "tools": [tool]}), 400,
+                        "tools", "no tool-call format")
+    assert spec_server.post("/chat/completions", {**chat, "tools": [tool], "tool_choice": "none"}).status_code == 200

@@ -1,0 +1,188 @@
+"""The Anthropic Messages API (`POST /v1/messages`) through the official `anthropic` SDK
+against live servers (issue 19, item 4): a tiny Gemma 3 pair in a subprocess (greedy text
+equals mlx-lm's and the OpenAI route's) and the scripted model in-process (tool round trip,
+stop sequences, keys), streamed and not."""
+
+import json
+
+import anthropic
+import httpx
+import pytest
+from mlx_lm import generate, load
+from mlx_lm.utils import load_tokenizer
+
+from mlx_spec.engine import Engine
+from mlx_spec.server import ServerOptions, create_app
+from scripted import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
+from server_support import Server
+
+pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
+pytestmark = pytest.mark.usefixtures("private_cost_cache")
+
+MODEL = "scripted"
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+GREEDY = {"temperature": 0}  # this SDK has no sampling arguments; the API takes them
+CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_dirs, cost_cache):
+    target, draft = tiny_dirs
+    server = Server(["--model", target, "--draft-model", draft, "--gamma", "2"],
+                    {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log, server.log
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("scripted")),
+                          eos_token_ids=[EOS_ID, END_OF_TURN_ID])
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
+    model = ScriptedModel()
+    engine = Engine(model, None, eos_ids=[EOS_ID, END_OF_TURN_ID], context_length=4096)
+    server = InProcessServer(create_app(engine, tokenizer, ServerOptions(
+        model_name=MODEL, gamma="0", api_key="sekret")))
+    server.model = model
+    yield server
+    server.stop()
+
+
+def client_for(base: str, key: str = "unused"):
+    return anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=key, max_retries=0, timeout=60)
+
+
+def say(server, tokenizer, text):
+    server.model.script = list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_greedy_text_equals_mlx_lm_and_the_openai_route(spec_server, tiny_dirs):
+    model, tokenizer = load(tiny_dirs[0])
+    client = client_for(spec_server.base)
+    system, question = "Answer briefly.", "Tell me a story"
+    message = client.messages.create(model=tiny_dirs[0], max_tokens=20, extra_body=GREEDY, system=system,
+                                     messages=[{"role": "user", "content": question}])
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    expected = generate(model, tokenizer, ids, max_tokens=20)
+    assert message.type == "message" and message.role == "assistant"
+    assert [b.type for b in message.content] == ["text"] and message.content[0].text == expected
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
+    openai_answer = spec_server.client().chat.completions.create(model=tiny_dirs[0], messages=messages,
+                                                                 max_tokens=20, temperature=0)
+    assert openai_answer.choices[0].message.content == expected
+    assert message.usage.output_tokens == openai_answer.usage.completion_tokens
+
+    with client.messages.stream(model=tiny_dirs[0], max_tokens=20, extra_body=GREEDY, system=[{"type": "text", "text": system}],
+                                messages=[{"role": "user", "content": [{"type": "text", "text": question}]}]) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == expected and final.content[0].text == expected
+    assert final.stop_reason == message.stop_reason and final.usage.output_tokens == message.usage.output_tokens
+    # a second identical request reads its prompt from the cache
+    again = client.messages.create(model=tiny_dirs[0], max_tokens=2, extra_body=GREEDY, system=system,
+                                   messages=[{"role": "user", "content": question}])
+    assert again.usage.cache_read_input_tokens == len(ids) - 1
+
+
+def test_errors_in_anthropics_shape(spec_server, tiny_dirs):
+    client = client_for(spec_server.base)
+    with pytest.raises(anthropic.NotFoundError) as error:
+        client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert error.value.body["error"]["type"] == "not_found_error"
+    base = spec_server.url + "/v1/messages"
+    cases = [({"model": tiny_dirs[0], "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "messages": []}, "messages"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "temperature": 1.5,
+               "messages": [{"role": "user", "content": "hi"}]}, "temperature"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "messages": [{"role": "user", "content": [
+                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}]},
+              "messages[0].content[0]: image"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "tools": [WEATHER],
+               "messages": [{"role": "user", "content": "hi"}]}, "no tool-call format"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 1024},
+               "messages": [{"role": "user", "content": "hi"}]}, "thinking: extended thinking is not supported"),
+             ({"model": tiny_dirs[0], "max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+               "messages": [{"role": "user", "content": "hi"}]}, "tools[0].type")]
+    for body, fragment in cases:
+        response = httpx.post(base, json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        data = response.json()
+        assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+        assert fragment in data["error"]["message"] and "\n" not in data["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=tiny_dirs[0], max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                               extra_body={"temperature": -1})
+
+
+def test_keys_stop_sequences_and_count_tokens(scripted, tokenizer):
+    with pytest.raises(anthropic.AuthenticationError) as error:
+        client_for(scripted.base, "wrong").messages.create(
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert error.value.body["error"]["type"] == "authentication_error"
+    client = client_for(scripted.base, "sekret")  # sent as x-api-key
+    say(scripted, tokenizer, "Hello world. STOP here")
+    message = client.messages.create(model=MODEL, max_tokens=30, stop_sequences=["NEVER", "STOP"],
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert message.content[0].text == "Hello world. "
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "STOP"
+    short = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert short.content[0].text == "Hel" and short.stop_reason == "max_tokens"
+    count = client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert count.input_tokens == len(ids)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_tool_round_trip(streamed, scripted, tokenizer):
+    client = client_for(scripted.base, "sekret")
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    say(scripted, tokenizer, "Checking." + CALL)
+    if streamed:
+        with client.messages.stream(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask) as stream:
+            kinds = [e.type for e in stream]
+            first = stream.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        assert "content_block_start" in kinds and "message_delta" in kinds
+    else:
+        first = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask)
+    assert first.stop_reason == "tool_use"
+    text, use = first.content
+    assert text.type == "text" and text.text == "Checking."
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert use.id.startswith("toolu_")
+
+    turn = ask + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": [{"type": "text", "text": "Sunny"}]}]}]
+    say(scripted, tokenizer, "It is sunny.")
+    second = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=turn)
+    assert second.content[0].text == "It is sunny." and second.stop_reason == "end_turn"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
+                                               "description": WEATHER["description"]}}]
+    expected = ask + [
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": use.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": use.id, "name": "get_weather", "content": "Sunny"}]
+    prompt = list(tokenizer.apply_chat_template(expected, tools=tools, add_generation_prompt=True))
+    assert scripted.model.seen[: len(prompt)] == prompt
+    # tool_choice "any" forces a call; "tool" names it
+    say(scripted, tokenizer, CALL)
+    forced = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
+                                    tool_choice={"type": "any"})
+    assert [b.type for b in forced.content] == ["tool_use"] and forced.stop_reason == "tool_use"
+    named = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert json.dumps(named.content[0].input) == '{"city": "Paris"}'
+    say(scripted, tokenizer, CALL + CALL.replace("Paris", "Rome"))
+    both = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask)
+    assert [b.input["city"] for b in both.content] == ["Paris", "Rome"]
+    one = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
+                                 tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert [b.input["city"] for b in one.content] == ["Paris"]
