@@ -287,22 +287,31 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
 
 def _load_imported(path: Path, *, lazy: bool) -> tuple[nn.Module, dict]:
     """What mlx-lm's `load_model` does for a folder our GGUF import wrote (one architecture
-    mlx-lm has, unquantized safetensors, no remote code), without importing `mlx_lm.utils`
+    mlx-lm has or our MTP assistant, float16 or per-layer quantized safetensors, no remote
+    code), without importing `mlx_lm.utils`
     and with it transformers (~1 s of a warm run; `mlx_spec._mlx_lm`)."""
     import importlib
     import json
 
     config = json.loads((path / "config.json").read_text())
-    try:
-        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    except ImportError as error:
-        raise ValueError(f"Model type {config['model_type']} not supported.") from error
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if gemma4_assistant.is_assistant_config(config):
+        model = gemma4_assistant.Model(gemma4_assistant.ModelArgs.from_dict(config))
+    else:
+        try:
+            arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+        except ImportError as error:
+            raise ValueError(f"Model type {config['model_type']} not supported.") from error
+        model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = {}
     for file in sorted(path.glob("model*.safetensors")):
         weights.update(mx.load(str(file)))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    if (quantization := config.get("quantization")) is not None:
+        # A quantized import lists every quantized layer with its bits (Q6_K layers take
+        # 8, Q4_K ones 4); the rest stay float.
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda p, m: quantization.get(p, False))
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     if not lazy:
