@@ -246,12 +246,19 @@ def import_gguf(path: Path, cache_root: Path, *, sha256: str | None = None,
         sha256: the file's hash when already known (skips hashing it).
         progress: show a progress bar while converting.
         storage: "float16", "quantized" (MLX affine, bits per GGUF type: `QUANT_BITS`), or
-            "auto": quantized for files of `QUANTIZE_FROM_BYTES` and more, else float16.
+            "auto": an import of the file made before in either storage (as `mlx-spec models
+            import --storage` made it), else quantized for files of `QUANTIZE_FROM_BYTES`
+            and more, float16 for smaller ones.
     Returns:
         The folder holding config.json, model*.safetensors and the tokenizer.
     """
-    storage = resolve_storage(path, storage)
+    chosen = resolve_storage(path, storage)
     sha256 = sha256 or file_sha256(path, cache_root)
+    if storage == "auto":
+        made = [s for s in ("float16", "quantized")
+                if (converted_folder(cache_root, sha256, s) / "config.json").exists()]
+        chosen = chosen if chosen in made or not made else made[0]
+    storage = chosen
     folder = converted_folder(cache_root, sha256, storage)
     if (folder / "config.json").exists():
         return folder

@@ -195,8 +195,10 @@ def check_source(source: str | None, role: str | None = None) -> None:
         raise ModelLoadError(f"{role}: {problem}" if role else problem)
 
 
-def resolve_source(source: str | None, *, progress: bool = True) -> tuple[Path, str]:
-    """The local model folder for `source` and its kind, importing or downloading as needed."""
+def resolve_source(source: str | None, *, progress: bool = True,
+                   gguf_storage: str = "auto") -> tuple[Path, str]:
+    """The local model folder for `source` and its kind, importing or downloading as needed
+    (a GGUF file in `gguf_storage`: see `gguf_import.import_gguf`)."""
     kind = _kind_of(source)
     if kind == "embedded":
         return embedded_folder(progress=progress), "embedded"
@@ -205,7 +207,7 @@ def resolve_source(source: str | None, *, progress: bool = True) -> tuple[Path, 
         return path, "local"
     if kind == "file":
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-            return gguf_import.import_gguf(path, cache_root(), progress=progress), "gguf"
+            return gguf_import.import_gguf(path, cache_root(), progress=progress, storage=gguf_storage), "gguf"
         raise ModelLoadError(f"{source} is a file but not a GGUF model; pass a .gguf file, "
                              "a model folder or a Hugging Face repo id")
     if kind == "hub":
