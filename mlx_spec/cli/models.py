@@ -83,9 +83,9 @@ def import_command(
     file: Annotated[Path, typer.Argument(help="The .gguf file to convert.")],
     storage: Annotated[str, typer.Option(
         metavar="auto|float16|quantized",
-        help="float16 | quantized | auto. quantized: MLX 4-bit for Q4_K/Q4_0/Q5_x, 8-bit for "
-             "Q6_K/Q8_0, about the GGUF's size; auto: quantized from 1 GiB files on (a 12B), "
-             "float16 below. Later loads of the file use the import made here.")] = "auto",
+        help="float16 | quantized | auto. quantized: MLX 4-bit for Q4_K/Q4_0, 8-bit for "
+             "Q5_x/Q6_K/Q8_0, about the GGUF's size; auto: quantized from 1 GiB files on (a "
+             "12B), float16 below. Later loads of the file use the import made here.")] = "auto",
 ) -> None:
     """Convert a GGUF file into the mlx-spec cache now (loading it later is then instant)."""
     from mlx_spec.errors import ModelLoadError
