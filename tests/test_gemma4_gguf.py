@@ -164,6 +164,7 @@ def test_quantized_import_of_llama_cpp_q8_0(cache):
     config = json.loads((folders["12b"] / "config.json").read_text())
     assert config["quantization"]["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 8}
     assert config["quantization"]["model.embed_tokens"]["bits"] == 8
+    assert (config["quantization"]["bits"], config["quantization"]["group_size"]) == (8, 32)  # shown by info
     pair = load_pair(str(folders["12b"]), str(folders["12b-assistant"]), dtype="float32", progress=False)
     assert pair.target.model.model.layers[0].self_attn.q_proj.weight.dtype == mx.uint32
     tokens, stats = run(pair, PROMPT, 3)

@@ -23,11 +23,13 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,9 +63,9 @@ STORAGE_DTYPE = mx.float16
 # blocks are affine over 32 values already (x = scale·q + bias), so they are re-encoded
 # exactly, at group size 32 (`_exact_affine`); every other type is dequantized and quantized
 # by MLX at QUANT_GROUP_SIZE. Q5_x take 8 bits, not 4: on the embedded 270M (most of whose
-# matrices are Q5_0) 4 bits cost 9 % perplexity for 0.1 % less disk, 8 bits 0.1 % for 13 %
-# more (bench/gguf_import.py -> bench/results/gguf_import_gemma270m.json). Float tensors of a
-# large file (F16, BF16, F32) take 8 bits.
+# matrices are Q5_0) perplexity is 0.2 % above the float16 import's at 8 bits, 8 % at 4, for
+# a folder of 289 MB against 254 (the GGUF: 253; bench/gguf_import.py ->
+# bench/results/gguf_import_gemma270m.json). Float tensors of a large file take 8 bits.
 QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8,
               "Q2_K": 4, "Q3_K": 4, "IQ4_NL": 4, "IQ4_XS": 4,
               "Q6_K": 8, "Q8_0": 8, "F16": 8, "BF16": 8, "F32": 8}
@@ -297,7 +299,8 @@ def _import_into(path: Path, folder: Path, sha256: str, progress: bool, storage:
         _convert(path, tmp, progress, storage)
         (tmp / "mlx_spec_source.json").write_text(json.dumps(
             {"file": path.name, "sha256": sha256, "format": FORMAT_VERSION, "storage": storage,
-             "dtype": str(STORAGE_DTYPE).removeprefix("mlx.core.")}, indent=2))
+             "dtype": str(STORAGE_DTYPE).removeprefix("mlx.core.") if storage == "float16" else "quantized"},
+            indent=2))
         try:
             os.rename(tmp, folder)
         except OSError:
@@ -402,6 +405,7 @@ def _convert(path: Path, out: Path, progress: bool, storage: str = "float16") ->
         norms = _norm_parameters(model, arch.norm_class)
         quantizable = _quantizable(model) if storage == "quantized" else {}
         quantized = {}  # module path -> {"group_size", "bits"}
+        weights_at = Counter()  # (bits, group size) -> weights quantized so
         bar.phase("dequantizing" if storage == "float16" else "quantizing", total=len(names))
         shard, shard_bytes, shard_files = {}, 0, []
         for mlx_name, (gguf_name, shape) in names.items():
@@ -414,6 +418,7 @@ def _convert(path: Path, out: Path, progress: bool, storage: str = "float16") ->
             arrays = source.convert(gguf_name, shape, offset, bits)
             if bits:
                 quantized[module] = {"group_size": group_size, "bits": bits}
+                weights_at[(bits, group_size)] += math.prod(shape)
                 arrays = dict(zip((f"{module}.weight", f"{module}.scales", f"{module}.biases"), arrays))
             else:
                 arrays = {mlx_name: arrays[0]}
@@ -428,7 +433,10 @@ def _convert(path: Path, out: Path, progress: bool, storage: str = "float16") ->
         if len(shard_files) == 1:
             shard_files[0].rename(out / "model.safetensors")
         if quantized:
-            common = {"group_size": QUANT_GROUP_SIZE, "bits": 4, "mode": "affine"}
+            # Every quantized layer is listed; the top-level pair (what `models info` shows)
+            # is the one that holds the most weights.
+            bits, group_size = weights_at.most_common(1)[0][0]
+            common = {"group_size": group_size, "bits": bits, "mode": "affine"}
             config["quantization"] = config["quantization_config"] = {**common, **quantized}
 
         bar.phase("building tokenizer")
