@@ -611,7 +611,8 @@ class _TensorSource:
         return [mx.array(values).astype(STORAGE_DTYPE)]
 
     def __del__(self):
-        self.file.close()
+        if getattr(self, "file", None) is not None:
+            self.file.close()
 
 
 _EXACT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8}
