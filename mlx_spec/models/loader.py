@@ -246,8 +246,10 @@ def embedded_folder(*, progress: bool = True) -> Path:
                                  "set MLX_SPEC_CACHE to a writable folder") from None
         try:
             gguf_path = _assemble_embedded(package, scratch / package.MODEL_NAME)
+            # float16, the folder checked above (a 270M: "auto" would pick it too, unless
+            # a quantized import of the file was made by hand)
             return gguf_import.import_gguf(gguf_path, root, sha256=package.EXPECTED_SHA256,
-                                           progress=progress)
+                                           progress=progress, storage="float16")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
