@@ -341,6 +341,21 @@ def small_q4_k_m(tmp_path_factory):
     return write_random_gemma3_gguf(tmp_path_factory.mktemp("q4km") / "small-q4_k_m.gguf", SMALL_GEMMA3)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0"])
+def test_exact_types_re_encode_to_the_values_gguf_decodes(type_name):
+    """Blocks that are affine per 32 values become MLX groups holding gguf's own dequantized
+    values (the reference), to the float16 rounding of scales and biases."""
+    from mlx_spec.models.random_gguf import random_blocks
+
+    raw = random_blocks(type_name, 4, 512, np.random.default_rng(1))
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(4, 512)
+    weight, scales, biases = gguf_import._exact_affine(raw, type_name, 512)
+    bits = gguf_import._EXACT_BITS[type_name]
+    got = mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32),
+                        group_size=gguf_import.EXACT_GROUP_SIZE, bits=bits)
+    assert np.abs(np.array(got) - expected).max() <= 1e-3 * np.abs(expected).max()
+
+
 def test_quantized_import_holds_one_shard_at_a_time(small_q4_k_m, tmp_path):
     """With 8 MB shards the import's memory grows by well under the output's size (measured
     0.55x of 88 MB; holding the whole model before writing, as a single shard does: 1.8x, and

@@ -16,7 +16,9 @@ import numpy as np
 # Q4_K_M, as llama.cpp's llama_tensor_get_type picks types for it: Q6_K for the embedding
 # (Gemma ties it to the output) and for attn_v / ffn_down of the "more bits" layers, Q4_K
 # for every other matrix, norms in F32.
-SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208, 0), "Q8_0": (0, None)}  # d offset, dmin offset
+# Where each block type keeps its float16 scale (and min / dmin): set to valid values.
+SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2),
+               "Q5_0": (0,), "Q5_1": (0, 2)}
 
 
 def q4_k_m_type(gguf_name: str, n_layers: int) -> str:
@@ -30,7 +32,7 @@ def q4_k_m_type(gguf_name: str, n_layers: int) -> str:
 
 
 def random_blocks(type_name: str, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, bytes per row] of random `type_name` blocks with float16 scales of 1e-3."""
+    """[rows, bytes per row] of random `type_name` blocks with float16 scales (and mins) of 1e-3."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[type_name]
@@ -38,10 +40,8 @@ def random_blocks(type_name: str, rows: int, width: int, rng: np.random.Generato
     raw = rng.integers(0, 256, (rows, width // block_values * block_bytes), dtype=np.uint8)
     blocks = raw.reshape(-1, block_bytes)
     scale = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
-    d, dmin = SCALE_BYTES[type_name]
-    blocks[:, d:d + 2] = scale
-    if dmin:
-        blocks[:, dmin:dmin + 2] = scale
+    for offset in SCALE_BYTES[type_name]:
+        blocks[:, offset:offset + 2] = scale
     return raw
 
 
