@@ -1,7 +1,7 @@
 """GGUF import at laptop size: quality and memory of the quantized import.
 
-    python bench/gguf_import.py perplexity    # the embedded 270M: float16 vs quantized vs llama.cpp (~5 min)
-    python bench/gguf_import.py memory        # a real-shaped Gemma 3 12B Q4_K_M: peak RSS (~15 min, 16 GB disk)
+    python bench/gguf_import.py perplexity    # the embedded 270M: float16 vs quantized vs llama.cpp (~12 min here)
+    python bench/gguf_import.py memory        # a real-shaped Gemma 3 12B Q4_K_M: peak RSS (~7 min, 16 GB disk)
 
 perplexity: tests/data/english_paragraph.txt (215 tokens with BOS, our tokenizer's ids, fed
 to both tools) under the embedded Gemma 3 270M Q4_K_M, evaluated in float32 after importing
