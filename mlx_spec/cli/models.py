@@ -127,14 +127,22 @@ def info_command(
 @models_app.command("import")
 def import_command(
     file: Annotated[Path, typer.Argument(help="The .gguf file to convert.")],
+    storage: Annotated[str, typer.Option(
+        metavar="auto|float16|quantized",
+        help="float16 | quantized | auto. quantized: MLX 4-bit for Q4_K/Q4_0, 8-bit for "
+             "Q5_x/Q6_K/Q8_0, about the GGUF's size; auto: quantized from 1 GiB files on (a "
+             "12B), float16 below. Later loads of the file use the import made here.")] = "auto",
 ) -> None:
     """Convert a GGUF file into the mlx-spec cache now (loading it later is then instant)."""
     from mlx_spec.errors import ModelLoadError
+    from mlx_spec.models.gguf_import import STORAGES
     from mlx_spec.models.loader import resolve_source
 
+    if storage not in STORAGES:
+        raise typer.BadParameter(f"'{storage}' is not one of {', '.join(STORAGES)}", param_hint="--storage")
     if not file.is_file():
         raise ModelLoadError(f"no such file: {file}")
-    folder, _ = resolve_source(str(file))
+    folder, _ = resolve_source(str(file), gguf_storage=storage)
     print(folder)
 
 

@@ -206,8 +206,10 @@ def check_source(source: str | None, role: str | None = None) -> None:
         raise ModelLoadError(f"{role}: {problem}" if role else problem)
 
 
-def resolve_source(source: str | None, *, progress: bool = True) -> tuple[Path, str]:
-    """The local model folder for `source` and its kind, importing or downloading as needed."""
+def resolve_source(source: str | None, *, progress: bool = True,
+                   gguf_storage: str = "auto") -> tuple[Path, str]:
+    """The local model folder for `source` and its kind, importing or downloading as needed
+    (a GGUF file in `gguf_storage`: see `gguf_import.import_gguf`)."""
     kind = _kind_of(source)
     if kind == "embedded":
         return embedded_folder(progress=progress), "embedded"
@@ -216,7 +218,7 @@ def resolve_source(source: str | None, *, progress: bool = True) -> tuple[Path, 
         return path, "local"
     if kind == "file":
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
-            return gguf_import.import_gguf(path, cache_root(), progress=progress), "gguf"
+            return gguf_import.import_gguf(path, cache_root(), progress=progress, storage=gguf_storage), "gguf"
         raise ModelLoadError(f"{source} is a file but not a GGUF model; pass a .gguf file, "
                              "a model folder or a Hugging Face repo id")
     if kind == "hub":
@@ -272,8 +274,10 @@ def embedded_folder(*, progress: bool = True) -> Path:
                                  "set MLX_SPEC_CACHE to a writable folder") from None
         try:
             gguf_path = _assemble_embedded(package, scratch / package.MODEL_NAME)
+            # float16, the folder checked above (a 270M: "auto" would pick it too, unless
+            # a quantized import of the file was made by hand)
             return gguf_import.import_gguf(gguf_path, root, sha256=package.EXPECTED_SHA256,
-                                           progress=progress)
+                                           progress=progress, storage="float16")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -315,22 +319,31 @@ def load_folder(path: Path, *, lazy: bool = True) -> tuple[nn.Module, dict]:
 
 def _load_imported(path: Path, *, lazy: bool) -> tuple[nn.Module, dict]:
     """What mlx-lm's `load_model` does for a folder our GGUF import wrote (one architecture
-    mlx-lm has, unquantized safetensors, no remote code), without importing `mlx_lm.utils`
+    mlx-lm has or our MTP assistant, float16 or per-layer quantized safetensors, no remote
+    code), without importing `mlx_lm.utils`
     and with it transformers (~1 s of a warm run; `mlx_spec._mlx_lm`)."""
     import importlib
     import json
 
     config = json.loads((path / "config.json").read_text())
-    try:
-        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    except ImportError as error:
-        raise ValueError(f"Model type {config['model_type']} not supported.") from error
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if gemma4_assistant.is_assistant_config(config):
+        model = gemma4_assistant.Model(gemma4_assistant.ModelArgs.from_dict(config))
+    else:
+        try:
+            arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+        except ImportError as error:
+            raise ValueError(f"Model type {config['model_type']} not supported.") from error
+        model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = {}
     for file in sorted(path.glob("model*.safetensors")):
         weights.update(mx.load(str(file)))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
+    if (quantization := config.get("quantization")) is not None:
+        # A quantized import lists every quantized layer with its bits (Q6_K layers take
+        # 8, Q4_K ones 4); the rest stay float.
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda p, m: quantization.get(p, False))
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     if not lazy:

@@ -200,3 +200,116 @@ def save_tiny_assistant(path: str | Path, config: dict | None = None, weights: d
                         {k: mx.array(np.asarray(v)) for k, v in weights.items()})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+# ---------------------------------------------------------------------------------------
+# The target in Hugging Face layout, for llama.cpp's converter (tests/data/make_gemma4_gguf.py)
+# ---------------------------------------------------------------------------------------
+
+# A Gemma-style SentencePiece vocabulary of TINY_VOCAB tokens: specials, the 256 byte-fallback
+# tokens, and a few pieces with merges, so the BPE merge path is exercised too.
+SENTENCEPIECE_PIECES = ["▁", "t", "h", "e", "a", "n", "▁t", "he", "▁the", "▁a"]
+SENTENCEPIECE_MERGES = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a")]
+
+
+def hf_gemma4_config(**overrides) -> dict:
+    """`tiny_gemma4_config` as a Hugging Face `Gemma4ForCausalLM` config.json spells it:
+    every field explicit (layer types, double-wide MLP, K = V), since converters read the
+    file, not mlx-lm's defaults."""
+    config = tiny_gemma4_config(**overrides)
+    args = gemma4_text.ModelArgs.from_dict(config)
+    config.update(
+        architectures=["Gemma4ForCausalLM"],
+        layer_types=list(args.layer_types),
+        use_double_wide_mlp=args.use_double_wide_mlp,
+        attention_k_eq_v=args.attention_k_eq_v,
+        num_global_key_value_heads=args.num_global_key_value_heads,
+        hidden_activation="gelu_pytorch_tanh",
+        enable_moe_block=False,
+        bos_token_id=BOS_ID,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    return config
+
+
+def tiny_gemma4_weights(config: dict, seed: int = 0) -> dict:
+    """Random weights for an mlx-lm `gemma4_text` config, as numpy arrays under the names
+    mlx-lm and Hugging Face share. numpy's legacy `RandomState` streams never change, so a
+    committed GGUF and a test on another machine see the same checkpoint. Norm gains and
+    layer scalars are drawn around 1; the final norm around 4, for peaky distributions."""
+    import numpy as np
+
+    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config))
+    rng = np.random.RandomState(seed)
+    weights = {}
+    for name, param in sorted(tree_flatten(model.parameters())):
+        shape = tuple(param.shape)
+        if name == "model.norm.weight":
+            weights[name] = rng.uniform(3.0, 5.0, shape).astype(np.float32)
+        elif name.endswith(("norm.weight", "layer_scalar")):
+            weights[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        elif name.startswith("model.embed_tokens"):
+            weights[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        else:  # projections [out, in]
+            weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return weights
+
+
+def save_sentencepiece_tokenizer(path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json of a Gemma-style BPE vocabulary (byte fallback,
+    `▁` for spaces), built by transformers' own `GemmaTokenizer`, so the file has the layout
+    real Gemma checkpoints ship and llama.cpp's converter reads."""
+    from transformers import GemmaTokenizer
+
+    tokens = SPECIAL_TOKENS + [f"<0x{b:02X}>" for b in range(256)] + SENTENCEPIECE_PIECES
+    assert len(tokens) == TINY_VOCAB
+    tokenizer = GemmaTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=SENTENCEPIECE_MERGES,
+                               bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>",
+                               additional_special_tokens=SPECIAL_TOKENS[4:])
+    tokenizer.chat_template = GEMMA4_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+
+
+def save_hf_gemma4(path: str | Path, seed: int = 0, **config_overrides) -> Path:
+    """Write a tiny Gemma 4 target as a Hugging Face checkpoint folder (float32
+    safetensors, Gemma-style tokenizer); mlx-lm and llama.cpp's converter both read it."""
+    import numpy as np
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = hf_gemma4_config(**config_overrides)
+    weights = tiny_gemma4_weights(config, seed)
+    mx.save_safetensors(str(path / "model.safetensors"), {k: mx.array(np.asarray(v)) for k, v in weights.items()},
+                        metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_sentencepiece_tokenizer(path)
+    return path
+
+
+# The checkpoints tests/data/make_gemma4_gguf.py converts with llama.cpp and
+# tests/test_gemma4_gguf.py rebuilds to compare against: an E2B-like target (per-layer
+# inputs, KV-shared layers, double-wide MLP), a 12B-like one (K = V full layers with one
+# global K/V head, no sharing) and the 12B-like target's dense-head assistant.
+TWELVE_B_LIKE = dict(num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,
+                     num_kv_shared_layers=0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                     use_double_wide_mlp=False)
+
+
+def save_hf_checkpoints(root: str | Path) -> dict[str, Path]:
+    """Write the three Hugging Face folders under `root`; returns {name: folder}."""
+    import shutil
+
+    root = Path(root)
+    folders = {"e2b": save_hf_gemma4(root / "e2b", seed=0),
+               "12b": save_hf_gemma4(root / "12b", seed=1, **TWELVE_B_LIKE)}
+    target = json.loads((folders["12b"] / "config.json").read_text())
+    # moe_intermediate_size: every released config has the key (null), and the converter asks for it
+    config = tiny_assistant_config(target, centroids=False, num_global_key_value_heads=1,
+                                   attention_k_eq_v=True, moe_intermediate_size=None)
+    folders["12b-assistant"] = save_tiny_assistant(root / "12b-assistant", config, seed=2)
+    # llama.cpp's converter writes the vocabulary into every GGUF: the assistant's folder
+    # carries its target's tokenizer, as the released assistants' repos do.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folders["12b"] / name, folders["12b-assistant"] / name)
+    return folders
