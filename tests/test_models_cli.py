@@ -101,5 +101,5 @@ def test_real_subprocess_exits_nonzero_without_traceback():
     result = subprocess.run([*command, "models", "info", "/nonexistent"],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1
-    assert result.stderr.startswith("error: no such file or folder: /nonexistent\n")
+    assert result.stderr == "error: no such file or folder: /nonexistent (--debug for the traceback)\n"
     assert "Traceback" not in result.stderr and result.stdout == ""
