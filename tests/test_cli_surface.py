@@ -57,3 +57,44 @@ def test_usage_error_in_a_real_process():
     assert run.stderr.strip().splitlines() == [
         "error: invalid value for --temp: input should be greater than or equal to 0 "
         "(see 'mlx-spec generate --help')"]
+
+
+# ---------------------------------------------------------------------------------------
+# models list on an ordinary terminal
+# ---------------------------------------------------------------------------------------
+
+def _terminal_list(width: int) -> list[str]:
+    """`models list` as a terminal of `width` columns shows it (Rich reads COLUMNS), as text."""
+    from cli_support import ANSI
+    from typer.testing import CliRunner
+
+    from mlx_spec.cli import app
+
+    result = CliRunner().invoke(app, ["models", "list"],
+                                env={"COLUMNS": str(width), "TTY_COMPATIBLE": "1", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return ANSI.sub("", result.stdout).splitlines()
+
+
+@pytest.mark.parametrize("width", [80, 120, 50, 220])
+def test_models_list_never_cuts_a_name_and_keeps_the_key_columns(width):
+    from mlx_spec.models.presets import list_presets
+
+    lines = _terminal_list(width)
+    assert max(len(line) for line in lines) <= width
+    words = [line.split() for line in lines]
+    for preset in list_presets():
+        if width >= 80:  # a table: the preset's row starts with its whole name, then drafter and γ
+            row = next((w for w in words if w and w[0] == preset.name), None)
+            assert row is not None, (preset.name, lines)
+            assert preset.drafter in row and str(preset.gamma) in row, row
+        else:  # one block per preset, titled with its whole name (a long id may fold)
+            assert [preset.name] in words, (preset.name, lines)
+            continue
+        for model_id in (preset.target, preset.draft):
+            if model_id:
+                assert any(model_id in w for w in words), (model_id, lines)
+    header = words[next(i for i, line in enumerate(lines) if "drafter" in line)] if width >= 80 else []
+    if width >= 80:
+        assert {"name", "drafter", "γ", "target"} <= set(header), header
+        assert "draft" in header or "/" in header  # target and draft stacked in one column
