@@ -98,3 +98,74 @@ def test_models_list_never_cuts_a_name_and_keeps_the_key_columns(width):
     if width >= 80:
         assert {"name", "drafter", "γ", "target"} <= set(header), header
         assert "draft" in header or "/" in header  # target and draft stacked in one column
+
+
+# ---------------------------------------------------------------------------------------
+# chat at a terminal: line editing, history, multi-line messages, Ctrl-D
+# ---------------------------------------------------------------------------------------
+
+LEFT, UP = "\x1b[D", "\x1b[A"
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"  # what a terminal wraps a paste in
+
+
+def _spawn_chat(tiny_dirs, cache):
+    import sys
+
+    from cli_support import terminal_env
+
+    pexpect = pytest.importorskip("pexpect")
+    target, draft = tiny_dirs
+    env = {**terminal_env(), "MLX_SPEC_CACHE": str(cache)}
+    return pexpect.spawn(sys.executable, ["-m", "mlx_spec.cli", "chat", "--model", target,
+                                          "--draft-model", draft, "-n", "6", "--gamma", "2"],
+                         encoding="utf-8", dimensions=(40, 100), timeout=60, env=env)
+
+
+def test_chat_edits_lines_keeps_history_and_takes_multiline_messages(tiny_dirs, tmp_path):
+    import pexpect
+
+    child = _spawn_chat(tiny_dirs, tmp_path)
+    try:
+        child.expect(">>> ")
+        child.send(f"/gamma 4{LEFT}1\r")  # Left moves before the 4: the line is /gamma 14
+        child.expect("γ set to 14")
+        child.expect(">>> ")
+        child.send("/temp 0\r")
+        child.expect("temperature set to 0")
+        child.expect(">>> ")
+        child.send(f"{UP}{UP}\r")  # two back in the history: /gamma 14 again
+        child.expect("γ set to 14")
+        child.expect(">>> ")
+        child.send(f"{PASTE_START}Hello\rthere{PASTE_END}\r")  # a pasted block is one message
+        child.expect(r"γ 14 · ")
+        child.expect(">>> ")
+        child.send('"""\r')  # a typed multi-line message
+        child.expect(r"\.\.\. ")
+        child.send("one\r")
+        child.expect(r"\.\.\. ")
+        child.send('two\r"""\r')
+        child.expect(r"γ 14 · ")
+        child.expect(">>> ")
+        child.send("/stats\r")
+        child.expect(r"conversation: (\d+) turn")
+        assert child.match.group(1) == "2"  # the paste and the quoted block, one turn each
+        child.expect(">>> ")
+        child.sendcontrol("d")  # Ctrl-D leaves
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    history = (tmp_path / "chat_history").read_text()
+    assert "/gamma 14" in history and "/temp 0" in history
+
+    child = _spawn_chat(tiny_dirs, tmp_path)  # the next session starts with that history
+    try:
+        child.expect(">>> ")
+        child.send(f"{UP}\r")  # the last line of the last session: /stats
+        child.expect("no answer yet")
+        child.expect(">>> ")
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
