@@ -169,3 +169,32 @@ def test_chat_edits_lines_keeps_history_and_takes_multiline_messages(tiny_dirs, 
     finally:
         child.close()
     assert child.exitstatus == 0
+
+
+# ---------------------------------------------------------------------------------------
+# bench: prompt names, and α̂ where nothing was drafted
+# ---------------------------------------------------------------------------------------
+
+def test_bench_refuses_a_misspelt_prompt_name(tiny_dirs):
+    from cli_support import assert_one_line_error
+
+    result = invoke(["bench", "-m", tiny_dirs[0], "--prompt", "lnog"])
+    assert_one_line_error(result, "--prompt 'lnog' is not a committed prompt: did you mean 'long'?")
+
+
+def test_bench_says_a_one_word_prompt_runs_as_text_and_shows_no_alpha_for_nothing_drafted(tiny_dirs):
+    # Two tokens: the first comes from prefill, the one round after it finds no n-gram to
+    # copy, so γ = 1 and auto draft nothing, like the plain row.
+    result = invoke(["bench", "-m", tiny_dirs[0], "--drafter", "ngram", "--gamma", "1,auto",
+                     "--prompt", "nosuch", "-n", "2", "--runs", "1"])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert ("warning: --prompt 'nosuch' is not a committed prompt (long, quote, short, window) or @FILE: "
+            "it runs as literal text, labelled 'custom'") in result.stderr
+    table = result.stdout.split("acceptance and identity")[1]
+    rows = {cells[0]: cells for cells in ([c for c in line.split() if c != "★"] for line in table.splitlines())
+            if cells and cells[0] in ("off", "γ=1", "auto")}
+    assert set(rows) == {"off", "γ=1", "auto"}, table
+    for setting, cells in rows.items():
+        mean_gamma = cells[-3]
+        assert mean_gamma == "0.00", cells  # drafted nothing ...
+        assert cells[1:3] == ["—", "—"], cells  # ... so no α̂ and no per-position acceptance
