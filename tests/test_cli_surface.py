@@ -198,3 +198,34 @@ def test_bench_says_a_one_word_prompt_runs_as_text_and_shows_no_alpha_for_nothin
         mean_gamma = cells[-3]
         assert mean_gamma == "0.00", cells  # drafted nothing ...
         assert cells[1:3] == ["—", "—"], cells  # ... so no α̂ and no per-position acceptance
+
+
+# ---------------------------------------------------------------------------------------
+# Wording
+# ---------------------------------------------------------------------------------------
+
+def test_chat_stats_counts_one_turn_in_the_singular(models):
+    result = invoke(["chat", *models, "-n", "4", "--gamma", "2"], input="Hello\n/stats\n/quit\n")
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    assert "conversation: 1 turn, " in result.stdout and "1 turns" not in result.stdout
+
+
+def test_models_info_for_a_preset_not_downloaded_exits_1_without_blaming_the_user(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    result = invoke(["models", "info", "gemma3-12b"])
+    assert result.exit_code == 1
+    assert "target: mlx-community/gemma-3-12b-it-4bit" in result.stdout  # what is known is shown
+    assert "HF_HUB_OFFLINE" not in result.stdout + result.stderr  # the user set nothing
+    assert "this command does not download" in result.stdout
+    assert result.stderr.splitlines() == [
+        "error: the target and draft of preset gemma3-12b are not downloaded; "
+        "`mlx-spec generate --preset gemma3-12b` downloads them (--debug for the traceback)"]
+    import os
+
+    assert "HF_HUB_OFFLINE" not in os.environ  # forced offline only inside the command
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # now the user did set it: say so
+    result = invoke(["models", "info", "gemma3-12b"])
+    assert result.exit_code == 1 and "while HF_HUB_OFFLINE is set" in result.stdout

@@ -28,7 +28,7 @@ from mlx_spec.cli.common import (
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
     StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
 )
-from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import build_engine, parse_gamma
@@ -174,7 +174,7 @@ class ChatRepl:
                 self.say("no answer yet")
             else:
                 self.console.print(render_stats(self.last_view, title="last answer"))
-                self.say(f"conversation: {self.turns} turns, {len(self.session.ids)} tokens in context")
+                self.say(f"conversation: {plural(self.turns, 'turn')}, {plural(len(self.session.ids), 'token')} in context")
         elif name == "reset":
             self.session.reset()
             self.turns = 0

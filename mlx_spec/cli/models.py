@@ -138,15 +138,22 @@ def info_command(
         result = model_info(source, progress=not as_json)
     if as_json:
         print(json.dumps(result, indent=2))
-        return
-    console = Console()
-    if "preset" in result:
-        _render(console, f"preset {source}", result["preset"])
-        for role in ("target", "draft"):
-            if role in result:
-                _render(console, role, _human(result[role]))
     else:
-        _render(console, result["source"], _human(result))
+        console = Console()
+        if "preset" in result:
+            _render(console, f"preset {source}", result["preset"])
+            for role in ("target", "draft"):
+                if role in result:
+                    _render(console, role, _human(result[role]))
+        else:
+            _render(console, result["source"], _human(result))
+    missing = [role for role in ("target", "draft") if "status" in result.get(role, {})]
+    if missing:  # what is known was shown; the exit code says a model is not there
+        from mlx_spec.errors import ModelLoadError
+
+        raise ModelLoadError(f"the {' and '.join(missing)} of preset {source} {'is' if len(missing) == 1 else 'are'} "
+                             f"not downloaded; `mlx-spec generate --preset {source}` downloads "
+                             f"{'it' if len(missing) == 1 else 'them'}")
 
 
 @models_app.command("import")
