@@ -229,3 +229,49 @@ def test_models_info_for_a_preset_not_downloaded_exits_1_without_blaming_the_use
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # now the user did set it: say so
     result = invoke(["models", "info", "gemma3-12b"])
     assert result.exit_code == 1 and "while HF_HUB_OFFLINE is set" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------
+# Feedback during slow steps
+# ---------------------------------------------------------------------------------------
+
+def test_live_panel_shows_prefilling_not_zeros_before_the_first_token(tiny_dirs):
+    import sys
+
+    from cli_support import ANSI, terminal_env
+
+    pexpect = pytest.importorskip("pexpect")
+    target, draft = tiny_dirs
+    child = pexpect.spawn(sys.executable, ["-m", "mlx_spec.cli", "generate", "Hello " * 40, "--model", target,
+                                           "--draft-model", draft, "-n", "8", "--gamma", "2", "--raw"],
+                          encoding="utf-8", dimensions=(40, 100), timeout=60, env=terminal_env())
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    screen = ANSI.sub("", child.before)
+    assert "prefilling" in screen
+    assert "(0 tokens in" not in screen and "peak memory       │ 0 B" not in screen, screen
+    assert "(8 tokens in" in screen  # the final panel
+
+
+@pytest.mark.slow
+def test_first_run_import_shows_a_ticking_phase_not_a_frozen_bar(tmp_path):
+    """The embedded GGUF's first import on a terminal: the long header read shows its phase
+    and elapsed time, not an empty 0/? bar."""
+    import sys
+
+    from cli_support import ANSI, terminal_env
+
+    pexpect = pytest.importorskip("pexpect")
+    env = {**terminal_env(), "MLX_SPEC_CACHE": str(tmp_path)}
+    child = pexpect.spawn(sys.executable, ["-m", "mlx_spec.cli", "models", "info", "default"],
+                          encoding="utf-8", dimensions=(40, 120), timeout=300, env=env)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0, child.before
+    screen = ANSI.sub("", child.before)
+    header = [line for line in screen.replace("\r", "\n").splitlines() if "reading GGUF header" in line]
+    assert header, screen
+    assert not any("0/?" in line for line in header), header
+    assert any(":00:0" in line for line in header), header  # elapsed time on the line
+    assert any("dequantizing" in line and "/" in line for line in screen.replace("\r", "\n").splitlines())
