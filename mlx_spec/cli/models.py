@@ -73,11 +73,10 @@ def _min_width(rows: list[dict], fields: tuple) -> int:
     each side but not at the table's edges, a one-character rule between columns."""
     from rich.cells import cell_len
 
-    headers = _headers(fields)
+    columns = zip(fields, _headers(fields), *(_cells(row, fields) for row in rows))
     widths = [DESCRIPTION_MIN if field == "description" else
-              max(cell_len(line) for cell in [header] + [_cells(r, fields)[i] for r in rows]
-                  for line in cell.splitlines())
-              for i, (field, header) in enumerate(zip(fields, headers))]
+              max(cell_len(line) for cell in cells for line in cell.splitlines())
+              for field, *cells in columns]
     return sum(widths) + 2 * len(fields) - 2 + len(fields) - 1
 
 
