@@ -16,7 +16,7 @@ The commands run as a user's later run would: in a scratch folder (its `docs` is
 checkout's, so a `--plot docs/...` lands in the repository), with a private cache warmed
 by one `generate` first (the import of the embedded model and its cost curve, which a
 first run adds), and with stdout and stderr together, as a terminal shows them. Progress
-lines, which a terminal shows as a transient bar, are dropped. Re-run this whenever the
+lines, which a terminal shows as a transient bar, are dropped, and so are trailing spaces. Re-run this whenever the
 output of a command changes, and commit README.md with the code that changed it.
 """
 
@@ -38,7 +38,7 @@ README = ROOT / "README.md"
 MARKER = re.compile(r"^<!-- example: (?P<name>[\w-]+) (?P<kind>run|chat|excerpt) -->$")
 FENCE = re.compile(r"^\s*```")
 PROGRESS = re.compile(r"^(\[\d+/\d+\] |calibrating the cost curve|Importing |downloading )")
-COLUMNS = "200"  # Rich wraps at this width when output is not a terminal: lines stay whole
+COLUMNS = "400"  # Rich wraps at this width when output is not a terminal: lines stay whole
 
 
 # ---------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class Runner:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0:
             raise SystemExit(f"`{command}` failed (exit {result.returncode}):\n{result.stdout}")
-        return "\n".join(line for line in result.stdout.splitlines() if not PROGRESS.match(line))
+        return "\n".join(line.rstrip() for line in result.stdout.splitlines() if not PROGRESS.match(line))
 
 
 def regenerate(block: Block, runner: Runner) -> list[str]:
