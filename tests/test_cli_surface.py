@@ -51,6 +51,8 @@ def test_usage_error_in_a_real_process():
     from pathlib import Path
 
     script = Path(sys.executable).with_name("mlx-spec")
+    if not script.exists():
+        pytest.skip("the mlx-spec console script is not installed next to this interpreter")
     run = subprocess.run([str(script), "generate", "x", "--temp", "-1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2

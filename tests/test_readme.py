@@ -111,6 +111,8 @@ def test_the_cheap_readme_commands_run(args, tmp_path):
     """The README's commands on the embedded default, run as shown (a real process); an
     inline mention without a prompt (`mlx-spec generate --raw -n 24`) reads one from stdin."""
     script = Path(sys.executable).with_name("mlx-spec")
+    if not script.exists():
+        pytest.skip("the mlx-spec console script is not installed next to this interpreter")
     result = subprocess.run([str(script), *args], capture_output=True, text=True, timeout=600, cwd=tmp_path,
                             input="The three most useful habits for a new programmer are")
     assert result.returncode == 0, (args, result.stderr)
