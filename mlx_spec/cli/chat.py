@@ -105,7 +105,8 @@ def _line_editing():
     from mlx_spec.models.loader import cache_root
 
     history = cache_root() / HISTORY_FILE
-    readline.parse_and_bind("set enable-bracketed-paste on")
+    if "libedit" not in (readline.__doc__ or ""):  # macOS's libedit has no such setting
+        readline.parse_and_bind("set enable-bracketed-paste on")
     readline.set_history_length(HISTORY_LENGTH)
     try:
         readline.read_history_file(history)
