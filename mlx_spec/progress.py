@@ -85,8 +85,8 @@ class StderrProgress:
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
                                        TextColumn, TimeElapsedColumn)
 
-            self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(),
+            self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                 _when_counted(BarColumn()), _when_counted(MofNCompleteColumn()), TimeElapsedColumn(),
                                  console=Console(stderr=True), transient=True)
             self.bars.start()
         return self.bars
@@ -99,6 +99,19 @@ class StderrProgress:
             self.bars.stop()
             self.bars = None
         return False
+
+
+def _when_counted(column):
+    """`column` for a step with a known total; nothing for an open-ended one, which shows its
+    spinner and elapsed time instead of a bar that looks stuck at 0/?."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Counted(ProgressColumn):
+        def render(self, task):
+            return column.render(task) if task.total is not None else Text("")
+
+    return Counted()
 
 
 def progress_mode(enabled: bool) -> str:

@@ -132,7 +132,7 @@ def test_chat_in_a_pseudo_terminal(tiny_dirs):
         assert int(child.match.group(1)) < lengths[long_prompt]
         child.expect(">>> ")
         child.sendline("/stats")
-        child.expect("conversation: 1 turns")
+        child.expect("conversation: 1 turn, ")
         child.expect(">>> ")
         child.sendline("/quit")
         child.expect(pexpect.EOF)

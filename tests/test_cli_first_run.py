@@ -66,12 +66,12 @@ def test_bytes_that_are_not_utf8_become_replacement_characters(models, how):
 def test_chat_and_bench_take_bad_bytes_too(models, tmp_path):
     result = invoke(["chat", *models, "-n", "4"], input=b"\xff hi\n/quit\n")
     assert result.exit_code == 0, result.stderr
-    assert "your message had 1 byte that are not valid UTF-8" in result.stderr
+    assert "your message had 1 byte that is not valid UTF-8" in result.stderr
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"caf\xe9 au lait")
     result = invoke(["bench", *models, "--prompt", f"@{bad}", "--runs", "1", "-n", "4", "--gamma", "1"])
     assert result.exit_code == 0, result.stderr
-    assert "prompt 'bad.txt' had 1 byte that are not valid UTF-8" in result.stderr
+    assert "prompt 'bad.txt' had 1 byte that is not valid UTF-8" in result.stderr
 
 
 def test_a_prompt_longer_than_the_context_is_refused_up_front(models, monkeypatch):

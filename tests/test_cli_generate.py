@@ -169,7 +169,8 @@ def test_render_stats_is_a_pure_function_of_the_snapshot():
     console.print(render_stats(view))
     text = console.export_text()
     assert "auto (now 3)" in text and "position 3" in text and "2.50 GB/s" in text
-    assert "speedup 1.60× vs plain ≈ 20.0 tok/s from the cost curve (predicted 1.80×)" in text
+    assert "│ 1.60× vs plain ≈ 20.0 tok/s from the cost curve (predicted 1.80×)" in text
+    assert text.count("speedup") == 1  # the row's label, not said twice
     assert "3.0 MB" in text
     assert bar(1.0).strip() == "█" * 20 and bar(0.0).strip() == ""
     line = summary_line(view)

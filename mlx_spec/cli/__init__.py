@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 from typer.core import TyperGroup
+
+try:  # newer Typer parses with its own copy of click, so its errors are that copy's classes
+    from typer._click import exceptions as click_errors
+except ImportError:
+    from click import exceptions as click_errors
 
 from mlx_spec.errors import MlxSpecError
 
@@ -15,10 +19,17 @@ DEBUG_ENV = "MLX_SPEC_DEBUG"
 
 
 class _FriendlyErrors(TyperGroup):
-    """Known errors become one line on stderr and exit code 1; `--debug` (or
-    MLX_SPEC_DEBUG=1) re-raises them with the traceback."""
+    """Every error is one line on stderr, `error: ...`: known errors exit 1, and `--debug`
+    (or MLX_SPEC_DEBUG=1) re-raises them with the traceback; usage errors (a bad flag
+    value, an unknown flag or command, a missing argument) exit 2 and name the flag."""
 
     debug = False  # set by --debug for this invocation only
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:  # the root's own flags: `mlx-spec --bogus`
+            return super().make_context(info_name, args, parent, **extra)
+        except click_errors.UsageError as error:
+            _usage_error(error)
 
     def invoke(self, ctx):
         from mlx_spec.distributed import quiet_error, world
@@ -26,7 +37,9 @@ class _FriendlyErrors(TyperGroup):
         _FriendlyErrors.debug = False
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except click_errors.UsageError as error:  # a subcommand's flags, or an unknown command
+            _usage_error(error, ctx)
+        except (typer.Exit, typer.Abort, click_errors.ClickException):
             raise  # typer.Exit is a RuntimeError: let it through untouched
         except Exception as error:
             # Across ranks (mlx.launch), each error is said once: by rank 0 when every rank
@@ -41,14 +54,43 @@ class _FriendlyErrors(TyperGroup):
             if debug:
                 raise
             stderr = sys.__stderr__ if w.active else sys.stderr  # a rank's own error (see follow_quietly)
-            print(f"error: {_one_line(str(error))}", file=stderr)
-            print(f"(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=stderr)
+            print(f"error: {_one_line(str(error))} {DEBUG_HINT}", file=stderr)
             raise typer.Exit(1) from None
+
+
+DEBUG_HINT = "(--debug for the traceback)"
 
 
 def _one_line(message: str) -> str:
     lines = message.strip().splitlines()
     return lines[0] if lines else "unknown error"
+
+
+def _usage_error(error, parent=None):
+    """Click's usage error as one line in our style, naming the flag, then exit 2.
+    `no_args_is_help` raises one too: that one shows the help as usual."""
+    if isinstance(error, click_errors.NoArgsIsHelpError):
+        raise error
+    param = getattr(error, "param", None)
+    if isinstance(error, click_errors.BadParameter) and getattr(param, "param_type_name", "") == "option" \
+            and error.param_hint is None:
+        # "Invalid value for '--temp' / '-t': ..." names every alias; the long flag is enough
+        message = f"invalid value for {param.opts[0]}: {_lower_first(error.message)}"
+    else:
+        message = _lower_first(error.format_message())
+    message = _one_line(message).rstrip(".")
+    if error.ctx is not None:
+        command = error.ctx.command_path
+    elif parent is not None:  # raised while the subcommand's flags were parsed
+        command = " ".join(filter(None, (parent.command_path, parent.invoked_subcommand)))
+    else:
+        command = "mlx-spec"
+    print(f"error: {message} (see '{command} --help')", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
 
 
 app = typer.Typer(

@@ -115,6 +115,8 @@ def bench(
         named = []
         for spec in specs if w.is_root else ():
             name, text, replaced = resolve_prompt(spec)
+            if name == "custom" and len(spec.split()) == 1:
+                _check_one_word_prompt(spec)
             warn_replaced(replaced, f"prompt {name!r}")
             named.append((name, text))
         if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -195,6 +197,20 @@ def parse_gammas(values: list[str]) -> list:
     return out
 
 
+def _check_one_word_prompt(spec: str) -> None:
+    """One word that is not a committed prompt is most likely a misspelt name: near one, it is
+    an error; otherwise it runs as text, and stderr says so."""
+    import difflib
+
+    names = ", ".join(committed_prompts())
+    close = difflib.get_close_matches(spec, committed_prompts(), n=1)
+    if close:
+        raise MlxSpecError(f"--prompt {spec!r} is not a committed prompt: did you mean {close[0]!r}? "
+                           f"Committed: {names}; @FILE reads a file")
+    print(f"warning: --prompt {spec!r} is not a committed prompt ({names}) or @FILE: it runs as "
+          "literal text, labelled 'custom'", file=sys.stderr)
+
+
 def _read_compare(path: Path) -> dict:
     """(prompt, setting) → speedup from a saved `bench --json` output."""
     try:
@@ -265,9 +281,10 @@ def _print_table(result: SweepResult, setup) -> None:
                         f"{s.md5[:12]} ✓" if s.identical else
                         f"[yellow]≈ near-tie at token {s.mismatch_at}[/yellow]" if s.near_tie else
                         f"[red]✗ differs at token {s.mismatch_at}[/red]")
+            drafted = not is_base and s.mean_gamma > 0  # α̂ of nothing drafted is no measurement
             accept.add_row(label,
-                           "—" if is_base else f"{s.acceptance_rate:.3f}",
-                           "—" if is_base else _fmt_positions(s.acceptance_by_position),
+                           f"{s.acceptance_rate:.3f}" if drafted else "—",
+                           _fmt_positions(s.acceptance_by_position) if drafted else "—",
                            f"{s.mean_accepted_length:.2f}", f"{s.mean_gamma:.2f}", identity)
         console.print(speed)
         console.print(accept)

@@ -4,6 +4,10 @@ Both models' caches carry across turns (ChatSession), so each turn prefills only
 tokens. Ctrl-C while an answer streams stops it between rounds: a SIGINT handler only sets a
 flag, the loop sees it after the current round and closes the generator, which leaves the
 caches consistent with the partial answer. Ctrl-C or EOF at the prompt quits.
+
+On a terminal the prompt is edited with readline (arrows, history kept in the cache folder
+across sessions); a multi-line paste arrives as one message (bracketed paste), and so does
+everything between two lines of triple quotes.
 """
 
 from __future__ import annotations
@@ -24,13 +28,17 @@ from mlx_spec.cli.common import (
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
     StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
 )
-from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
+from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import build_engine, parse_gamma
 from mlx_spec.stats import Stats
 
 PROMPT = ">>> "
+MORE = "... "  # inside a triple-quoted message
+FENCE = '"""'
+HISTORY_FILE = "chat_history"  # in the cache folder
+HISTORY_LENGTH = 1000
 HELP = """commands:
   /gamma N|auto   set γ, the draft tokens per round (0 = plain decoding)
   /temp X         set the sampling temperature (0 = greedy)
@@ -38,6 +46,7 @@ HELP = """commands:
   /reset          forget the conversation (clears both caches)
   /help           this help
   /quit           leave (also Ctrl-D, or Ctrl-C at the prompt)
+A message of several lines: paste it, or put it between two lines of \"\"\".
 Ctrl-C while an answer streams stops it and keeps what was said."""
 
 
@@ -79,6 +88,38 @@ def _no_echo():
         yield
     finally:
         termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # drops the unread typed-ahead input
+
+
+@contextmanager
+def _line_editing():
+    """Readline for the prompt when stdin is a terminal: arrows edit the line, Up/Down walk
+    the history, which is kept in the cache folder across sessions. Pastes are bracketed, so
+    a pasted block with newlines is one message (Python turns bracketed paste off by default)."""
+    try:
+        if not sys.stdin.isatty():
+            raise ImportError
+        import readline
+    except ImportError:  # piped, or a Python built without readline: plain input()
+        yield
+        return
+    from mlx_spec.models.loader import cache_root
+
+    history = cache_root() / HISTORY_FILE
+    if "libedit" not in (readline.__doc__ or ""):  # macOS's libedit has no such setting
+        readline.parse_and_bind("set enable-bracketed-paste on")
+    readline.set_history_length(HISTORY_LENGTH)
+    try:
+        readline.read_history_file(history)
+    except OSError:  # none yet, or unreadable: start with an empty history
+        pass
+    try:
+        yield
+    finally:
+        try:
+            history.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history)
+        except OSError:  # a read-only cache folder costs the history, not the session
+            pass
 
 
 class ChatRepl:
@@ -134,7 +175,7 @@ class ChatRepl:
                 self.say("no answer yet")
             else:
                 self.console.print(render_stats(self.last_view, title="last answer"))
-                self.say(f"conversation: {self.turns} turns, {len(self.session.ids)} tokens in context")
+                self.say(f"conversation: {plural(self.turns, 'turn')}, {plural(len(self.session.ids), 'token')} in context")
         elif name == "reset":
             self.session.reset()
             self.turns = 0
@@ -182,20 +223,30 @@ class ChatRepl:
         self.say(f"[{'stopped · ' if stopped else ''}{footer}]")
 
     def read_line(self) -> Optional[str]:
-        """The next input line, None at EOF or Ctrl-C. Across ranks rank 0 reads and every
-        rank receives the same line."""
+        """The next message, None at EOF or Ctrl-C: one line, or the lines between two
+        lines of triple quotes. Across ranks rank 0 reads and every rank receives the same."""
         w = world()
         line = None
         if w.is_root:
             try:
                 line = input(PROMPT)
+                if line.strip() == FENCE:
+                    lines = []
+                    while (more := input(MORE)).strip() != FENCE:
+                        lines.append(more)
+                    line = "\n".join(lines)
             except (EOFError, KeyboardInterrupt):
                 self.write("\n")
+                line = None
         return w.broadcast_text(line)
 
     def run(self) -> None:
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 arrive as surrogates,
             sys.stdin.reconfigure(errors="surrogateescape")  # which checked_text replaces
+        with _line_editing():
+            self._loop()
+
+    def _loop(self) -> None:
         self.say("mlx-spec chat: /help for commands, /quit to leave", style="bold")
         while True:
             line = self.read_line()
@@ -241,7 +292,9 @@ def chat(
 ) -> None:
     """Chat with the model in the terminal (multi-turn, caches reused across turns).
 
-    Slash commands: /gamma N|auto, /temp X, /stats, /reset, /help, /quit.
+    Slash commands: /gamma N|auto, /temp X, /stats, /reset, /help, /quit. The line is
+    edited with readline (history in the cache folder); a pasted block, or lines between
+    two lines of triple quotes, is one message; Ctrl-D leaves.
     """
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,

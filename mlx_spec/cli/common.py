@@ -256,9 +256,11 @@ def checked_text(text, what: str) -> str:
 
 
 def warn_replaced(replaced: int, what: str) -> None:
-    if replaced:
-        print(f"warning: {what} had {replaced} byte{'s' if replaced > 1 else ''} that are not "
-              "valid UTF-8; each became U+FFFD", file=sys.stderr)
+    if replaced == 1:
+        print(f"warning: {what} had 1 byte that is not valid UTF-8; it became U+FFFD", file=sys.stderr)
+    elif replaced:
+        print(f"warning: {what} had {replaced} bytes that are not valid UTF-8; each became U+FFFD",
+              file=sys.stderr)
 
 
 def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma"):

@@ -164,11 +164,11 @@ def _live(responses, views, stats, color_drafts: bool) -> bool:
     prefill = {"done": 0, "total": 0}
     interrupted = False
 
-    def frame():
+    def frame(final: bool = False):
+        if not stats.rounds and not final:  # before the first token there is nothing to show
+            done = f" {prefill['done']}/{prefill['total']} tokens" if prefill["total"] else ""
+            return Text(f"prefilling{done}…", style="dim")
         panel = render_stats(views(stats, interrupted))
-        if prefill["total"] and not stats.rounds:
-            status = Text(f"prefill {prefill['done']}/{prefill['total']} tokens", style="dim")
-            return Group(status, panel)
         return Group(tail, panel) if tail.plain else panel
 
     with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
@@ -200,5 +200,5 @@ def _live(responses, views, stats, color_drafts: bool) -> bool:
                     last = time.monotonic()
         except KeyboardInterrupt:
             interrupted = True
-        live.update(frame(), refresh=True)
+        live.update(frame(final=True), refresh=True)
     return interrupted

@@ -39,21 +39,91 @@ def list_command(
     if as_json:
         print(json.dumps([vars(p) for p in presets], indent=2))
         return
+    rows = [preset_row(p) for p in presets]
     console = Console()
-    columns = ("name", "target", "draft", "drafter", "gamma", "sampling", "description")
-    rows = [(p.name, p.target, p.draft or "-", p.drafter, str(p.gamma), _sampling(p),
-             p.description) for p in presets]
     if not console.is_terminal:  # piped: plain tab-separated lines for scripts
-        print("\t".join(columns))
+        print("\t".join(ROW_FIELDS))
         for row in rows:
-            print("\t".join(row))
+            print("\t".join(row[field] for field in ROW_FIELDS))
         return
-    table = Table(title="mlx-spec presets", show_lines=False)
-    for column in columns:  # ids stay whole; the description wraps
-        table.add_column(column, overflow="fold", no_wrap=column != "description")
+    console.print(model_table(rows, console, title="mlx-spec presets"))
+
+
+# A row of `models list`: the columns, in order; `model_table` shows as many as fit.
+ROW_FIELDS = ("name", "target", "draft", "drafter", "gamma", "sampling", "description")
+HEADERS = {"gamma": "γ"}
+DESCRIPTION_MIN = 24  # narrower than this, a description reads as a column of word fragments
+
+
+def preset_row(preset) -> dict:
+    return {"name": preset.name, "target": preset.target, "draft": preset.draft or "-",
+            "drafter": preset.drafter, "gamma": str(preset.gamma), "sampling": _sampling(preset),
+            "description": preset.description}
+
+
+def model_table(rows: list[dict], console: Console, title: str):
+    """The rows (dicts with `ROW_FIELDS`) as a table that fits the console: names, model ids,
+    drafter and γ are never cut. The first layout that fits wins: one column per field; then
+    without description, then sampling; then target and draft stacked in one column; and
+    when even that is too wide, one block per row."""
+    wide = ("name", "target", "draft", "drafter", "gamma")
+    stacked = ("name", "drafter", "gamma", "models")
+    layouts = [wide + ("sampling", "description"), wide + ("sampling",),
+               stacked + ("sampling", "description"), stacked + ("sampling",), wide, stacked]
+    for fields in layouts:
+        if _min_width(rows, fields) <= console.width:
+            return _table(rows, fields, title)
+    return _blocks(rows, title)
+
+
+def _cells(row: dict, fields: tuple) -> list[str]:
+    return [f"{row['target']}\n{row['draft']}" if field == "models" else row[field] for field in fields]
+
+
+def _min_width(rows: list[dict], fields: tuple) -> int:
+    """Columns at their widest line (the description at its minimum), one space of padding
+    each side but not at the table's edges, a one-character rule between columns."""
+    from rich.cells import cell_len
+
+    columns = zip(fields, _headers(fields), *(_cells(row, fields) for row in rows))
+    widths = [DESCRIPTION_MIN if field == "description" else
+              max(cell_len(line) for cell in cells for line in cell.splitlines())
+              for field, *cells in columns]
+    return sum(widths) + 2 * len(fields) - 2 + len(fields) - 1
+
+
+def _headers(fields: tuple) -> list[str]:
+    return ["target / draft" if field == "models" else HEADERS.get(field, field) for field in fields]
+
+
+def _table(rows: list[dict], fields: tuple, title: str) -> Table:
+    from rich import box
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for field, header in zip(fields, _headers(fields)):
+        if field == "description":
+            table.add_column(header, min_width=DESCRIPTION_MIN)  # the one column that wraps
+        else:
+            table.add_column(header, no_wrap=True)
     for row in rows:
-        table.add_row(*row)
-    console.print(table)
+        table.add_row(*_cells(row, fields))
+    return table
+
+
+def _blocks(rows: list[dict], title: str):
+    """One small table per row, for terminals too narrow for any table layout."""
+    from rich.console import Group
+
+    blocks = []
+    for row in rows:
+        block = Table(title=row["name"], title_justify="left", title_style="bold",
+                      show_header=False, box=None, pad_edge=False)
+        block.add_column("field", style="dim", no_wrap=True)
+        block.add_column("value", overflow="fold")
+        for field in ROW_FIELDS[1:]:
+            block.add_row(HEADERS.get(field, field), row[field])
+        blocks.append(block)
+    return Group(f"[italic]{title}[/italic]", *blocks)
 
 
 def list_local_models(as_json: bool) -> None:
@@ -113,15 +183,22 @@ def info_command(
         result = model_info(source, progress=not as_json)
     if as_json:
         print(json.dumps(result, indent=2))
-        return
-    console = Console()
-    if "preset" in result:
-        _render(console, f"preset {source}", result["preset"])
-        for role in ("target", "draft"):
-            if role in result:
-                _render(console, role, _human(result[role]))
     else:
-        _render(console, result["source"], _human(result))
+        console = Console()
+        if "preset" in result:
+            _render(console, f"preset {source}", result["preset"])
+            for role in ("target", "draft"):
+                if role in result:
+                    _render(console, role, _human(result[role]))
+        else:
+            _render(console, result["source"], _human(result))
+    missing = [role for role in ("target", "draft") if "status" in result.get(role, {})]
+    if missing:  # what is known was shown; the exit code says a model is not there
+        from mlx_spec.errors import ModelLoadError
+
+        raise ModelLoadError(f"the {' and '.join(missing)} of preset {source} {'is' if len(missing) == 1 else 'are'} "
+                             f"not downloaded; `mlx-spec generate --preset {source}` downloads "
+                             f"{'it' if len(missing) == 1 else 'them'}")
 
 
 @models_app.command("import")

@@ -92,6 +92,11 @@ def _prefill_share(stats: Stats) -> float:
     return stats.prefill_time / total if total > 0 else 0.0
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 turn', '2 turns'."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024 or unit == "GB":
@@ -154,7 +159,7 @@ def speedup_text(view: View) -> str:
     run's plain rounds, else the cost curve's as this run corrected it (shown only once
     tokens were drafted)."""
     source = "measured in this run" if view.plain_measured else "from the cost curve"
-    return (f"speedup {view.measured_speedup:.2f}× vs plain ≈ {view.plain_tps:.1f} tok/s {source} "
+    return (f"{view.measured_speedup:.2f}× vs plain ≈ {view.plain_tps:.1f} tok/s {source} "
             f"(predicted {view.predicted_speedup:.2f}×)")
 
 
@@ -169,7 +174,7 @@ def summary_line(view: View) -> str:
         parts.append(f"accepted len {s.mean_accepted_length:.2f}")
         parts.append("by position " + " ".join(f"{a:.2f}" for a in s.acceptance_by_position))
     if view.measured_speedup is not None:
-        parts.append(speedup_text(view))
+        parts.append(f"speedup {speedup_text(view)}")
     parts.append(human_rate(view.bandwidth))
     parts.append(f"peak {human_bytes(s.peak_memory)}")
     return " · ".join(parts)

@@ -41,14 +41,21 @@ def offline() -> bool:
                for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+_forced = False  # offline because the command chose so, not the user (see forced_offline)
+
+
 @contextmanager
 def forced_offline():
-    """Within the block, Hub models resolve from the HF cache only (no network)."""
-    saved = os.environ.get("HF_HUB_OFFLINE")
+    """Within the block, Hub models resolve from the HF cache only (no network); an error
+    then says the command does not download, not that the user set HF_HUB_OFFLINE."""
+    global _forced
+    saved, was_forced = os.environ.get("HF_HUB_OFFLINE"), _forced
+    _forced = not offline()
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
         yield
     finally:
+        _forced = was_forced
         if saved is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
@@ -103,8 +110,9 @@ def download(repo_id: str, *, progress: bool = True) -> Path:
                              "download it again with network access") from None
     except errors.LocalEntryNotFoundError:
         if is_offline:
+            why = "; this command does not download" if _forced else " while HF_HUB_OFFLINE is set"
             raise ModelLoadError(f"{tried}, and Hub model '{repo_id}' is not in the HF cache "
-                                 f"({cache}) while HF_HUB_OFFLINE is set") from None
+                                 f"({cache}){why}") from None
         raise ModelLoadError(f"{tried}, and the Hugging Face Hub could not be reached to "
                              f"download '{repo_id}' (not in the HF cache {cache} either)") from None
     except errors.HFValidationError:
