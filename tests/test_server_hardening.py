@@ -18,15 +18,9 @@ import openai
 import pytest
 from mlx_lm import generate, load
 
-from server_support import Server, assert_openai_error
+from server_support import LONG_PROMPT, Server, assert_openai_error, start_long_stream, wait_for
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
-
-# A greedy completion of this prompt by the tiny target runs past 1,500 tokens without an
-# EOS (checked where it matters: the server must still be busy), i.e. several seconds.
-LONG_PROMPT = "Tell me a story"
-LONG = 1500
-
 
 @pytest.fixture(scope="module")
 def env(cost_cache):
@@ -67,37 +61,13 @@ def _rss_mib(server) -> float:
     raise AssertionError("no VmRSS")
 
 
-def _start_long_stream(server, model):
-    """A streamed greedy answer of LONG tokens, read up to its first text; returns the open
-    response (close it to leave) and its client."""
-    client = httpx.Client(timeout=60)
-    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": LONG, "temperature": 0,
-            "stream": True}
-    response = client.send(client.build_request("POST", server.base + "/completions", json=body),
-                           stream=True)
-    assert response.status_code == 200, response.read()
-    lines = response.iter_lines()
-    for line in lines:
-        if line.startswith("data: {") and '"text": ""' not in line:
-            break
-    return client, response, lines
-
-
-def _wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout} s")
-        time.sleep(0.05)
-
-
 # -- 1. a client that leaves the queue frees its place ------------------------------------
 
 
 def test_a_queued_client_that_leaves_frees_its_place(server, tiny_dirs):
     model = tiny_dirs[0]
     server.wait_idle(30)
-    client, running, _ = _start_long_stream(server, model)
+    client, running, _ = start_long_stream(server, model)
     try:
         def leave_while_queued():
             try:
@@ -108,15 +78,15 @@ def test_a_queued_client_that_leaves_frees_its_place(server, tiny_dirs):
 
         leaver = threading.Thread(target=leave_while_queued)
         leaver.start()
-        _wait_for(lambda: server.health()["queued"] == 1, 5, "queued")
+        wait_for(lambda: server.health()["queued"] == 1, 5, "queued")
         leaver.join()
-        _wait_for(lambda: server.health()["queued"] == 0, 3, "freed")
+        wait_for(lambda: server.health()["queued"] == 0, 3, "freed")
         assert server.health()["busy"]  # the long answer still runs
         answer = {}
         waiter = threading.Thread(target=lambda: answer.update(result=server.client().completions.create(
             model=model, prompt="Hello", max_tokens=4, temperature=0)))
         waiter.start()
-        _wait_for(lambda: server.health()["queued"] == 1 or not waiter.is_alive(), 5, "queued")
+        wait_for(lambda: server.health()["queued"] == 1 or not waiter.is_alive(), 5, "queued")
         assert waiter.is_alive(), "the next client was refused although the queue had room"
     finally:
         running.close()
