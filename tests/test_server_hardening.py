@@ -184,9 +184,12 @@ def _raw_post(server, head_extra: bytes, chunks, timeout: float = 30) -> tuple[i
             except (BrokenPipeError, ConnectionResetError):
                 break
         deadline = time.monotonic() + timeout
-        while b"\r\n\r\n" not in answer and time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # until the server closes (it says Connection: close)
             if select.select([sock], [], [], 0.5)[0]:
-                data = sock.recv(65536)
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    break
                 if not data:
                     break
                 answer += data
