@@ -119,6 +119,9 @@ def test_a_non_ascii_bearer_token_is_a_401(keyed_server, tiny_dirs):
     for token in [b"Bearer \xe9", b"Bearer sekret\xe9", b"\xe9\xe9 sekret", b"Bearer \xff\xfe"]:
         response = httpx.get(url, headers=[(b"Authorization", token)])
         assert_openai_error(response, 401, "API key")
+    for headers in [{"x-api-key": "wrong"}, [(b"x-api-key", b"sekret\xe9")], {"Authorization": "sekret"}]:
+        assert_openai_error(httpx.get(url, headers=headers), 401, "API key")
+    assert httpx.get(url, headers={"x-api-key": "sekret"}).status_code == 200  # Anthropic's header
     with pytest.raises(openai.AuthenticationError):
         keyed_server.client(api_key="wrong").models.list()
     keyed = keyed_server.client(api_key="sekret")

@@ -5,7 +5,9 @@ shape without reaching the app:
 
 1. the Host header (403): a web page that rebinds its own DNS name to 127.0.0.1 sends
    `Host: attacker.example`; only loopback names (and `--allowed-hosts`) are served;
-2. the API key on /v1 routes (401), compared as bytes in constant time;
+2. the API key on /v1 routes (401), compared as bytes in constant time, from
+   "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>" (Anthropic's);
+   CORS preflights (OPTIONS) never carry a key, so they are not asked for one;
 3. the content type of a request with a body (415): browsers send a cross-origin
    `text/plain` POST without a CORS preflight, so only `application/json` is read;
 4. the body size (413), counted while the body arrives, so a huge or chunked body is
@@ -90,7 +92,7 @@ class RequestGuards:
             headers.setdefault(name.lower(), value)
         try:
             self._check_host(headers)
-            if scope["path"].startswith(KEYED_PREFIX):
+            if scope["path"].startswith(KEYED_PREFIX) and scope["method"] != "OPTIONS":
                 self._check_key(headers)
             body = None
             if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -130,7 +132,8 @@ class RequestGuards:
         if self.api_key is None:
             return
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
 
