@@ -45,7 +45,8 @@ class ServerOptions:
         max_tokens: completion length when a request gives none.
         context_length: prompt plus completion tokens the model takes.
         queue_size: requests that may wait while one generates.
-        api_key: if set, every /v1 request needs "Authorization: Bearer <key>".
+        api_key: if set, every /v1 request needs "Authorization: Bearer <key>" (or
+            "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
         allowed_hosts: Host names served besides loopback ones; None serves any.
         info: what /health reports about the loaded models (target, draft, preset).
     """
@@ -116,7 +117,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                 "drafter": drafter, "gamma": gamma_mode, **worker.health()}
 
     @app.get("/v1/models")
-    async def models(request: Request):
+    async def models():
         card = {"id": options.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "mlx-spec"}
         return {"object": "list", "data": [card]}
@@ -254,10 +255,11 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
                        param="messages") from None
     for i, message in enumerate(messages):
         if message["content"].strip() not in text:
-            alone = " (a system message needs a user message after it)" if message["role"] == "system" \
-                and not any(m["role"] == "user" for m in messages) else ""
+            hint = ""
+            if message["role"] == "system" and all(m["role"] != "user" for m in messages):
+                hint = " (a system message needs a user message after it)"
             raise ApiError(400, f"messages[{i}]: the model's chat template leaves this "
-                                f"{message['role']} message out{alone}", param=f"messages[{i}]")
+                                f"{message['role']} message out{hint}", param=f"messages[{i}]")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
