@@ -16,9 +16,10 @@ import httpx
 
 BANNER = re.compile(r"at (http://\S+)/v1")
 # A greedy completion of this prompt by the tiny target (`cli_fixtures.tiny_dirs`) runs
-# past 1,500 tokens without an EOS: seconds of generation (tests check it still runs).
+# 4,000 tokens without an EOS (within its 4,096-token context): ~20 s on a 2-core CPU, so
+# it still generates while a test acts (the tests check that it does).
 LONG_PROMPT = "Tell me a story"
-LONG = 1500
+LONG = 4000
 
 
 class Server:

@@ -71,7 +71,7 @@ def test_a_queued_client_that_leaves_frees_its_place(server, tiny_dirs):
     try:
         def leave_while_queued():
             try:
-                httpx.post(server.base + "/completions", timeout=1.5,
+                httpx.post(server.base + "/completions", timeout=3,
                            json={"model": model, "prompt": "Hello", "max_tokens": 8})
             except httpx.ReadTimeout:
                 pass
