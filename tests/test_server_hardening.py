@@ -122,6 +122,8 @@ def test_a_non_ascii_bearer_token_is_a_401(keyed_server, tiny_dirs):
     for headers in [{"x-api-key": "wrong"}, [(b"x-api-key", b"sekret\xe9")], {"Authorization": "sekret"}]:
         assert_openai_error(httpx.get(url, headers=headers), 401, "API key")
     assert httpx.get(url, headers={"x-api-key": "sekret"}).status_code == 200  # Anthropic's header
+    assert httpx.get(keyed_server.url + "/health").status_code == 200  # probes need no key
+    assert_openai_error(httpx.get(keyed_server.url + "/elsewhere"), 401)  # every other path does
     with pytest.raises(openai.AuthenticationError):
         keyed_server.client(api_key="wrong").models.list()
     keyed = keyed_server.client(api_key="sekret")

@@ -42,8 +42,8 @@ def serve(
         help="TCP port; 0 picks a free one (printed at start).")] = 8080,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", rich_help_panel=SERVER, envvar="MLX_SPEC_API_KEY",
-        help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 requests (or set "
-             "MLX_SPEC_API_KEY); printable ASCII.")] = None,
+        help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but "
+             "/health (or set MLX_SPEC_API_KEY); printable ASCII.")] = None,
     allowed_hosts: Annotated[Optional[str], typer.Option(
         "--allowed-hosts", rich_help_panel=SERVER, metavar="NAME,...",
         help="Host header names to answer besides localhost and loopback addresses (which "

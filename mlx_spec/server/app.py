@@ -45,7 +45,7 @@ class ServerOptions:
         max_tokens: completion length when a request gives none.
         context_length: prompt plus completion tokens the model takes.
         queue_size: requests that may wait while one generates.
-        api_key: if set, every /v1 request needs "Authorization: Bearer <key>" (or
+        api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
             "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
         allowed_hosts: Host names served besides loopback ones; None serves any.
         info: what /health reports about the loaded models (target, draft, preset).

@@ -5,7 +5,7 @@ shape without reaching the app:
 
 1. the Host header (403): a web page that rebinds its own DNS name to 127.0.0.1 sends
    `Host: attacker.example`; only loopback names (and `--allowed-hosts`) are served;
-2. the API key on /v1 routes (401), compared as bytes in constant time, from
+2. the API key on every route but /health (401), compared as bytes in constant time, from
    "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>" (Anthropic's);
    CORS preflights (OPTIONS) never carry a key, so they are not asked for one;
 3. the content type of a request with a body (415): browsers send a cross-origin
@@ -31,7 +31,7 @@ from mlx_spec.server.protocol import ApiError
 MAX_BODY_BYTES = 16 * 1024 * 1024
 LOOPBACK_NAMES = ("localhost",)  # IP literals are checked with `ipaddress`
 ANY_HOST = "*"
-KEYED_PREFIX = "/v1"  # /health stays open, as load balancers probe it without a key
+OPEN_PATHS = ("/health",)  # load balancers and supervisors probe it without a key
 
 
 def check_api_key(key: Optional[str]) -> Optional[bytes]:
@@ -72,7 +72,7 @@ class RequestGuards:
 
     Args:
         allowed_hosts: Host names served besides loopback ones; None (or "*") serves any.
-        api_key: bytes every /v1 request must send as "Authorization: Bearer <key>".
+        api_key: bytes every request but /health must send (see the module docstring).
         max_body: the largest request body read, in bytes.
     """
 
@@ -92,7 +92,7 @@ class RequestGuards:
             headers.setdefault(name.lower(), value)
         try:
             self._check_host(headers)
-            if scope["path"].startswith(KEYED_PREFIX) and scope["method"] != "OPTIONS":
+            if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
                 self._check_key(headers)
             body = None
             if scope["method"] in ("POST", "PUT", "PATCH"):
