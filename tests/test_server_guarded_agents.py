@@ -128,6 +128,8 @@ def test_the_guards_answer_the_messages_routes_in_anthropics_shape(keyed, tokeni
     assert "application/json" in anthropic_error(plain, 415, "invalid_request_error")
     status, huge = declare_a_huge_body(keyed, "/v1/messages")
     assert status == 413 and huge["error"]["type"] == "request_too_large", huge
+    wrong_method = httpx.get(keyed.url + "/v1/messages", headers=headers, timeout=30)
+    anthropic_error(wrong_method, 405, "invalid_request_error")  # the router's own errors too
     # the same refusals elsewhere stay in OpenAI's shape; the key works as x-api-key
     assert_openai_error(httpx.post(keyed.base + "/chat/completions", json={}, timeout=30), 401,
                         "API key")

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
-from mlx_spec.server.guards import RequestGuards, check_api_key
+from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.protocol import (
     ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, logprobs_object,
@@ -105,9 +105,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     # The last added is the outermost: responses are counted, then CORS headers go on every
     # answer to an allowed origin (the guards' refusals too, so a page can read why), then
     # the guards run before any route. A preflight is answered by CORSMiddleware itself.
+    error_bodies = {anthropic.PATH: anthropic.error_body}  # OpenAI's shape elsewhere
     app.add_middleware(RequestGuards, allowed_hosts=options.allowed_hosts,
-                       api_key=check_api_key(options.api_key),
-                       error_bodies={anthropic.PATH: anthropic.error_body})
+                       api_key=check_api_key(options.api_key), error_bodies=error_bodies)
     if options.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
@@ -116,21 +116,24 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     async def off_loop(function, *args):
         return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
 
-    # -- errors in OpenAI's shape --------------------------------------------------------
+    # -- errors in OpenAI's shape (Anthropic's under its path) ---------------------------
+
+    def error_response(request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(error_bodies, request.url.path, error),
+                            status_code=error.status, headers=error.headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return error_response(request, error)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, error: HTTPException):  # unknown routes, wrong methods
-        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(),
-                            status_code=error.status_code, headers=getattr(error, "headers", None))
+        return error_response(request, ApiError(error.status_code, str(error.detail),
+                                                headers=getattr(error, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request, error: Exception):
-        return JSONResponse(ApiError(500, "internal server error", type="server_error").body(),
-                            status_code=500)
+        return error_response(request, ApiError(500, "internal server error", type="server_error"))
 
     # -- routes --------------------------------------------------------------------------
 

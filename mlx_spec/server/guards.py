@@ -69,6 +69,15 @@ def host_allowed(host: str, allowed: Optional[frozenset[str]]) -> bool:
         return False
 
 
+def error_body(bodies: Mapping[str, Callable[[ApiError], dict]], path: str, error: ApiError) -> dict:
+    """`error` as the API under `path` shapes it: the first of `bodies` whose path is `path`
+    or lies above it, else OpenAI's shape."""
+    for root, body in bodies.items():
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            return body(error)
+    return error.body()
+
+
 class RequestGuards:
     """ASGI middleware over the whole app.
 
@@ -107,7 +116,8 @@ class RequestGuards:
                 if body is None:  # the client left while sending
                     return
         except ApiError as error:
-            response = JSONResponse(self._error_body(scope["path"], error), status_code=error.status,
+            response = JSONResponse(error_body(self.error_bodies, scope["path"], error),
+                                    status_code=error.status,
                                     headers={**error.headers, "Connection": "close"})
             return await response(scope, receive, send)
         if body is None:
@@ -123,12 +133,6 @@ class RequestGuards:
             return await receive()  # later: the disconnect, which streaming answers wait for
 
         return await self.app(scope, replay, send)
-
-    def _error_body(self, path: str, error: ApiError) -> dict:
-        for root, body in self.error_bodies.items():
-            if path == root or path.startswith(root.rstrip("/") + "/"):
-                return body(error)
-        return error.body()
 
     def _check_host(self, headers: dict) -> None:
         host = headers.get(b"host")
