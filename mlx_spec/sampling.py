@@ -42,7 +42,8 @@ class SamplingParams:
             (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)"),
             (0.0 < self.top_p <= 1.0, "top-p must be in (0, 1]"),
             (0.0 <= self.min_p < 1.0, "min-p must be in [0, 1)"),
-            (self.repetition_penalty > 0, "repetition penalty must be > 0"),
+            (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
+             "repetition penalty must be > 0 and finite"),
             (self.repetition_context >= 1, "repetition context must be >= 1"),
             (self.seed is None or 0 <= self.seed < 2**64, "seed must be between 0 and 2^64 - 1"),
         ]

@@ -107,12 +107,7 @@ class _StopText:
             tokens += self.textless
             self.textless = []
             return text, flags, tokens, False
-        hold = 0
-        for s in self.stops:  # the longest tail that is a proper prefix of a stop string
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = max((_open_prefix(self.text, s) for s in self.stops), default=0)
         return (*self._release(max(self.released, len(self.text) - hold)), False)
 
     def _release(self, end: int) -> tuple[str, list[bool], list[int]]:
@@ -124,6 +119,18 @@ class _StopText:
         tokens = [t for t, _ in self.tokens[:done]]
         del self.tokens[:done]
         return text, flags, tokens
+
+
+def _open_prefix(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that is a proper prefix of `stop` (text that
+    may still grow into it). Only the last len(stop) - 1 characters can be one, and only
+    where stop's first character occurs, so that is all this looks at."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i != -1:
+        if stop.startswith(text[i:]):  # the first such start is the longest end
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
 
 
 def stream_generate(

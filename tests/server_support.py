@@ -15,6 +15,11 @@ import time
 import httpx
 
 BANNER = re.compile(r"at (http://\S+)/v1")
+# A greedy completion of this prompt by the tiny target (`cli_fixtures.tiny_dirs`) runs
+# 4,000 tokens without an EOS (within its 4,096-token context): ~20 s on a 2-core CPU, so
+# it still generates while a test acts (the tests check that it does).
+LONG_PROMPT = "Tell me a story"
+LONG = 4000
 
 
 class Server:
@@ -105,3 +110,27 @@ def assert_openai_error(response: httpx.Response, status: int, *fragments: str) 
     for fragment in fragments:
         assert fragment in error["message"], error["message"]
     return error
+
+
+def start_long_stream(server: Server, model: str):
+    """A streamed greedy completion of LONG tokens, read up to its first text. Returns
+    (client, response, the iterator over its remaining lines); close both to leave."""
+    client = httpx.Client(timeout=60)
+    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": LONG, "temperature": 0,
+            "stream": True}
+    response = client.send(client.build_request("POST", server.base + "/completions", json=body),
+                           stream=True)
+    assert response.status_code == 200, response.read()
+    lines = response.iter_lines()
+    for line in lines:
+        if line.startswith("data: {") and '"text": ""' not in line:
+            break
+    return client, response, lines
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout} s")
+        time.sleep(0.05)

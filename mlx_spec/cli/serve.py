@@ -2,11 +2,14 @@
 
 Takes the model, drafter, γ, dtype and preset flags of `generate`; sampling flags set the
 defaults for fields a request leaves out. The socket is bound here, before uvicorn starts,
-so a taken port is a one-line error and `--port 0` picks a free port (printed).
+so a taken port is a one-line error and `--port 0` picks a free port (printed). On SIGTERM
+or SIGINT the worker stops at once (`Worker.shut_down`): the running answer ends with an
+error event, waiting requests get 503, and the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
 import socket
@@ -40,7 +43,13 @@ def serve(
         help="TCP port; 0 picks a free one (printed at start).")] = 8080,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", rich_help_panel=SERVER, envvar="MLX_SPEC_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 requests (or set MLX_SPEC_API_KEY).")] = None,
+        help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but "
+             "/health (or set MLX_SPEC_API_KEY); printable ASCII.")] = None,
+    allowed_hosts: Annotated[Optional[str], typer.Option(
+        "--allowed-hosts", rich_help_panel=SERVER, metavar="NAME,...",
+        help="Host header names to answer besides localhost and loopback addresses (which "
+             "are always answered), comma-separated; '*' answers any. Default: loopback "
+             "only, against DNS rebinding by web pages; with a non-loopback --host, any.")] = None,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", rich_help_panel=SERVER, min=1,
         help="Requests that may wait while one generates; more are answered 503 with "
@@ -58,8 +67,9 @@ def serve(
              "loaded.")] = None,
     cors_origin: Annotated[Optional[list[str]], typer.Option(
         "--cors-origin", rich_help_panel=SERVER, metavar="ORIGIN",
-        help="Let browser pages from ORIGIN (e.g. http://localhost:3000, or *) call the API; "
-             "repeatable. Off by default.")] = None,
+        help="Let browser pages from ORIGIN (e.g. http://localhost:3000, or *) call the API "
+             "(application/json bodies, with the key if --api-key is set); repeatable. Off by "
+             "default: no CORS headers are sent.")] = None,
     model: ModelOpt = None,
     draft_model: DraftOpt = None,
     drafter: DrafterOpt = None,
@@ -88,6 +98,7 @@ def serve(
     import uvicorn
 
     from mlx_spec.server import ServerOptions, create_app
+    from mlx_spec.server.guards import check_api_key
 
     from mlx_spec.distributed import world
 
@@ -95,11 +106,13 @@ def serve(
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+    check_api_key(api_key)
     for origin in cors_origin or ():
         if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
             raise MlxSpecError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
                                "(e.g. http://localhost:3000) or *")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
+    served_hosts = _served_hosts(allowed_hosts, sock.getsockname()[0])
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
@@ -121,6 +134,7 @@ def serve(
         context_length=_context_length(setup.pair.target.config),
         queue_size=queue_size,
         api_key=api_key,
+        allowed_hosts=served_hosts,
         info=setup.models,
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
@@ -132,7 +146,37 @@ def serve(
     print(f"mlx-spec serve: {options.model_name!r} (drafter {drafter_name}, γ {gamma_mode}) "
           f"at http://{shown}:{bound_port}/v1  (Ctrl-C stops)", file=sys.stderr, flush=True)
     config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    _run(config, application.state.worker, sock)
+
+
+def _run(config, worker, sock: socket.socket) -> None:
+    """uvicorn's server, which also tells the worker to stop as soon as a signal comes:
+    otherwise it would generate through uvicorn's grace period and cut the stream off."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def serve(self, sockets=None):
+            self.exit_loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):
+            # A signal handler runs between the loop's callbacks: queue the work on the loop.
+            self.exit_loop.call_soon_threadsafe(worker.shut_down)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # handled: not re-raised after shutdown, so exit 0
+
+    Server(config).run(sockets=[sock])
+
+
+def _served_hosts(allowed: Optional[str], bound: str) -> Optional[tuple[str, ...]]:
+    """Host names served besides loopback ones: --allowed-hosts, else none when listening
+    on loopback, else any (clients reach a public address by names we cannot know)."""
+    if allowed is not None:
+        names = tuple(name.strip() for name in allowed.split(",") if name.strip())
+        if not names:
+            raise MlxSpecError("--allowed-hosts needs at least one name (or '*')")
+        return names
+    return () if _loopback(bound) else None
 
 
 def _bind(host: str, port: int, keyed: bool) -> socket.socket:

@@ -3,7 +3,8 @@
     app = create_app(engine, tokenizer, ServerOptions(model_name="default"))
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
-`protocol` has the wire format (request checks, response objects, error shape), `worker`
+`guards` checks every request first (Host, API key, content type, body size), `protocol`
+has the wire format (request checks, response objects, error shape), `worker`
 the single generation thread with its bounded queue and long-lived caches (`caches`: several
 conversations at once), `app` the routes, `tools` tool calls (mlx-lm's parsers),
 `anthropic` the Messages API, `metrics` `GET /metrics`.

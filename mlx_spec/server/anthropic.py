@@ -6,7 +6,8 @@ system turn, `tool_use` blocks as an assistant's calls, `tool_result` blocks as 
 turns), generated the same way, and answered in Anthropic's shapes: a `message` object, or
 its event stream (`message_start`, `content_block_start` / `_delta` / `_stop`,
 `message_delta`, `message_stop`). Errors come as `{"type": "error", "error": {"type",
-"message"}}`; the key may come as `x-api-key` or `Authorization: Bearer`.
+"message"}}`, those of `guards.RequestGuards` on these paths too (`error_body`); the key
+may come as `x-api-key` or `Authorization: Bearer`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field
 
 from mlx_spec.sampling import SamplingParams
-from mlx_spec.server.protocol import ApiError, _Common, _Strict, parse_body
+from mlx_spec.server.protocol import ApiError, _Common, _Strict, bounded_stops, parse_body
 from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, new_call_id, plan_tools, template_call
 from mlx_spec.server.worker import Done, Failed, Piece
 
 log = logging.getLogger("mlx_spec.server")
+
+PATH = "/v1/messages"  # and what lies under it (count_tokens)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -97,7 +100,8 @@ class MessagesRequest(_Common):
                 raise ApiError(400, f"{param}: {message}", param=param)
 
     def stops(self) -> tuple[str, ...]:
-        return tuple(self.stop_sequences or ())
+        # Anthropic sets no count limit, so only their total length is bounded.
+        return bounded_stops(tuple(self.stop_sequences or ()), "stop_sequences")
 
     def logprob_count(self) -> None:
         return None
@@ -176,10 +180,13 @@ def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
 # ---------------------------------------------------------------------------------------
 
 
-def error_response(error: ApiError) -> JSONResponse:
+def error_body(error: ApiError) -> dict:
     kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": error.message}},
-                        status_code=error.status, headers=error.headers)
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
 
 
 def stop_reason(done: Done, calls: int) -> str:
@@ -223,32 +230,35 @@ def event(kind: str, data: dict) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-def add_routes(app, *, options, tokenizer, syntax, authorize, check_model, chat_prompt, submit,
-               collect, usage_counts, extra) -> None:
+def add_routes(app, *, options, syntax, check_model, chat_ids, submit, collect, cancel,
+               usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
-    (`usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
+    (`chat_ids(messages, plan)` -> prompt ids, off the event loop; `cancel(job)` stops a job;
+    `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
     `mlx_spec` statistics field)."""
 
-    def prompt_of(request: Request, raw: bytes, model: type) -> tuple:
-        authorize(request)
+    async def prompt_of(raw: bytes, model: type) -> tuple:
         body = parse_body(raw, model)
         check_model(body)
         body.refuse_unsupported()
         plan = tool_plan(body, syntax)
-        return body, plan, chat_prompt(tokenizer, template_messages(body), plan)
+        return body, plan, await chat_ids(template_messages(body), plan)
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
         try:
-            _, _, ids = prompt_of(request, await request.body(), CountRequest)
+            _, _, ids = await prompt_of(await request.body(), CountRequest)
         except ApiError as error:
             return error_response(error)
+        except Exception:  # never the OpenAI shape on this route
+            log.exception("count_tokens request failed")
+            return error_response(ApiError(500, "internal server error"))
         return {"input_tokens": len(ids)}
 
-    @app.post("/v1/messages")
+    @app.post(PATH)
     async def messages(request: Request):
         try:
-            body, plan, ids = prompt_of(request, await request.body(), MessagesRequest)
+            body, plan, ids = await prompt_of(await request.body(), MessagesRequest)
             job = submit(body, ids, "messages")
             mid = "msg_" + uuid.uuid4().hex[:24]
             if body.stream:
@@ -312,4 +322,4 @@ def add_routes(app, *, options, tokenizer, syntax, authorize, check_model, chat_
                     yield event("message_stop", {})
                     return
         finally:
-            job.cancelled.set()  # the client went away, or the answer is complete
+            cancel(job)  # the client went away, or the answer is complete

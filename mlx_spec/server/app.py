@@ -1,9 +1,12 @@
 """The HTTP side: FastAPI routes for `/v1/models`, `/v1/chat/completions`,
-`/v1/completions` and `/health`, streaming as Server-Sent Events.
+`/v1/completions`, Anthropic's `/v1/messages` (`anthropic`), `/metrics` and `/health`,
+streaming as Server-Sent Events.
 
-Handlers run on the event loop and never touch MLX: they parse and check the request,
-tokenize the prompt (here, so errors such as a prompt over the context are answered before
-queueing), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
+Every request first passes `guards.RequestGuards` (Host, API key, content type, body
+size), inside CORSMiddleware when `--cors-origin` is given. Handlers run on the event loop and never touch MLX: they parse and check the
+request, tokenize the prompt (on a tokenizer thread, so a big prompt does not stall other
+clients, and before queueing, so errors such as a prompt over the context are answered at
+once), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
 Retry-After; a client that goes away cancels its job.
 """
 
@@ -11,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Optional
@@ -24,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
+from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.protocol import (
     ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, logprobs_object,
@@ -32,7 +36,7 @@ from mlx_spec.server.protocol import (
 from mlx_spec.server.tools import (
     Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages, tool_syntax,
 )
-from mlx_spec.server.worker import Busy, Done, Failed, Job, Piece, Worker
+from mlx_spec.server.worker import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 
@@ -49,8 +53,9 @@ class ServerOptions:
         max_tokens: completion length when a request gives none.
         context_length: prompt plus completion tokens the model takes.
         queue_size: requests that may wait while one generates.
-        api_key: if set, every /v1 request needs "Authorization: Bearer <key>" (or, as
-            Anthropic's clients send it, "x-api-key: <key>").
+        api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
+            "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
+        allowed_hosts: Host names served besides loopback ones; None serves any.
         info: what /health reports about the loaded models (target, draft, preset).
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
@@ -65,6 +70,7 @@ class ServerOptions:
     context_length: int = 8192
     queue_size: int = 8
     api_key: Optional[str] = None
+    allowed_hosts: Optional[tuple[str, ...]] = ()
     info: dict = field(default_factory=dict)
     cache_budget: Optional[int] = None
     cors_origins: tuple[str, ...] = ()
@@ -75,51 +81,59 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     stops with the app's lifespan."""
     worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
-    vocab_size = len(tokenizer.get_vocab())  # ids the detokenizer knows
+    vocab = tokenizer.get_vocab()
+    vocab_size = len(vocab)  # ids the detokenizer knows
+    # No token's text is longer than its vocabulary entry in UTF-8 (byte-level and
+    # SentencePiece entries spell a byte or space with one or more bytes).
+    longest_token = max(len(piece.encode("utf-8")) for piece in vocab)
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
     token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: decode_token(tokenizer, t))
+    # One thread: the tokenizer is not shared between request threads, only with the worker.
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
 
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
         yield
         worker.stop()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mlx-spec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.worker = worker
-    app.add_middleware(CountResponses, metrics=worker.metrics)
+    # The last added is the outermost: responses are counted, then CORS headers go on every
+    # answer to an allowed origin (the guards' refusals too, so a page can read why), then
+    # the guards run before any route. A preflight is answered by CORSMiddleware itself.
+    error_bodies = {anthropic.PATH: anthropic.error_body}  # OpenAI's shape elsewhere
+    app.add_middleware(RequestGuards, allowed_hosts=options.allowed_hosts,
+                       api_key=check_api_key(options.api_key), error_bodies=error_bodies)
     if options.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
+    app.add_middleware(CountResponses, metrics=worker.metrics)
 
-    # -- errors in OpenAI's shape --------------------------------------------------------
+    async def off_loop(function, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
+
+    # -- errors in OpenAI's shape (Anthropic's under its path) ---------------------------
+
+    def error_response(request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(error_bodies, request.url.path, error),
+                            status_code=error.status, headers=error.headers)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return error_response(request, error)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, error: HTTPException):  # unknown routes, wrong methods
-        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(),
-                            status_code=error.status_code, headers=getattr(error, "headers", None))
+        return error_response(request, ApiError(error.status_code, str(error.detail),
+                                                headers=getattr(error, "headers", None)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request, error: Exception):
-        return JSONResponse(ApiError(500, "internal server error", type="server_error").body(),
-                            status_code=500)
-
-    def authorize(request: Request) -> None:
-        if options.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if "x-api-key" in request.headers:
-            scheme, token = "bearer", request.headers["x-api-key"]
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), options.api_key):
-            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
-                           code="invalid_api_key")
+        return error_response(request, ApiError(500, "internal server error", type="server_error"))
 
     # -- routes --------------------------------------------------------------------------
 
@@ -129,40 +143,52 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                 "drafter": drafter, "gamma": gamma_mode, **worker.health()}
 
     @app.get("/metrics")
-    async def metrics(request: Request):
-        authorize(request)
+    async def metrics():
         return PlainTextResponse(worker.metrics.render(worker.health()),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
+    async def models():
         card = {"id": options.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "mlx-spec"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        authorize(request)
         body = parse_body(await request.body(), ChatRequest)
         check_model(body)
         plan = openai_plan(body, syntax)
         messages = template_messages(body.messages)
-        return await serve(request, body, chat_prompt(tokenizer, messages, plan), chat=True,
-                           plan=plan)
+        return await serve(request, body, await chat_ids(messages, plan), chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        authorize(request)
         body = parse_body(await request.body(), CompletionRequest)
         check_model(body)
-        if isinstance(body.prompt, str):
-            ids = list(tokenizer.encode(body.prompt))
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            check_length(len(prompt), "prompt")
+            ids = list(await off_loop(tokenizer.encode, prompt))
         else:
-            ids = list(body.prompt)
+            ids = list(prompt)
             if any(not 0 <= t < vocab_size for t in ids):
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
         return await serve(request, body, ids, chat=False)
+
+    async def chat_ids(messages: list[dict], plan: ToolPlan) -> list[int]:
+        """The conversation's prompt ids, tokenized off the event loop once its text could
+        fit the context."""
+        check_length(sum(len(m["content"]) for m in messages), "messages")
+        return await off_loop(chat_prompt, tokenizer, messages, plan)
+
+    def check_length(characters: int, param: str) -> None:
+        """Refuse, before templating or tokenizing it, text that cannot fit the context:
+        it needs at least characters / longest_token tokens."""
+        at_least = -(-characters // longest_token)
+        if at_least >= options.context_length:
+            raise ApiError(400, f"this model's context is {options.context_length} tokens, but "
+                                f"the request's text alone needs at least {at_least}",
+                           param=param, code="context_length_exceeded")
 
     def check_model(body) -> None:
         if body.model != options.model_name and body.model not in options.aliases:
@@ -177,6 +203,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                   logprobs=body.logprob_count())
         try:
             worker.submit(job)
+        except ShuttingDown:
+            raise ApiError(503, SHUTTING_DOWN.message, type="server_error",
+                           code="shutting_down") from None
         except Busy as busy:
             raise ApiError(503, f"the server is busy ({options.queue_size} requests waiting); "
                                 "retry later", type="server_error", code="server_busy",
@@ -197,7 +226,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                 else:
                     return pieces, event
         finally:
-            job.cancelled.set()  # a no-op once done; stops the job if this request was dropped
+            worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
     async def serve(request: Request, body, prompt_ids: list[int], chat: bool,
                     plan: ToolPlan = ToolPlan()):
@@ -226,9 +255,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return answer
 
     anthropic.add_routes(
-        app, options=options, tokenizer=tokenizer, syntax=syntax, authorize=authorize,
-        check_model=check_model, chat_prompt=chat_prompt, submit=submit, collect=collect,
-        usage_counts=token_counts,
+        app, options=options, syntax=syntax, check_model=check_model, chat_ids=chat_ids,
+        submit=submit, collect=collect, cancel=worker.cancel, usage_counts=token_counts,
         extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 
     async def stream(job: Job, chat: bool, rid: str, include_usage: bool, extra_base: dict,
@@ -277,7 +305,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         finally:
             # Reached when the answer is complete and when Starlette cancels this generator
             # because the client disconnected: either way the worker may stop the job.
-            job.cancelled.set()
+            worker.cancel(job)
 
     return app
 
@@ -300,18 +328,32 @@ async def next_event(job: Job, request: Request, checked: list):
 
 def chat_prompt(tokenizer, messages: list[dict], plan: ToolPlan = ToolPlan()) -> list[int]:
     """The messages (and the plan's tools) through the model's chat template, as `mlx-spec
-    generate --chat` encodes a single user message (`stream.encode_prompt`); a forced tool
-    call's start marker ends the prompt."""
+    generate --chat` encodes a single user message (`stream.encode_prompt`): rendered, then
+    encoded without special tokens, as mlx-lm's and transformers' `apply_chat_template` do;
+    a forced tool call's start marker ends the prompt. A system or user message the
+    template leaves out (Gemma's puts a system turn into the first user turn, and with no
+    user turn drops it) is refused rather than silently unanswered; assistant and tool
+    turns are not checked, as templates may rewrite them on purpose (reasoning dropped from
+    history, results re-serialized)."""
     try:
         tools = {"tools": plan.tools} if plan.tools else {}
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **tools))
-        if plan.forced:
-            ids += tokenizer.encode(plan.syntax.start, add_special_tokens=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **tools)
     except Exception as error:  # jinja's TemplateError (roles must alternate, ...), ValueError
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ApiError(400, f"messages: the chat template rejected them: {reason}",
                        param="messages") from None
-    return list(ids)
+    for i, message in enumerate(messages):
+        if message["role"] in ("system", "user") and message["content"].strip() not in text:
+            hint = ""
+            if message["role"] == "system" and all(m["role"] != "user" for m in messages):
+                hint = " (a system message needs a user message after it)"
+            raise ApiError(400, f"messages[{i}]: the model's chat template leaves this "
+                                f"{message['role']} message out{hint}", param=f"messages[{i}]")
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if plan.forced:
+        ids += tokenizer.encode(plan.syntax.start, add_special_tokens=False)
+    return ids
 
 
 def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,

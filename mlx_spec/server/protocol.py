@@ -1,8 +1,11 @@
 """The OpenAI wire format: request bodies in, response objects and error bodies out.
 
-Requests are checked here before they reach the device: the body must be UTF-8 JSON whose
-strings are valid Unicode (a lone surrogate such as "\\ud800" cannot be tokenized), known
-fields must have the right types, and sampling values go through `SamplingParams`. Unknown
+Requests are checked here before they reach the device (the Host, key, content type and
+size were checked before, in `guards`): the body must be UTF-8 JSON, nested at most
+`MAX_JSON_DEPTH` deep, whose strings are valid Unicode (a lone surrogate such as "\\ud800"
+cannot be tokenized); known fields must have the right types, and sampling values go
+through `SamplingParams`. Fields that would change the answer's meaning and that we do not
+implement (`logit_bias`, `echo`, a JSON `response_format`, ...) are refused; other unknown
 fields are ignored, as clients send many we have no use for. Every failure becomes an
 `ApiError`, which the app turns into OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}`.
@@ -22,8 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.sampling import SamplingParams
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_JSON_DEPTH = 64  # no request nests deeper; json.loads would recurse past Python's limit
+MAX_STOPS = 4  # as OpenAI's API
+MAX_STOP_CHARS = 256  # the matcher holds back up to this much text per round
+MAX_STOP_TEXT = MAX_STOPS * MAX_STOP_CHARS  # all stop strings together (Anthropic's have no count limit)
 
 
 class ApiError(Exception):
@@ -140,15 +146,27 @@ class _Common(_Strict):
     n: Optional[int] = None
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
+    # Accepted only at their no-op values (checked in `sampling`): each changes the answer.
+    logit_bias: Optional[dict] = None
+    response_format: Optional[dict] = None
+    functions: Optional[list] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
 
     def requested_tokens(self) -> Optional[int]:
         """max_completion_tokens (OpenAI's current name) over max_tokens."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def stops(self) -> tuple[str, ...]:
+        """The stop strings, at most `MAX_STOPS` (OpenAI's rule), each bounded."""
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"stop: at most {MAX_STOPS} stop strings are allowed, not "
+                                f"{len(stops)}", param="stop", code="invalid_value")
+        return bounded_stops(stops, "stop")
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The request's values over the server's defaults, checked by `SamplingParams`."""
@@ -156,7 +174,16 @@ class _Common(_Strict):
                        ("frequency_penalty", bool(self.frequency_penalty),
                         "frequency_penalty is not supported; use repetition_penalty"),
                        ("presence_penalty", bool(self.presence_penalty),
-                        "presence_penalty is not supported; use repetition_penalty")]
+                        "presence_penalty is not supported; use repetition_penalty"),
+                       ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+                       ("response_format", (self.response_format or {}).get("type", "text") != "text",
+                        "response_format: only {\"type\": \"text\"} is supported"),
+                       ("functions", bool(self.functions), "functions are not supported"),
+                       ("echo", bool(self.echo), "echo is not supported"),
+                       ("best_of", self.best_of not in (None, 1), "only best_of = 1 is supported"),
+                       ("suffix", bool(self.suffix), "suffix is not supported"),
+                       ("stream_options", self.stream_options is not None and not self.stream,
+                        "stream_options is only allowed when stream is true")]
         for param, bad, message in unsupported:
             if bad:
                 raise ApiError(400, message, param=param, code="unsupported_parameter")
@@ -185,11 +212,33 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int]]
+    # A list holding one prompt is what LangChain's client sends; more would be n > 1.
+    prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) != 1:
+                raise ApiError(400, f"prompt: only one prompt per request is supported, not "
+                                    f"{len(self.prompt)}", param="prompt",
+                               code="unsupported_parameter")
+            return self.prompt[0]
+        return self.prompt
 
     def logprob_count(self) -> Optional[int]:
         return self.logprobs
+
+
+def bounded_stops(stops: tuple[str, ...], param: str) -> tuple[str, ...]:
+    """`stops` if the matcher's work per round stays small: it grows with their total
+    length, so each is at most `MAX_STOP_CHARS` and all together `MAX_STOP_TEXT`."""
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"{param}: a stop string may have at most {MAX_STOP_CHARS} "
+                            "characters", param=param, code="invalid_value")
+    if sum(map(len, stops)) > MAX_STOP_TEXT:
+        raise ApiError(400, f"{param}: the stop strings may have at most {MAX_STOP_TEXT} "
+                            "characters together", param=param, code="invalid_value")
+    return stops
 
 
 def _sampling_param(message: str) -> Optional[str]:
@@ -201,20 +250,9 @@ def _sampling_param(message: str) -> Optional[str]:
 
 def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     """A request model from a raw body, or an `ApiError` that says what is wrong."""
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ApiError(400, f"the request body is not valid UTF-8 (byte {error.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error.msg} "
-                            f"(line {error.lineno}, column {error.colno})") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _check_unicode(data, "")
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -223,23 +261,61 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
         raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
 
 
-def _check_unicode(value, path: str) -> None:
+def load_json(raw: bytes):
+    """The JSON value of a body: UTF-8, standard JSON (no NaN or Infinity), at most
+    `MAX_JSON_DEPTH` deep, and valid Unicode throughout."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {error.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error.msg} "
+                            f"(line {error.lineno}, column {error.colno})") from None
+    except RecursionError:
+        data = None  # deeper than Python recurses: surely past MAX_JSON_DEPTH
+    _check_values(data)
+    return data
+
+
+def _refuse_constant(name: str):
+    raise ApiError(400, f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def _check_values(data) -> None:
+    """Depth and Unicode, walked with a stack: a recursive walk would fail where it matters."""
+    if data is None:
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    stack = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_unicode(value, path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for key in value:
+                _check_unicode(key, path)
+            children = [(item, f"{path}.{key}" if path else str(key), depth + 1)
+                        for key, item in value.items()]
+        else:
+            children = [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        stack += reversed(children)  # popped in document order: the first error is reported
+
+
+def _check_unicode(value: str, path: str) -> None:
     """JSON may escape a lone UTF-16 surrogate ("\\ud800"); no tokenizer can encode one."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as error:
-            where = path or "body"
-            raise ApiError(400, f"{where}: the text holds a lone surrogate "
-                                f"(U+{ord(value[error.start]):04X}), which is not valid Unicode",
-                           param=path or None, code="invalid_unicode") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, path)
-            _check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_unicode(item, f"{path}[{i}]")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        where = path or "body"
+        raise ApiError(400, f"{where}: the text holds a lone surrogate "
+                            f"(U+{ord(value[error.start]):04X}), which is not valid Unicode",
+                       param=path or None, code="invalid_unicode") from None
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*\[.*\])$")

@@ -8,9 +8,11 @@ of its prompt and what a cache holds, so a conversation that grows by a turn reu
 everything before it, however many others came in between, and a request that diverges
 earlier starts from where it diverges.
 
-A request is cancelled by setting `Job.cancelled` (its client went away). The worker checks
-it between rounds and closes the `stream_generate` generator, which leaves both caches
-holding exactly the tokens committed so far, ready for the next request.
+A request is cancelled by setting `Job.cancelled` (its client went away). A waiting job
+gives up its place in the queue at once; a running one is checked between rounds, and the
+worker closes the `stream_generate` generator, which leaves both caches holding exactly
+the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
+ends the running job the same way with a 503 event and answers every waiting one 503.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -89,11 +91,18 @@ class Busy(Exception):
         self.retry_after = retry_after
 
 
+class ShuttingDown(Exception):
+    """The server is stopping and takes no more requests."""
+
+
+SHUTTING_DOWN = Failed(503, "the server is shutting down")
+
+
 class Worker:
     """The generation thread and its bounded queue.
 
     Args:
-        engine: the `Engine`; its prompt cache is made once and kept.
+        engine: the `Engine`; its `make_prompt_cache` makes each cached conversation's caches.
         tokenizer: mlx-lm's `TokenizerWrapper` (only this thread uses its detokenizer).
         gamma: "auto" or a whole number as text; "auto" builds a fresh `AutoGamma` per
             request from the cached cost curve, exactly as `mlx-spec generate` does, so a
@@ -113,7 +122,9 @@ class Worker:
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
         self.metrics = Metrics()
-        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        self._waiting: deque[Job] = deque()  # guarded by _changed
+        self._changed = threading.Condition()
         self.current: Optional[Job] = None
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
         self._mean_seconds = 1.0  # running mean of a request's time on the device
@@ -126,48 +137,69 @@ class Worker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            self.counts["refused"] += 1
-            wait = self._mean_seconds * (self.jobs.qsize() + 1)
-            raise Busy(max(1, min(60, math.ceil(wait)))) from None
+        with self._changed:
+            if self._stopping:
+                raise ShuttingDown()
+            self._drop_cancelled()
+            if len(self._waiting) >= self.queue_size:
+                self.counts["refused"] += 1
+                wait = self._mean_seconds * (len(self._waiting) + 1)
+                raise Busy(max(1, min(60, math.ceil(wait))))
+            self._waiting.append(job)
+            self._changed.notify()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel what runs and what waits, then end the thread."""
-        self._stopping = True
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: a waiting one leaves the queue now, a running one after this round."""
+        job.cancelled.set()
+        with self._changed:
+            self._drop_cancelled()
+
+    def shut_down(self) -> None:
+        """Take no more jobs, end the running one between rounds with a 503 event and answer
+        each waiting one 503; returns at once (the thread ends on its own)."""
+        with self._changed:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._changed.notify()
         if self.current is not None:
             self.current.cancelled.set()
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
+        for job in waiting:
             job.cancelled.set()
-            job.emit(Failed(503, "the server is shutting down"))
-        try:
-            self.jobs.put_nowait(None)
-        except queue.Full:
-            pass
+            job.emit(SHUTTING_DOWN)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """`shut_down`, then wait for the thread to end."""
+        self.shut_down()
         self._thread.join(timeout)
 
     def health(self) -> dict:
-        return {"busy": self.current is not None, "queued": self.jobs.qsize(),
-                "queue_size": self.jobs.maxsize, **self.counts,
+        with self._changed:
+            self._drop_cancelled()
+            queued = len(self._waiting)
+        return {"busy": self.current is not None, "queued": queued,
+                "queue_size": self.queue_size, **self.counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget}
+
+    def _drop_cancelled(self) -> None:  # with _changed held
+        kept = deque(job for job in self._waiting if not job.cancelled.is_set())
+        self.counts["cancelled"] += len(self._waiting) - len(kept)
+        self._waiting = kept
 
     # -- the device side (worker thread) -------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping:
-            job = self.jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():  # its client left while it waited
-                self.counts["cancelled"] += 1
-                continue
-            self.current, start = job, time.perf_counter()
+        while True:
+            with self._changed:
+                while not self._waiting and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                self._drop_cancelled()  # clients that left while they waited
+                if not self._waiting:
+                    continue
+                job = self._waiting.popleft()
+                self.current, start = job, time.perf_counter()
             cache = self.caches.take(job.prompt_ids)
             try:
                 self._generate(job, cache)
@@ -218,4 +250,7 @@ class Worker:
         self.counts["completed" if finish else "cancelled"] += 1
         # The target prefills all but the prompt's last token (the first verify pass feeds it).
         self.metrics.observe(stats, max(0, len(job.prompt_ids) - 1 - prefilled[0]))
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string))
+        if finish is None and self._stopping:
+            job.emit(SHUTTING_DOWN)
+        else:
+            job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string))

@@ -1,0 +1,179 @@
+"""Request-level guards: what every HTTP request passes before any route sees it.
+
+One ASGI middleware, `RequestGuards`, checks in this order and answers without reaching the
+app, in OpenAI's error shape or, under a path given in `error_bodies`, that path's API's
+shape (Anthropic's under /v1/messages):
+
+1. the Host header (403): a web page that rebinds its own DNS name to 127.0.0.1 sends
+   `Host: attacker.example`; only loopback names (and `--allowed-hosts`) are served;
+2. the API key on every route but /health (401), compared as bytes in constant time, from
+   "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>" (Anthropic's);
+   CORS preflights (OPTIONS) never carry a key, so they are not asked for one;
+3. the content type of a request with a body (415): browsers send a cross-origin
+   `text/plain` POST without a CORS preflight, so only `application/json` is read;
+4. the body size (413), counted while the body arrives, so a huge or chunked body is
+   refused after at most `max_body` bytes instead of being buffered whole.
+
+Routes read the body as usual (`await request.body()`); it was read here and is handed on.
+The guards send no CORS headers: unless `--cors-origin` adds Starlette's CORSMiddleware
+around them, a browser page from another origin cannot read any answer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from typing import Callable, Iterable, Mapping, Optional
+
+from starlette.responses import JSONResponse
+
+from mlx_spec.errors import MlxSpecError
+from mlx_spec.server.protocol import ApiError
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+LOOPBACK_NAMES = ("localhost",)  # IP literals are checked with `ipaddress`
+ANY_HOST = "*"
+OPEN_PATHS = ("/health",)  # load balancers and supervisors probe it without a key
+
+
+def check_api_key(key: Optional[str]) -> Optional[bytes]:
+    """The key as the bytes a client sends, or a one-line error for a key no HTTP client
+    can send (headers are ASCII; spaces and control characters do not survive them)."""
+    if key is None:
+        return None
+    if not key or not all("!" <= ch <= "~" for ch in key):
+        raise MlxSpecError("--api-key (or MLX_SPEC_API_KEY) must be printable ASCII without "
+                           "spaces, as it travels in an HTTP header")
+    return key.encode("ascii")
+
+
+def host_name(host: str) -> str:
+    """'example.com' from 'Example.COM:8080', '::1' from '[::1]:8080'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def host_allowed(host: str, allowed: Optional[frozenset[str]]) -> bool:
+    if allowed is None or ANY_HOST in allowed:
+        return True
+    name = host_name(host)
+    if name in allowed or name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def error_body(bodies: Mapping[str, Callable[[ApiError], dict]], path: str, error: ApiError) -> dict:
+    """`error` as the API under `path` shapes it: the first of `bodies` whose path is `path`
+    or lies above it, else OpenAI's shape."""
+    for root, body in bodies.items():
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            return body(error)
+    return error.body()
+
+
+class RequestGuards:
+    """ASGI middleware over the whole app.
+
+    Args:
+        allowed_hosts: Host names served besides loopback ones; None (or "*") serves any.
+        api_key: bytes every request but /health must send (see the module docstring).
+        max_body: the largest request body read, in bytes.
+        error_bodies: path -> the error body for a refusal on that path or under it (an
+            `ApiError` in, a JSON object out); other paths get `ApiError.body`.
+    """
+
+    def __init__(self, app, allowed_hosts: Optional[Iterable[str]] = (),
+                 api_key: Optional[bytes] = None, max_body: int = MAX_BODY_BYTES,
+                 error_bodies: Mapping[str, Callable[[ApiError], dict]] = {}):
+        self.app = app
+        self.error_bodies = dict(error_bodies)
+        self.allowed = None if allowed_hosts is None else frozenset(
+            host_name(h) if h != ANY_HOST else h for h in allowed_hosts)
+        self.api_key = api_key
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {}
+        for name, value in scope["headers"]:  # first of each, as bytes
+            headers.setdefault(name.lower(), value)
+        try:
+            self._check_host(headers)
+            if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+                self._check_key(headers)
+            body = None
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                self._check_content_type(headers)
+                body = await self._read_body(headers, receive)
+                if body is None:  # the client left while sending
+                    return
+        except ApiError as error:
+            response = JSONResponse(error_body(self.error_bodies, scope["path"], error),
+                                    status_code=error.status,
+                                    headers={**error.headers, "Connection": "close"})
+            return await response(scope, receive, send)
+        if body is None:
+            return await self.app(scope, receive, send)
+
+        handed_on = False
+
+        async def replay():
+            nonlocal handed_on
+            if not handed_on:
+                handed_on = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: the disconnect, which streaming answers wait for
+
+        return await self.app(scope, replay, send)
+
+    def _check_host(self, headers: dict) -> None:
+        host = headers.get(b"host")
+        if host is None:  # HTTP/1.0 without Host: no browser sends that
+            return
+        text = host.decode("latin-1")
+        if not host_allowed(text, self.allowed):
+            raise ApiError(403, f"the Host {host_name(text)!r} is not served here (only loopback "
+                                "names are, against DNS rebinding; start with --allowed-hosts "
+                                "to add names)", code="host_not_allowed")
+
+    def _check_key(self, headers: dict) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+            raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key: <key>)",
+                           code="invalid_api_key")
+
+    def _check_content_type(self, headers: dict) -> None:
+        kind = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if kind != b"application/json":
+            shown = kind.decode("latin-1") or "none"
+            raise ApiError(415, f"the request body must be application/json (Content-Type: "
+                                f"{shown})", code="unsupported_media_type")
+
+    async def _read_body(self, headers: dict, receive) -> Optional[bytes]:
+        """The whole body, or an `ApiError` (413) as soon as it passes `max_body`."""
+        too_big = ApiError(413, f"the request body is larger than {self.max_body // 2**20} MiB",
+                           code="request_too_large")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_body:
+            raise too_big
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                raise too_big
+            if not message.get("more_body", False):
+                return bytes(body)
