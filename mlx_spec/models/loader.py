@@ -224,12 +224,12 @@ def resolve_source(source: str | None, *, progress: bool = True,
     if kind == "hub":
         return hub.download(source, progress=progress), "hf"
     if kind == "store":
-        return _store_folder(source, progress=progress)
+        return _store_folder(source, progress=progress, gguf_storage=gguf_storage)
     check_source(source)  # raises with the reason
     raise AssertionError(kind)
 
 
-def _store_folder(source: str, *, progress: bool) -> tuple[Path, str]:
+def _store_folder(source: str, *, progress: bool, gguf_storage: str = "auto") -> tuple[Path, str]:
     """An Ollama or LM Studio model's folder: its GGUF imported (once, like any GGUF file;
     Ollama's blobs are named by their sha256, so they are not hashed again), or LM Studio's
     MLX folder as it is."""
@@ -238,8 +238,8 @@ def _store_folder(source: str, *, progress: bool) -> tuple[Path, str]:
     if not found.is_gguf:
         return found.path, kind
     try:
-        return gguf_import.import_gguf(found.path, cache_root(), sha256=found.sha256,
-                                       progress=progress), kind
+        return gguf_import.import_gguf(found.path, cache_root(), sha256=found.sha256, progress=progress,
+                                       storage=gguf_storage, label=source), kind
     except ModelLoadError as error:  # it names the blob file; say which model that is
         raise ModelLoadError(f"{source}: {error}") from None
 
