@@ -11,7 +11,7 @@ import os
 import pytest
 
 import mlx_spec.models.gguf_import as gguf_import
-from cli_support import invoke, invoke_json
+from cli_support import assert_one_line_error, invoke, invoke_json
 from conftest import greedy_reference
 from mlx_spec.models import load_model
 from mlx_spec.models.gguf_header import gguf_problem, read_gguf_header
@@ -131,3 +131,10 @@ def test_models_import_takes_an_ollama_model_and_its_draft(env):
     out = invoke_json(["generate", PROMPT, "-m", NAME, "-n", "8", "--raw"])
     assert out["drafter"] == "mtp"
     assert len(list((env["cache"] / "gguf").glob("*/config.json"))) == 2
+
+
+def test_the_assistant_alone_is_refused_as_a_target_in_one_line(env, hf):  # noqa: F811
+    write_gemma4(env["ollama"])
+    for source in (NAME + "#draft", str(gguf_file("12b-assistant")), str(hf["12b-assistant"])):
+        result = invoke(["generate", "hi", "-m", source, "-n", "4"])
+        assert_one_line_error(result, source, "MTP assistant", "-d")

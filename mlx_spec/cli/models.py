@@ -127,16 +127,17 @@ def info_command(
 @models_app.command("import")
 def import_command(
     file: Annotated[str, typer.Argument(
-        metavar="FILE|ollama:NAME[:TAG]|lmstudio:PUBLISHER/MODEL",
-        help="The .gguf file to convert, or a model in Ollama's store or LM Studio's folder "
-             "(an Ollama model's draft layer is converted too).")],
+        metavar="SOURCE",
+        help="A .gguf file, or ollama:NAME[:TAG] / lmstudio:PUBLISHER/MODEL (an Ollama "
+             "model's draft layer is converted too).")],
     storage: Annotated[str, typer.Option(
         metavar="auto|float16|quantized",
         help="float16 | quantized | auto. quantized: MLX 4-bit for Q4_K/Q4_0, 8-bit for "
              "Q5_x/Q6_K/Q8_0, about the GGUF's size; auto: quantized from 1 GiB files on (a "
              "12B), float16 below. Later loads of the file use the import made here.")] = "auto",
 ) -> None:
-    """Convert a GGUF file into the mlx-spec cache now (loading it later is then instant)."""
+    """Convert a GGUF file, or an Ollama / LM Studio model, into the mlx-spec cache now
+    (loading it later is then instant)."""
     from mlx_spec.errors import ModelLoadError
     from mlx_spec.models.gguf_import import STORAGES
     from mlx_spec.models.loader import resolve_source

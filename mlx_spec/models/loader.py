@@ -32,6 +32,7 @@ from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub, stores
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
+from mlx_spec.models.gguf_header import read_gguf_header
 from mlx_spec.progress import StderrProgress
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
@@ -184,18 +185,36 @@ def _kind_of(source: str | None) -> str:
     return "hub" if hub.looks_like_repo_id(source) else "unknown"
 
 
-def check_source(source: str | None, role: str | None = None) -> None:
+def assistant_as_target(source: str | None) -> str:
+    """Why a Gemma 4 MTP assistant cannot be the target model."""
+    return (f"{source} is a Gemma 4 MTP assistant, which drafts for its target and cannot "
+            "generate alone; pass it as the draft (-d) of that target")
+
+
+def _is_assistant_gguf(path: Path) -> bool:
+    try:
+        return read_gguf_header(path).architecture == "gemma4-assistant"
+    except ModelLoadError:
+        return False  # the import says what is wrong with the file
+
+
+def check_source(source: str | None, role: str | None = None, *, as_target: bool = False) -> None:
     """Refuse, in one line naming the `role` ("draft model") if given, a source that cannot
     load, before anything slow happens: a path that does not exist, a name that is neither
     a path nor a repo id, the embedded model when its package is missing, a store's model
-    that is not there or is in a format mlx-spec cannot read."""
+    that is not there or is in a format mlx-spec cannot read, and `as_target` a GGUF file
+    that is an MTP assistant (folders are refused once loaded: `load_pair`)."""
     kind = _kind_of(source)
     problem = None
+    gguf = Path(source).expanduser() if kind == "file" and source.lower().endswith(".gguf") else None
     if kind == "store":
         try:
-            stores.locate(source)
+            found = stores.locate(source)
+            gguf = found.path if found.is_gguf else None
         except ModelLoadError as error:
             problem = str(error)
+    if as_target and gguf is not None and _is_assistant_gguf(gguf):
+        problem = assistant_as_target(source)
     elif kind == "missing":
         problem = f"no such file or folder: {source}"
     elif kind == "unknown":
