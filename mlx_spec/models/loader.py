@@ -191,30 +191,22 @@ def assistant_as_target(source: str | None) -> str:
             "generate alone; pass it as the draft (-d) of that target")
 
 
-def _is_assistant_gguf(path: Path) -> bool:
-    try:
-        return read_gguf_header(path).architecture == "gemma4-assistant"
-    except ModelLoadError:
-        return False  # the import says what is wrong with the file
-
-
 def check_source(source: str | None, role: str | None = None, *, as_target: bool = False) -> None:
     """Refuse, in one line naming the `role` ("draft model") if given, a source that cannot
     load, before anything slow happens: a path that does not exist, a name that is neither
     a path nor a repo id, the embedded model when its package is missing, a store's model
-    that is not there or is in a format mlx-spec cannot read, and `as_target` a GGUF file
-    that is an MTP assistant (folders are refused once loaded: `load_pair`)."""
+    that is not there or is in a format mlx-spec cannot read, and `as_target` a store's GGUF
+    that is an MTP assistant (whose header `locate` has read; other sources are refused once
+    loaded, by `load_pair`: a warm start reads no GGUF header)."""
     kind = _kind_of(source)
     problem = None
-    gguf = Path(source).expanduser() if kind == "file" and source.lower().endswith(".gguf") else None
     if kind == "store":
         try:
             found = stores.locate(source)
-            gguf = found.path if found.is_gguf else None
+            if as_target and found.is_gguf and read_gguf_header(found.path).architecture == "gemma4-assistant":
+                problem = assistant_as_target(source)
         except ModelLoadError as error:
             problem = str(error)
-    if as_target and gguf is not None and _is_assistant_gguf(gguf):
-        problem = assistant_as_target(source)
     elif kind == "missing":
         problem = f"no such file or folder: {source}"
     elif kind == "unknown":
