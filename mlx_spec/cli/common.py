@@ -163,7 +163,7 @@ def setup_models(
             raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
         if draft_on is not None and draft_on not in distributed.DRAFT_ON:
             raise MlxSpecError(f"--draft-on must be root or all, not {draft_on!r}")
-        check_source(choice.target, "target model")
+        check_source(choice.target, "target model", as_target=True)
         if choice.draft is not None:
             check_source(choice.draft, "draft model")
     kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))

@@ -203,24 +203,34 @@ def info_command(
 
 @models_app.command("import")
 def import_command(
-    file: Annotated[Path, typer.Argument(help="The .gguf file to convert.")],
+    file: Annotated[str, typer.Argument(
+        metavar="SOURCE",
+        help="A .gguf file, or ollama:NAME[:TAG] / lmstudio:PUBLISHER/MODEL (an Ollama "
+             "model's draft layer is converted too).")],
     storage: Annotated[str, typer.Option(
         metavar="auto|float16|quantized",
         help="float16 | quantized | auto. quantized: MLX 4-bit for Q4_K/Q4_0, 8-bit for "
              "Q5_x/Q6_K/Q8_0, about the GGUF's size; auto: quantized from 1 GiB files on (a "
              "12B), float16 below. Later loads of the file use the import made here.")] = "auto",
 ) -> None:
-    """Convert a GGUF file into the mlx-spec cache now (loading it later is then instant)."""
+    """Convert a GGUF file, or an Ollama / LM Studio model, into the mlx-spec cache now
+    (loading it later is then instant)."""
     from mlx_spec.errors import ModelLoadError
     from mlx_spec.models.gguf_import import STORAGES
     from mlx_spec.models.loader import resolve_source
+    from mlx_spec.models.stores import drafting_defaults, is_store_source
 
     if storage not in STORAGES:
         raise typer.BadParameter(f"'{storage}' is not one of {', '.join(STORAGES)}", param_hint="--storage")
-    if not file.is_file():
+    if is_store_source(file):
+        sources = [file, drafting_defaults(file).draft]  # the model file's draft, if any
+    elif Path(file).expanduser().is_file():
+        sources = [str(Path(file).expanduser())]
+    else:
         raise ModelLoadError(f"no such file: {file}")
-    folder, _ = resolve_source(str(file), gguf_storage=storage)
-    print(folder)
+    for source in filter(None, sources):
+        folder, _ = resolve_source(source, gguf_storage=storage)
+        print(folder)
 
 
 def _cached_info(source: str) -> dict:

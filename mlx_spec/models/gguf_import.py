@@ -241,7 +241,7 @@ ARCHITECTURES = {
 
 
 def import_gguf(path: Path, cache_root: Path, *, sha256: str | None = None,
-                progress: bool = True, storage: str = "auto") -> Path:
+                progress: bool = True, storage: str = "auto", label: str | None = None) -> Path:
     """Convert `path` into an mlx-lm folder under `cache_root/gguf`, or reuse the cached one.
 
     Args:
@@ -253,6 +253,8 @@ def import_gguf(path: Path, cache_root: Path, *, sha256: str | None = None,
             "auto": an import of the file made before in either storage (as `mlx-spec models
             import --storage` made it), else quantized for files of `QUANTIZE_FROM_BYTES`
             and more, float16 for smaller ones.
+        label: what the progress line calls the file (default its name; a store's blob is
+            named by its hash, so the store passes the model's name).
     Returns:
         The folder holding config.json, model*.safetensors and the tokenizer.
     """
@@ -266,10 +268,11 @@ def import_gguf(path: Path, cache_root: Path, *, sha256: str | None = None,
     folder = converted_folder(cache_root, sha256, storage)
     if (folder / "config.json").exists():
         return folder
-    with cache_lock(cache_root, f"gguf-{sha256[:20]}", f"importing {path.name}", progress):
+    label = label or path.name
+    with cache_lock(cache_root, f"gguf-{sha256[:20]}", f"importing {label}", progress):
         if (folder / "config.json").exists():  # another process imported it while we waited
             return folder
-        return _import_into(path, folder, sha256, progress, storage)
+        return _import_into(path, folder, sha256, progress, storage, label)
 
 
 def resolve_storage(path: Path, storage: str = "auto") -> str:
@@ -285,7 +288,7 @@ def resolve_storage(path: Path, storage: str = "auto") -> str:
     return storage
 
 
-def _import_into(path: Path, folder: Path, sha256: str, progress: bool, storage: str) -> Path:
+def _import_into(path: Path, folder: Path, sha256: str, progress: bool, storage: str, label: str) -> Path:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(folder.parent)
@@ -296,7 +299,7 @@ def _import_into(path: Path, folder: Path, sha256: str, progress: bool, storage:
         raise ModelLoadError(f"cannot write to the cache {folder.parent} ({error.strerror}); "
                              "set MLX_SPEC_CACHE to a writable folder") from None
     try:
-        _convert(path, tmp, progress, storage)
+        _convert(path, tmp, progress, storage, label)
         (tmp / "mlx_spec_source.json").write_text(json.dumps(
             {"file": path.name, "sha256": sha256, "format": FORMAT_VERSION, "storage": storage,
              "dtype": str(STORAGE_DTYPE).removeprefix("mlx.core.") if storage == "float16" else "quantized"},
@@ -377,12 +380,12 @@ def file_sha256(path: Path, cache_root: Path) -> str:
     return memo[key]
 
 
-def _convert(path: Path, out: Path, progress: bool, storage: str = "float16") -> None:
+def _convert(path: Path, out: Path, progress: bool, storage: str = "float16", label: str | None = None) -> None:
     """Read, dequantize, rename, (re)quantize and write one GGUF file into the empty folder
     `out`, one tensor at a time: what is held at once is one shard (`_SHARD_BYTES`) and one
     chunk of float32 rows (`_CHUNK_VALUES`)."""
     with StderrProgress(progress_mode(progress)) as display:
-        bar = display.task(f"Importing {path.name}")
+        bar = display.task(f"Importing {label or path.name}")
         bar.phase("reading GGUF header")
         reader = _open_reader(path)
         meta = _metadata(reader)

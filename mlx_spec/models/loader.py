@@ -32,6 +32,7 @@ from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub, stores
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
+from mlx_spec.models.gguf_header import read_gguf_header
 from mlx_spec.progress import StderrProgress
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
@@ -184,16 +185,26 @@ def _kind_of(source: str | None) -> str:
     return "hub" if hub.looks_like_repo_id(source) else "unknown"
 
 
-def check_source(source: str | None, role: str | None = None) -> None:
+def assistant_as_target(source: str | None) -> str:
+    """Why a Gemma 4 MTP assistant cannot be the target model."""
+    return (f"{source} is a Gemma 4 MTP assistant, which drafts for its target and cannot "
+            "generate alone; pass it as the draft (-d) of that target")
+
+
+def check_source(source: str | None, role: str | None = None, *, as_target: bool = False) -> None:
     """Refuse, in one line naming the `role` ("draft model") if given, a source that cannot
     load, before anything slow happens: a path that does not exist, a name that is neither
     a path nor a repo id, the embedded model when its package is missing, a store's model
-    that is not there or is in a format mlx-spec cannot read."""
+    that is not there or is in a format mlx-spec cannot read, and `as_target` a store's GGUF
+    that is an MTP assistant (whose header `locate` has read; other sources are refused once
+    loaded, by `load_pair`: a warm start reads no GGUF header)."""
     kind = _kind_of(source)
     problem = None
     if kind == "store":
         try:
-            stores.locate(source)
+            found = stores.locate(source)
+            if as_target and found.is_gguf and read_gguf_header(found.path).architecture == "gemma4-assistant":
+                problem = assistant_as_target(source)
         except ModelLoadError as error:
             problem = str(error)
     elif kind == "missing":
@@ -224,12 +235,12 @@ def resolve_source(source: str | None, *, progress: bool = True,
     if kind == "hub":
         return hub.download(source, progress=progress), "hf"
     if kind == "store":
-        return _store_folder(source, progress=progress)
+        return _store_folder(source, progress=progress, gguf_storage=gguf_storage)
     check_source(source)  # raises with the reason
     raise AssertionError(kind)
 
 
-def _store_folder(source: str, *, progress: bool) -> tuple[Path, str]:
+def _store_folder(source: str, *, progress: bool, gguf_storage: str = "auto") -> tuple[Path, str]:
     """An Ollama or LM Studio model's folder: its GGUF imported (once, like any GGUF file;
     Ollama's blobs are named by their sha256, so they are not hashed again), or LM Studio's
     MLX folder as it is."""
@@ -238,8 +249,8 @@ def _store_folder(source: str, *, progress: bool) -> tuple[Path, str]:
     if not found.is_gguf:
         return found.path, kind
     try:
-        return gguf_import.import_gguf(found.path, cache_root(), sha256=found.sha256,
-                                       progress=progress), kind
+        return gguf_import.import_gguf(found.path, cache_root(), sha256=found.sha256, progress=progress,
+                                       storage=gguf_storage, label=source), kind
     except ModelLoadError as error:  # it names the blob file; say which model that is
         raise ModelLoadError(f"{source}: {error}") from None
 

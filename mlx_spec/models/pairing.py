@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
-from mlx_spec.models.loader import DEFAULT_SOURCE, LoadedModel, load_model
+from mlx_spec.models.loader import DEFAULT_SOURCE, LoadedModel, assistant_as_target, load_model
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -78,6 +78,8 @@ def load_pair(target: str | None, draft: str | None = None, *,
         IncompatibleModelsError: the tokenizers differ (message names the first difference).
     """
     target_model = _load_as("target model", target, load_kwargs)
+    if is_assistant(target_model):  # it has no forward of its own over tokens
+        raise ModelLoadError(f"target model: {assistant_as_target(target)}")
     draft_model = None
     if draft is not None:
         draft_kwargs = {**load_kwargs, **(draft_options or {})}
