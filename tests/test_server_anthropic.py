@@ -13,7 +13,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
-from scripted import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
+from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
 from server_support import Server
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache

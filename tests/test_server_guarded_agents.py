@@ -4,7 +4,7 @@ guards in front of `/v1/messages` (errors in Anthropic's shape, read by the offi
 `stop_sequences` bounded by their total length, the early context bound and the dropped
 system prompt on the Messages route, and a queued Messages client that leaves, then a
 shutdown that ends Anthropic streams with Anthropic's `error` event. Servers run in-process
-with the scripted model (`scripted.py`): mlx-lm's tokenizer and template, the real engine
+with the scripted model (`scripted_model.py`): mlx-lm's tokenizer and template, the real engine
 and HTTP path."""
 
 import json
@@ -20,7 +20,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
-from scripted import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
+from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
 from server_support import assert_openai_error, wait_for
 
 MODEL = "scripted"
