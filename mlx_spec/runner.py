@@ -15,7 +15,7 @@ from mlx_spec.costs import load_or_measure
 from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy
 
 MAX_AUTO_GAMMA = 6
@@ -30,9 +30,9 @@ def parse_gamma(value: Union[int, str], *, name: str = "--gamma", minimum: int =
     try:
         gamma = int(value)
     except (TypeError, ValueError):
-        raise MlxSpecError(f"{name} must be a whole number or 'auto', not {value!r}") from None
+        raise UsageError(f"{name} must be a whole number or 'auto', not {value!r}") from None
     if not minimum <= gamma <= limit:
-        raise MlxSpecError(f"{name} must be between {minimum} and {limit}, or 'auto' (got {gamma})")
+        raise UsageError(f"{name} must be between {minimum} and {limit}, or 'auto' (got {gamma})")
     return gamma
 
 
@@ -77,7 +77,8 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     from mlx_spec.models.stores import drafting_defaults as store_drafting
 
     if drafter is not None and drafter not in DRAFTER_NAMES:
-        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
+        raise UsageError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}",
+                         flag="--drafter")
     if gamma is not None:
         gamma = parse_gamma(gamma)
     chosen = get_preset(preset or "default") if (preset or model is None) else None
@@ -91,7 +92,7 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
         store = store_drafting(target)  # an Ollama model file's own draft and γ
         draft = store.draft
     if drafter in ("model", "mtp") and not draft:
-        raise MlxSpecError(f"--drafter {drafter} needs a draft model: give --draft-model or a preset with one")
+        raise UsageError(f"--drafter {drafter} needs a draft model: give --draft-model or a preset with one")
     if drafter in ("none", "ngram"):
         draft = None  # no need to load (or hold in memory) a draft model that will not draft
     if gamma is None:
@@ -124,17 +125,18 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
     if drafter is None:
         drafter = "mtp" if assistant else "model" if (pair.draft is not None or remote_draft) else "ngram"
     if drafter not in DRAFTER_NAMES:
-        raise MlxSpecError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}")
+        raise UsageError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}",
+                         flag="--drafter")
     if w.active and drafter == "mtp":
-        raise MlxSpecError("the MTP drafter reads the target's K/V cache, which the ranks split "
+        raise UsageError("the MTP drafter reads the target's K/V cache, which the ranks split "
                            "between them: across ranks use --drafter model or ngram")
     if drafter in ("model", "mtp") and pair.draft is None and not remote_draft:
-        raise MlxSpecError(f"--drafter {drafter} needs a draft model (--draft-model or a preset with one)")
+        raise UsageError(f"--drafter {drafter} needs a draft model (--draft-model or a preset with one)")
     if drafter == "model" and assistant:
-        raise MlxSpecError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
+        raise UsageError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
                            "own states: use --drafter mtp (or leave --drafter out)")
     if drafter == "mtp" and not assistant:
-        raise MlxSpecError("--drafter mtp needs a Gemma 4 MTP assistant checkpoint as the draft "
+        raise UsageError("--drafter mtp needs a Gemma 4 MTP assistant checkpoint as the draft "
                            "(model_type gemma4_assistant or gemma4_unified_assistant)")
     if drafter == "model":
         chosen = ModelDrafter(pair.draft.model, pair.vocab_size_target) if pair.draft is not None else None

@@ -15,7 +15,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import UsageError
 
 NO_TOKEN = 2**31 - 1  # pads penalty windows; past every vocabulary, so never penalized
 
@@ -37,19 +37,19 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        checks = [
-            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0"),
-            (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)"),
-            (0.0 < self.top_p <= 1.0, "top-p must be in (0, 1]"),
-            (0.0 <= self.min_p < 1.0, "min-p must be in [0, 1)"),
+        checks = [  # (ok, message, the flag that sets the value)
+            (self.temperature >= 0 and math.isfinite(self.temperature), "temperature must be >= 0", "--temp"),
+            (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)", "--top-k"),
+            (0.0 < self.top_p <= 1.0, "top-p must be in (0, 1]", "--top-p"),
+            (0.0 <= self.min_p < 1.0, "min-p must be in [0, 1)", "--min-p"),
             (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty),
-             "repetition penalty must be > 0 and finite"),
-            (self.repetition_context >= 1, "repetition context must be >= 1"),
-            (self.seed is None or 0 <= self.seed < 2**64, "seed must be between 0 and 2^64 - 1"),
+             "repetition penalty must be > 0 and finite", "--repetition-penalty"),
+            (self.repetition_context >= 1, "repetition context must be >= 1", None),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed must be between 0 and 2^64 - 1", "--seed"),
         ]
-        for ok, message in checks:
+        for ok, message, flag in checks:
             if not ok:
-                raise MlxSpecError(message)
+                raise UsageError(message, flag=flag)
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,19 @@ def assert_one_line_error(result, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+def assert_usage_error(result, *fragments):
+    """Exit code 2, one 'error: ...' line that ends by pointing at the command's --help,
+    no traceback: a flag value refused by our own checks reads as one Click refuses."""
+    assert result.exit_code == 2, (result.stdout, result.stderr, result.exception)
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert re.search(r" \(see '\S+( \S+)* --help'\)$", lines[0]), lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
 def terminal_env() -> dict:
     """The environment for a pseudo-terminal child: its size comes from the terminal, not
     from COLUMNS/LINES that a test runner may have set."""

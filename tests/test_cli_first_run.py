@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cli_support import assert_one_line_error, invoke
+from cli_support import assert_one_line_error, assert_usage_error, invoke
 from mlx_spec.cli.render import View, summary_line
 from mlx_spec.stats import Stats
 
@@ -39,7 +39,10 @@ def test_flags_are_checked_before_any_model_loads(tiny_dirs, no_loading, command
         pytest.skip("bench has no such flag")
     prompt = ["Hello"] if command == "generate" else []
     result = invoke([command, *prompt, "-m", tiny_dirs[0], *flags], input="")
-    assert_one_line_error(result, fragment)
+    if flags[0] == "-d":  # a path that is not there is about the world: exit 1
+        assert_one_line_error(result, fragment)
+    else:  # a value our checks refuse is a usage error: exit 2
+        assert_usage_error(result, fragment)
 
 
 def test_top_p_help_says_what_is_accepted():

@@ -7,7 +7,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from cli_support import ESC, assert_one_line_error, has_ansi, invoke, invoke_json, terminal_env
+from cli_support import ESC, assert_one_line_error, assert_usage_error, has_ansi, invoke, invoke_json, terminal_env
 from mlx_spec.cli.render import View, bar, render_stats, summary_line
 from mlx_spec.stats import Stats
 
@@ -135,20 +135,23 @@ def test_preset_supplies_defaults_and_flags_override(models, tiny_dirs, monkeypa
 
 @pytest.mark.parametrize("args, fragment", [
     (["generate", "x", "--preset", "no-such-preset"], "no-such-preset"),
-    (["generate", "x", "--model", "/no/such/model/dir"], "/no/such/model/dir"),
     (["generate", "x", "--gamma", "many"], "--gamma"),
     (["generate", "x", "--gamma", "99"], "--gamma"),
     (["generate", "x", "--drafter", "psychic"], "psychic"),
 ])
 def test_errors_are_one_line(args, fragment):
-    assert_one_line_error(invoke(args), fragment)
+    assert_usage_error(invoke(args), fragment)
+
+
+def test_a_model_that_is_not_there_is_not_a_usage_error():
+    assert_one_line_error(invoke(["generate", "x", "--model", "/no/such/model/dir"]), "/no/such/model/dir")
 
 
 def test_error_paths_needing_models(models, tiny_dirs):
     target, _ = tiny_dirs
-    assert_one_line_error(invoke(["generate", "x", "--model", target, "--drafter", "model"]), "draft")
-    assert_one_line_error(invoke(["generate", *models], input="   \n"), "empty")
-    assert_one_line_error(invoke(["generate", "x", *models, "--temp", "0.5", "--top-p", "0"]), "top-p")
+    assert_usage_error(invoke(["generate", "x", "--model", target, "--drafter", "model"]), "draft")
+    assert_usage_error(invoke(["generate", *models], input="   \n"), "empty")
+    assert_usage_error(invoke(["generate", "x", *models, "--temp", "0.5", "--top-p", "0"]), "--top-p")
 
 
 def test_debug_flag_shows_the_traceback():
@@ -201,7 +204,7 @@ def test_dtype_and_quantize_flags(models, tiny_dirs):
     d = invoke_json(["generate", "Hello", "--model", target, "--draft-model", target,
                      "--draft-quantize", "4", "-n", "8", "--raw", "--gamma", "2"])
     assert d["drafter"] == "model" and d["stats"]["drafted"] > 0
-    assert_one_line_error(invoke(["generate", "x", *models, "--dtype", "float64"]), "float64")
+    assert_usage_error(invoke(["generate", "x", *models, "--dtype", "float64"]), "--dtype", "float64")
 
 
 def test_quantization_group_size_flag(models, tiny_dirs):
@@ -217,5 +220,5 @@ def test_quantization_group_size_flag(models, tiny_dirs):
     out = invoke_json(["generate", "Hello", *models, "-n", "4", "--raw", "--gamma", "2",
                        "--quantize", "8", "--q-group-size", "128"])
     assert out["generated_tokens"] == 4
-    assert_one_line_error(invoke(["generate", "x", *models, "--q-group-size", "32"]), "--quantize")
-    assert_one_line_error(invoke(["generate", "x", *models, "--quantize", "4", "--q-group-size", "48"]), "48")
+    assert_usage_error(invoke(["generate", "x", *models, "--q-group-size", "32"]), "--quantize")
+    assert_usage_error(invoke(["generate", "x", *models, "--quantize", "4", "--q-group-size", "48"]), "48")

@@ -178,10 +178,10 @@ def test_chat_edits_lines_keeps_history_and_takes_multiline_messages(tiny_dirs, 
 # ---------------------------------------------------------------------------------------
 
 def test_bench_refuses_a_misspelt_prompt_name(tiny_dirs):
-    from cli_support import assert_one_line_error
+    from cli_support import assert_usage_error
 
     result = invoke(["bench", "-m", tiny_dirs[0], "--prompt", "lnog"])
-    assert_one_line_error(result, "--prompt 'lnog' is not a committed prompt: did you mean 'long'?")
+    assert_usage_error(result, "--prompt 'lnog' is not a committed prompt: did you mean 'long'?")
 
 
 def test_bench_says_a_one_word_prompt_runs_as_text_and_shows_no_alpha_for_nothing_drafted(tiny_dirs):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from cli_support import assert_one_line_error, invoke, invoke_json
+from cli_support import assert_usage_error, invoke, invoke_json
 from dist_support import spawn_ranks
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, models, private_cost_cache
@@ -87,7 +87,8 @@ def test_a_rank_that_cannot_load_ends_every_rank_with_one_line(tiny_dirs, tmp_pa
 def test_an_error_every_rank_hits_is_said_once(models):
     result = launch(["generate", *models, "--gamma", "99", "--raw", "hi"], timeout=90)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --gamma must be between 0 and 16, or 'auto' (got 99) (--debug for the traceback)"], \
+    assert errors == ["error: --gamma must be between 0 and 16, or 'auto' (got 99) "
+                      "(see 'python -m mlx_spec.cli generate --help')"], \
         result.stderr
 
 
@@ -110,7 +111,7 @@ def test_bench_reports_all_reduces_and_single_machine_speedup(models, tmp_path):
 
 
 def test_draft_on_must_be_root_or_all(models):
-    assert_one_line_error(invoke(["generate", *models, "--draft-on", "rank1", "--raw", "hi"]),
+    assert_usage_error(invoke(["generate", *models, "--draft-on", "rank1", "--raw", "hi"]),
                           "--draft-on must be root or all")
 
 

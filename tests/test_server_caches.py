@@ -8,7 +8,7 @@ import pytest
 from mlx_lm import generate, load
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli_support import assert_one_line_error, invoke
+from cli_support import assert_usage_error, invoke
 from conftest import greedy_reference
 from server_support import Server
 
@@ -167,5 +167,5 @@ def test_metrics_total_what_the_answers_reported_and_cors(tiny_dirs, cost_cache,
 
 
 def test_bad_cors_origin_is_a_one_line_error(tiny_dirs):
-    assert_one_line_error(invoke(["serve", "--model", tiny_dirs[0], "--cors-origin", "localhost:3000/"]),
+    assert_usage_error(invoke(["serve", "--model", tiny_dirs[0], "--cors-origin", "localhost:3000/"]),
                           "--cors-origin", "not an origin")

@@ -140,7 +140,7 @@ def test_an_unusable_api_key_is_refused_at_start(tiny_dirs, env, how):
         result = subprocess.run(args + (["--api-key", key] if how == "flag" else []),
                                 capture_output=True, text=True, timeout=30,
                                 env={**__import__("os").environ, **env, **extra})
-        assert result.returncode == 1, result.stderr
+        assert result.returncode == 2, result.stderr  # a usage error
         lines = result.stderr.strip().splitlines()
         assert lines[0].startswith("error: --api-key") and "printable ASCII" in lines[0], lines
         assert "Traceback" not in result.stderr

@@ -13,7 +13,7 @@ try:  # newer Typer parses with its own copy of click, so its errors are that co
 except ImportError:
     from click import exceptions as click_errors
 
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 
 DEBUG_ENV = "MLX_SPEC_DEBUG"
 
@@ -21,7 +21,8 @@ DEBUG_ENV = "MLX_SPEC_DEBUG"
 class _FriendlyErrors(TyperGroup):
     """Every error is one line on stderr, `error: ...`: known errors exit 1, and `--debug`
     (or MLX_SPEC_DEBUG=1) re-raises them with the traceback; usage errors (a bad flag
-    value, an unknown flag or command, a missing argument) exit 2 and name the flag."""
+    value, whether Click or our own checks refuse it, an unknown flag or command, a
+    missing argument) exit 2 and name the flag."""
 
     debug = False  # set by --debug for this invocation only
 
@@ -54,7 +55,11 @@ class _FriendlyErrors(TyperGroup):
             if debug:
                 raise
             stderr = sys.__stderr__ if w.active else sys.stderr  # a rank's own error (see follow_quietly)
-            print(f"error: {_one_line(str(error))} {DEBUG_HINT}", file=stderr)
+            message = _one_line(str(error))
+            if isinstance(error, UsageError):
+                named = f"invalid value for {error.flag}: {message}" if error.flag else message
+                _usage_line(named, _command_path(None, ctx), stderr)
+            print(f"error: {message} {DEBUG_HINT}", file=stderr)
             raise typer.Exit(1) from None
 
 
@@ -78,14 +83,21 @@ def _usage_error(error, parent=None):
         message = f"invalid value for {param.opts[0]}: {_lower_first(error.message)}"
     else:
         message = _lower_first(error.format_message())
-    message = _one_line(message).rstrip(".")
-    if error.ctx is not None:
-        command = error.ctx.command_path
-    elif parent is not None:  # raised while the subcommand's flags were parsed
-        command = " ".join(filter(None, (parent.command_path, parent.invoked_subcommand)))
-    else:
-        command = "mlx-spec"
-    print(f"error: {message} (see '{command} --help')", file=sys.stderr)
+    _usage_line(_one_line(message).rstrip("."), _command_path(error.ctx, parent))
+
+
+def _command_path(ctx, parent) -> str:
+    """The command whose --help to point at: the one that raised (`ctx`), else the
+    subcommand `parent` was invoking."""
+    if ctx is not None:
+        return ctx.command_path
+    if parent is not None:  # raised while the subcommand's flags were parsed, or while it ran
+        return " ".join(filter(None, (parent.command_path, parent.invoked_subcommand)))
+    return "mlx-spec"
+
+
+def _usage_line(message: str, command: str, stderr=None) -> None:
+    print(f"error: {message} (see '{command} --help')", file=stderr or sys.stderr)
     raise typer.Exit(2)
 
 

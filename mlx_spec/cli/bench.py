@@ -23,7 +23,7 @@ from mlx_spec.cli.common import (
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.distributed import world
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.stores import drafting_defaults as store_drafting
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
@@ -102,7 +102,7 @@ def bench(
     w = world()
     with w.together():  # across ranks: rank 0 reads the files, and a bad flag ends every rank
         if drafter == "none":
-            raise MlxSpecError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
+            raise UsageError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
         store = store_drafting(model) if model is not None and draft_model is None and drafter != "ngram" else None
         if store is not None and store.draft is None:
             store = None
@@ -120,7 +120,7 @@ def bench(
             warn_replaced(replaced, f"prompt {name!r}")
             named.append((name, text))
         if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise MlxSpecError("--plot needs a .png, .svg or .pdf file name")
+            raise UsageError("--plot needs a .png, .svg or .pdf file name")
         if plot is not None and w.is_root:
             _require_matplotlib()
         single = _read_compare(compare) if compare is not None and w.is_root else None
@@ -189,11 +189,11 @@ def parse_gammas(values: list[str]) -> list:
     for value in values:
         for part in str(value).replace(" ", ",").split(","):
             if part:
-                gamma = parse_gamma(part, name="γ in a sweep (γ = 0 is the baseline)", minimum=1)
+                gamma = parse_gamma(part, name="--gamma in a sweep (γ = 0 is the baseline)", minimum=1)
                 if gamma not in out:
                     out.append(gamma)
     if not out:
-        raise MlxSpecError("the γ list is empty")
+        raise UsageError("the γ list is empty", flag="--gamma")
     return out
 
 
@@ -205,7 +205,7 @@ def _check_one_word_prompt(spec: str) -> None:
     names = ", ".join(committed_prompts())
     close = difflib.get_close_matches(spec, committed_prompts(), n=1)
     if close:
-        raise MlxSpecError(f"--prompt {spec!r} is not a committed prompt: did you mean {close[0]!r}? "
+        raise UsageError(f"--prompt {spec!r} is not a committed prompt: did you mean {close[0]!r}? "
                            f"Committed: {names}; @FILE reads a file")
     print(f"warning: --prompt {spec!r} is not a committed prompt ({names}) or @FILE: it runs as "
           "literal text, labelled 'custom'", file=sys.stderr)

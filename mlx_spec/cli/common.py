@@ -12,7 +12,7 @@ import typer
 
 from mlx_spec import distributed
 from mlx_spec.distributed import world
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
 from mlx_spec.runner import Choice, gamma_policy, resolve_choice
@@ -154,15 +154,18 @@ def setup_models(
             templates at once (`load_model(for_chat=...)`).
     """
     from mlx_spec.models import check_source, load_pair
+    from mlx_spec.models.loader import check_bits
 
     w = world()
     with w.together():  # across ranks: a bad flag or path on any rank ends every rank here
         choice = resolve_choice(model=model, draft_model=draft_model, drafter=drafter, preset=preset, gamma=gamma)
         params = sampling_params(choice.preset if preset_sampling else None, **(sampling or {}))
         if group_size is not None and quantize is None and draft_quantize is None:
-            raise MlxSpecError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
+            raise UsageError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
+        check_bits(quantize, "--quantize")
+        check_bits(draft_quantize, "--draft-quantize")  # else checked only once the target has loaded
         if draft_on is not None and draft_on not in distributed.DRAFT_ON:
-            raise MlxSpecError(f"--draft-on must be root or all, not {draft_on!r}")
+            raise UsageError(f"--draft-on must be root or all, not {draft_on!r}")
         check_source(choice.target, "target model", as_target=True)
         if choice.draft is not None:
             check_source(choice.draft, "draft model")
@@ -239,12 +242,12 @@ def read_prompt(prompt: Optional[str]) -> str:
 def _read_prompt(prompt: Optional[str]) -> str:
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
-            raise MlxSpecError("no prompt: give PROMPT as an argument or pipe text on stdin")
+            raise UsageError("no prompt: give PROMPT as an argument or pipe text on stdin")
         stdin = getattr(sys.stdin, "buffer", None)
         prompt = stdin.read() if stdin is not None else sys.stdin.read()
     prompt = checked_text(prompt, "the prompt")
     if not prompt.strip():
-        raise MlxSpecError("the prompt is empty")
+        raise UsageError("the prompt is empty")
     return prompt
 
 

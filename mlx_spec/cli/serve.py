@@ -25,7 +25,7 @@ from mlx_spec.cli.common import (
     PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt,
     calibrate_gamma, setup_models,
 )
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.runner import build_engine
 
 SERVER = "Server"
@@ -105,11 +105,11 @@ def serve(
     if world().active:  # requests reach rank 0 only; the other ranks would wait forever
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-        raise MlxSpecError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+        raise UsageError(f"unknown --log-level {log_level!r}: use warning, info or debug")
     check_api_key(api_key)
     for origin in cors_origin or ():
         if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
-            raise MlxSpecError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
+            raise UsageError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
                                "(e.g. http://localhost:3000) or *")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     served_hosts = _served_hosts(allowed_hosts, sock.getsockname()[0])
@@ -174,7 +174,7 @@ def _served_hosts(allowed: Optional[str], bound: str) -> Optional[tuple[str, ...
     if allowed is not None:
         names = tuple(name.strip() for name in allowed.split(",") if name.strip())
         if not names:
-            raise MlxSpecError("--allowed-hosts needs at least one name (or '*')")
+            raise UsageError("--allowed-hosts needs at least one name (or '*')")
         return names
     return () if _loopback(bound) else None
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.errors import MlxSpecError, ModelLoadError
+from mlx_spec.errors import ModelLoadError, UsageError
 from mlx_spec.models import gemma4_assistant, gguf_import, hub, stores
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
@@ -100,6 +100,12 @@ def default_dtype() -> str:
     return "bfloat16" if mx.default_device().type == mx.DeviceType.gpu else "float32"
 
 
+def check_bits(bits: int | None, flag: str | None = None) -> None:
+    """A bit width that `load_model` can quantize to, or a `UsageError` naming `flag`."""
+    if bits is not None and bits not in QUANTIZE_BITS:
+        raise UsageError(f"cannot quantize to {bits} bits (choose from {QUANTIZE_BITS})", flag=flag)
+
+
 def load_model(source: str | None = None, *, dtype: str | None = None,
                quantize: int | None = None, group_size: int = 64,
                progress: bool = True, group=None, for_chat: bool = False) -> LoadedModel:
@@ -121,14 +127,14 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         The LoadedModel, parameters evaluated.
     Raises:
         ModelLoadError: the source cannot be found, downloaded, imported or built.
+        UsageError: a dtype, bit width or group size that is not offered.
     """
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
-        raise MlxSpecError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-    if quantize is not None and quantize not in QUANTIZE_BITS:
-        raise MlxSpecError(f"cannot quantize to {quantize} bits (choose from {QUANTIZE_BITS})")
+        raise UsageError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})", flag="--dtype")
+    check_bits(quantize)
     if group_size not in GROUP_SIZES:
-        raise MlxSpecError(f"group size {group_size} is not one of {GROUP_SIZES}")
+        raise UsageError(f"group size {group_size} is not one of {GROUP_SIZES}", flag="--q-group-size")
 
     path, kind = resolve_source(source, progress=progress)
     # A spinner on a terminal while the weights load; piped, the summary line stays alone.

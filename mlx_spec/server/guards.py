@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from starlette.responses import JSONResponse
 
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import UsageError
 from mlx_spec.server.protocol import ApiError
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -42,7 +42,7 @@ def check_api_key(key: Optional[str]) -> Optional[bytes]:
     if key is None:
         return None
     if not key or not all("!" <= ch <= "~" for ch in key):
-        raise MlxSpecError("--api-key (or MLX_SPEC_API_KEY) must be printable ASCII without "
+        raise UsageError("--api-key (or MLX_SPEC_API_KEY) must be printable ASCII without "
                            "spaces, as it travels in an HTTP header")
     return key.encode("ascii")
 

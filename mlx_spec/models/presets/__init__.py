@@ -12,7 +12,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from mlx_spec.drafters import DRAFTER_NAMES
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,11 @@ def get_preset(name: str) -> Preset:
     """The preset called `name`.
 
     Raises:
-        MlxSpecError: no such preset (the message lists the known ones).
+        UsageError: no such preset (the message lists the known ones).
     """
     presets = _load()
     if name not in presets:
-        raise MlxSpecError(f"unknown preset '{name}' (known: {', '.join(presets)})")
+        raise UsageError(f"unknown preset '{name}' (known: {', '.join(presets)})", flag="--preset")
     return presets[name]
 
 
