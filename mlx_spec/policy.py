@@ -259,7 +259,8 @@ class TreePolicy(AutoGamma):
     def rank_acceptance(self, depth: int, rank: int) -> float:
         """a(d, k), smoothed: rank 0's prior is auto γ's acceptance at depth d, rank k's
         half of rank k−1's (later siblings are the less likely continuations)."""
-        prior = self.acceptance()[depth - 1] if rank == 0 else 0.5 * self.rank_acceptance(depth, rank - 1)
+        rates = self.acceptance()
+        prior = rates[min(depth, len(rates)) - 1] if rank == 0 else 0.5 * self.rank_acceptance(depth, rank - 1)
         tried = self.rank_tried.get((depth, rank), 0.0)
         return (self.rank_taken.get((depth, rank), 0.0) + self.prior_weight * prior) / (tried + self.prior_weight)
 
