@@ -32,7 +32,8 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
-from mlx_spec.verify import TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy, verify_tree_sampled
+from mlx_spec.verify import (TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy,
+                             verify_tree_sampled)
 
 
 @dataclass
@@ -159,8 +160,9 @@ class Engine:
                 # 2. draft
                 draft = Draft.empty()
                 if drafting and gamma:
-                    draft = (policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft), self.max_gamma)
-                             if branching else drafter.propose(gamma, history, key_draft))
+                    draft = (drafter.propose(gamma, history, key_draft) if not branching else
+                             policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
+                                          self.max_gamma))
                 gamma = draft.tokens.shape[0]
                 if self.profile:
                     mx.eval(draft.tokens)
@@ -183,7 +185,8 @@ class Engine:
             # 4. accept: the round's one host synchronisation
             mx.eval(verdict)
             n, token = verdict.n.item(), verdict.token.item()
-            path = [i for i, on in enumerate(verdict.path.tolist()) if on] if draft.tree else list(range(n))
+            # the accepted nodes: a chain's first n, a tree's accepted path
+            path = list(range(n)) if draft.tree is None else [i for i, on in enumerate(verdict.path.tolist()) if on]
             # 5. commit
             x = draft.tokens.tolist()
             emitted, finish = self._commit(cache, last, [x[i] for i in path] + [token], max_tokens - generated,

@@ -241,7 +241,10 @@ class TreePolicy(AutoGamma):
     k (its parent accepted, its k earlier siblings rejected) and T(m) the round time with m
     nodes (a verify over m + 1 rows; `LiveCosts` follows measured tree rounds). Likelier
     nodes never sit below less likely ones (v falls along a path), so the kept nodes form a
-    tree. Where width is dear the cut keeps the chain, or nothing (a plain round).
+    tree. Where width is dear the cut keeps the chain, or nothing (a plain round). While
+    it learns costs, the first cut that drafts and every `explore_every`-th after it also
+    keep the likeliest sibling left out (and its path), so a(d, k) for k > 0 is measured,
+    not only assumed.
 
     Args:
         costs, max_gamma and the rest: as `AutoGamma` (max_gamma: the deepest tree).
@@ -255,6 +258,18 @@ class TreePolicy(AutoGamma):
         self.branches, self.max_nodes = branches, max_nodes
         self.rank_tried: dict[tuple[int, int], float] = {}  # decayed: (depth, rank) -> turns that came
         self.rank_taken: dict[tuple[int, int], float] = {}  # decayed: of those, accepted
+        # the cost model's forecast for the rounds so far, on the calibrated curve: expected
+        # tokens and seconds, summed (`forecast_speedup`)
+        self.calibrated = costs
+        self.forecast_tokens = self.forecast_seconds = 0.0
+        self.cuts = 0  # cuts that kept nodes, for exploration
+
+    @property
+    def forecast_speedup(self) -> float:
+        """Forecast tokens per second over the rounds so far / plain decoding's."""
+        if not self.forecast_seconds:
+            return 1.0
+        return self.forecast_tokens / self.forecast_seconds * self.calibrated.round_time(0)
 
     def rank_acceptance(self, depth: int, rank: int) -> float:
         """a(d, k), smoothed: rank 0's prior is auto γ's acceptance at depth d, rank k's
@@ -290,15 +305,30 @@ class TreePolicy(AutoGamma):
             rate = expected / self.costs.round_time(m)
             if rate > best_rate:
                 best, best_rate = m, rate
-        keep = sorted(order[:best])
+        keep = set(order[:best])
+        if keep:  # a plain round is forecast where it is observed
+            self.forecast_tokens += 1.0 + sum(values[i] for i in keep)
+            self.forecast_seconds += self.calibrated.round_time(best)
+            self.cuts += 1
+            if isinstance(self.costs, LiveCosts) and self.cuts % self.explore_every == 1:
+                left_out = [i for i in order if i not in keep and draft.tree.rank[i] > 0]
+                if left_out:
+                    keep |= set(draft.tree.path(left_out[0]))
+        keep = sorted(keep)[:limit]  # nodes come after their parents: a cut stays a tree
         shape = draft.tree.subtree(keep)
         tokens = draft.tokens[mx.array(keep)] if keep else draft.tokens[:0]
         return Draft(tokens, tree=None if shape == TreeShape.chain(len(keep)) else shape)
 
+    def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
+        if gamma == 0:
+            self.forecast_tokens += 1.0
+            self.forecast_seconds += self.calibrated.round_time(0)
+        super().observe(gamma, accepted, seconds)
+
     def observe_tree(self, shape: TreeShape, path: list[int], seconds: Optional[float] = None) -> None:
         """A tree round: its m nodes cost what a width-(m + 1) round does, its accepted path
         teaches auto γ the acceptance by depth, its tried nodes a(d, k)."""
-        super().observe(shape.max_depth, len(path), None)
+        AutoGamma.observe(self, shape.max_depth, len(path), None)
         if seconds is not None and isinstance(self.costs, LiveCosts):
             self.costs.observe(shape.size, seconds)
         self.rank_tried = {k: self.decay * v for k, v in self.rank_tried.items()}

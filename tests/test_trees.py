@@ -263,3 +263,20 @@ def test_the_cut_follows_the_cost_of_width():
     assert gentle.tokens.tolist() == draft.propose(gentle.tokens.shape[0]).tokens.tolist()
     linear = kept([0.01 * (w + 1) for w in range(17)])  # every row costs a step
     assert linear.tokens.shape[0] == 0  # plain decoding
+
+
+# ---------------------------------------------------------------------------------------
+# The real Gemma 3 270M (512-token sliding window)
+
+
+@pytest.mark.slow
+def test_real_270m_greedy_trees_match_plain_decoding_across_the_window(gemma270m):
+    from importlib.resources import files
+
+    text = files("mlx_spec.prompts").joinpath("window.txt").read_text()
+    prompt = list(gemma270m.tokenizer.encode(text))[:500]
+    reference = greedy_reference(gemma270m.model, prompt, 40)
+    tokens, stats = run(Engine(gemma270m.model, NgramDrafter()), prompt, flat_policy(), 40)
+    assert len(prompt) + len(tokens) > 512 + 20  # the sliding layers wrapped mid-generation
+    assert tokens == reference
+    assert stats.tree_rounds > 0 and sum(stats.tried_at_rank[1:]) > 0
