@@ -37,10 +37,16 @@ def flat_policy(**kwargs):
 
 
 @pytest.mark.parametrize("prompt_length", [5, 40])  # within the 16-token window, and past it
-def test_tree_rows_equal_each_path_decoded_alone(tiny_target, prompt_length):
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])  # Gemma 4: KV shared across layers too
+def test_tree_rows_equal_each_path_decoded_alone(tiny_target, arch, prompt_length):
     """Every row of one tree pass gives the logits mlx-lm's model gives for prefix + that
     row's root path, fed without any cache; after keeping a path that is not a prefix of
     the block, the next token's logits are those of prefix + path."""
+    if arch == "gemma4":
+        from mlx_spec.models.tiny_gemma4 import WINDOW as gemma4_window, tiny_gemma4
+
+        assert prompt_length < 10 or prompt_length > gemma4_window
+        tiny_target = tiny_gemma4(seed=0)
     prefix = [(11 * i) % 250 + 6 for i in range(prompt_length)]
     x = [(37 * i) % 250 + 6 for i in range(SHAPE.size)]
     seq = SequenceCache(tiny_target, slack=17)
