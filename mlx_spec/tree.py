@@ -17,7 +17,6 @@ from functools import cached_property
 from typing import Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -59,30 +58,40 @@ class TreeShape:
             seen[parent] = ranks[-1] + 1
         return ranks
 
+    # Small host tables as nested lists (numpy stays out of the CLI's imports), and the
+    # device arrays the mask and the acceptance rule read, built once per shape.
+
     @cached_property
-    def ancestors(self) -> np.ndarray:
-        """[N+1, N+1] bool over block rows: [r, c] when row c is row r or an ancestor of it."""
-        n = self.size + 1
-        out = np.eye(n, dtype=bool)
-        out[:, 0] = True
+    def ancestors(self) -> list[list[bool]]:
+        """[N+1][N+1] over block rows: [r][c] when row c is row r or an ancestor of it."""
+        rows = [[c == 0 for c in range(self.size + 1)]]
         for i, parent in enumerate(self.parents):
-            out[i + 1] |= out[parent + 1]
-        return out
+            row = list(rows[parent + 1])
+            row[i + 1] = True
+            rows.append(row)
+        return rows
 
     @cached_property
-    def earlier_siblings(self) -> np.ndarray:
-        """[N, N] bool over nodes: [i, j] when j is a sibling tried before i."""
-        parents = np.array(self.parents)
-        index = np.arange(self.size)
-        return (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None])
+    def earlier_siblings(self) -> list[list[bool]]:
+        """[N][N] over nodes: [i][j] when j is a sibling tried before i."""
+        p = self.parents
+        return [[j < i and p[j] == p[i] for j in range(self.size)] for i in range(self.size)]
 
     @cached_property
-    def children(self) -> np.ndarray:
-        """[N+1, N] bool: [r, j] when node j is a child of block row r."""
-        out = np.zeros((self.size + 1, self.size), dtype=bool)
-        for j, parent in enumerate(self.parents):
-            out[parent + 1, j] = True
-        return out
+    def children(self) -> list[list[bool]]:
+        """[N+1][N]: [r][j] when node j is a child of block row r."""
+        return [[parent + 1 == r for parent in self.parents] for r in range(self.size + 1)]
+
+    @cached_property
+    def device(self) -> dict[str, mx.array]:
+        """The tables on the device: node ancestors [N, N] and earlier siblings [N, N] (bool),
+        children [N+1, N] and earlier siblings as float32 (for matmuls), depth [N]."""
+        nodes = [row[1:] for row in self.ancestors[1:]]
+        return {
+            "ancestors": mx.array(nodes), "earlier": mx.array(self.earlier_siblings),
+            "earlier_f": mx.array(self.earlier_siblings, mx.float32),
+            "children_f": mx.array(self.children, mx.float32), "depth": mx.array(self.depth),
+        }
 
     def path(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node` (empty for the root, -1)."""
@@ -99,8 +108,8 @@ class TreeShape:
         out = []
         for level, parent in enumerate([-1, *path]):
             taken = path[level] if level < len(path) else None
-            for j in np.flatnonzero(self.children[parent + 1]):
-                out.append((self.depth[j], self.rank[j], bool(j == taken)))
+            for j in (j for j, child in enumerate(self.children[parent + 1]) if child):
+                out.append((self.depth[j], self.rank[j], j == taken))
                 if j == taken:
                     break
         return out
@@ -115,13 +124,13 @@ def tree_mask(shape: TreeShape, prior: int, window: Optional[int] = None) -> mx.
     """Attention mask [N+1, prior + N+1] (True = attend) for the flattened block after `prior`
     cached keys whose positions end just before the root's: each row sees the prefix (within
     its sliding `window`, if any, at position root + depth) and its own ancestors."""
-    depth = np.array([0, *shape.depth])
-    block = shape.ancestors
+    depth = mx.array([0, *shape.depth])
+    block = mx.array(shape.ancestors)
     if window is None:
-        prefix = np.ones((depth.size, prior), dtype=bool)
+        prefix = mx.ones((shape.size + 1, prior), dtype=mx.bool_)
     else:
         # a key `back` positions before the root is within the window of a row at depth d
-        back = np.arange(prior, 0, -1)
+        back = mx.arange(prior, 0, -1)
         prefix = back[None, :] < window - depth[:, None]
         block = block & (depth[:, None] - depth[None, :] < window)
-    return mx.array(np.concatenate([prefix, block], axis=1))
+    return mx.concatenate([prefix, block], axis=1)

@@ -112,18 +112,16 @@ def _walk(shape: TreeShape, first: mx.array):
     """The accepted path from the nodes each first accepted among their siblings ([N]
     bool): a node is on it when it and all its ancestors were. Returns (n, path, the block
     row the path ends at)."""
-    ancestors = mx.array(shape.ancestors[1:, 1:])  # [N, N] nodes only
-    path = ~mx.any(ancestors & ~first[None, :], axis=1)
+    tables = shape.device
+    path = ~mx.any(tables["ancestors"] & ~first[None, :], axis=1)
     n = mx.sum(path)
-    depth = mx.array(shape.depth)
-    end = mx.where(n > 0, 1 + mx.argmax(mx.where(path, depth, 0)), 0)
+    end = mx.where(n > 0, 1 + mx.argmax(mx.where(path, tables["depth"], 0)), 0)
     return n, path, end
 
 
 def first_among_siblings(shape: TreeShape, accepted: mx.array) -> mx.array:
     """[N] bool: accepted, and no sibling tried before it was."""
-    earlier = mx.array(shape.earlier_siblings)
-    return accepted & ~mx.any(earlier & accepted[None, :], axis=1)
+    return accepted & ~mx.any(shape.device["earlier"] & accepted[None, :], axis=1)
 
 
 def verify_tree_greedy(x: mx.array, shape: TreeShape, target_tokens: mx.array) -> TreeVerdict:
@@ -141,8 +139,7 @@ def verify_tree_greedy(x: mx.array, shape: TreeShape, target_tokens: mx.array) -
 
 def rejected_mass(shape: TreeShape, p_x: mx.array) -> mx.array:
     """[N]: p of the siblings tried before each node, all rejected when its turn comes."""
-    earlier = mx.array(shape.earlier_siblings.astype("float32"))
-    return earlier @ p_x
+    return shape.device["earlier_f"] @ p_x
 
 
 def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.array) -> TreeVerdict:
@@ -164,7 +161,7 @@ def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.arra
     # At the end row every child was rejected (none at a leaf): the residual is p there with
     # those children removed, which at a leaf is p itself (the bonus distribution).
     p_end = mx.take(p, end, axis=0)
-    kept = 1.0 - mx.take(mx.array(shape.children.astype("float32")), end, axis=0)
+    kept = 1.0 - mx.take(shape.device["children_f"], end, axis=0)
     residual = p_end.at[x].multiply(kept)
     mass = mx.sum(residual)
     final = mx.where(mass > 0, residual / mass, p_end)  # a guard against float round-off
