@@ -28,3 +28,4 @@ py distributed.py --pair gemma270m-ngram --prompt quote --gammas 1,3 --max-token
 py distributed.py --pair tiny --prompt long --gammas 1,3 --max-tokens 32 --runs 3
 py draft_placement.py --reps 10 --gamma 3 --max-tokens 32
 py shard_memory.py
+py trees.py --prompts quote long --gammas 2 4 6 --max-tokens 96 --repeats 3

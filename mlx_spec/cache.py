@@ -8,6 +8,11 @@ the next query still needs. We replace it with `WindowKVCache`, which keeps `sla
 more than the window needs and enforces the window through the attention mask, so a
 rollback of up to `slack` positions is exact at any context length.
 
+A draft tree (`mlx_spec.tree`) is verified in one pass too: while `SequenceCache.forward`
+feeds one, every layer's mask shows each row the prefix and its ancestors only, and RoPE
+puts each row at prefix + depth; `settle(kept, rows=...)` then moves the accepted rows' K/V
+into place before the rest is rolled back.
+
 Caches with recurrent state (SSM / linear-attention layers) cannot roll back at all;
 `SequenceCache.rollbackable` says so and the engine then decodes without drafting.
 """
@@ -15,11 +20,15 @@ Caches with recurrent state (SSM / linear-attention layers) cannot roll back at 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from typing import Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from mlx_spec.tree import TreeShape, tree_mask
 
 
 class WindowKVCache:
@@ -40,6 +49,7 @@ class WindowKVCache:
         self.values: Optional[mx.array] = None
         self.offset = 0  # absolute position of the next token (RoPE reads it)
         self.start = 0  # absolute position stored in slot 0
+        self.tree: Optional[TreeShape] = None  # set while a draft tree is fed
 
     @property
     def retain(self) -> int:
@@ -80,6 +90,8 @@ class WindowKVCache:
         window = window_size or self.window
         # keys returned before the new ones, as update_and_fetch will slice them
         prior = min(self.offset - self._start_after(N), self.window - 1)
+        if self.tree is not None:
+            return tree_mask(self.tree, prior, window)
         if prior + N <= window:  # every query sees every returned key: plain causal
             if N == 1:
                 return None
@@ -119,16 +131,77 @@ class WindowKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+class TreeKVCache(KVCache):
+    """mlx-lm's `KVCache`, whose mask can also be a draft tree's (`tree` set)."""
+
+    tree: Optional[TreeShape] = None
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        if self.tree is not None:
+            return tree_mask(self.tree, self.offset, window_size)
+        return super().make_mask(N, window_size=window_size, return_array=return_array)
+
+
 def make_cache(model, slack: int) -> list:
     """The model's own per-layer caches, with each sliding-window `RotatingKVCache`
-    replaced by a `WindowKVCache` that can roll back `slack` positions."""
+    replaced by a `WindowKVCache` that can roll back `slack` positions, and each plain
+    `KVCache` by a `TreeKVCache` (the same, with tree masks)."""
     caches = make_prompt_cache(model)
     return [
         WindowKVCache(c.max_size, slack)
         if isinstance(c, RotatingKVCache) and c.keep == 0
+        else TreeKVCache() if type(c) is KVCache and c.empty()
         else c
         for c in caches
     ]
+
+
+class _PositionedRoPE(nn.Module):
+    """An attention layer's own RoPE, applied at one given position per row (mlx-lm's
+    attention passes the cache offset, a position for the first row only). Rows become
+    the batch axis, where MLX's rope takes a vector of offsets."""
+
+    def __init__(self, rope, positions: mx.array):
+        super().__init__()
+        self.inner, self.positions = rope, positions
+
+    def __call__(self, x: mx.array, offset=None) -> mx.array:
+        B, H, L, D = x.shape
+        rows = x.transpose(2, 0, 1, 3).reshape(L, B * H, 1, D)
+        return self.inner(rows, offset=self.positions).reshape(L, B, H, D).transpose(1, 2, 0, 3)
+
+
+def _attention_layers(model) -> list:
+    lm = getattr(model, "language_model", model)
+    return [getattr(layer, "self_attn", None) for layer in lm.layers]
+
+
+def tree_capable(model, cache: list) -> bool:
+    """Whether a draft tree can be fed: every cache layer is ours (tree masks, compaction)
+    and every attention layer has a `rope` to position by depth."""
+    layers = _attention_layers(model)
+    return (all(isinstance(c, (TreeKVCache, WindowKVCache)) for c in cache)
+            and all(a is not None and isinstance(getattr(a, "rope", None), nn.Module) for a in layers))
+
+
+@contextmanager
+def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
+    """While the model's graph is built: tree masks in every cache layer, and each row's
+    RoPE at root + depth. (MLX is lazy: the graph keeps them once the call returns.)"""
+    positions = mx.array([root, *(root + d for d in shape.depth)], mx.int32)
+    layers = _attention_layers(model)
+    ropes = [a.rope for a in layers]
+    try:
+        for layer in cache:
+            layer.tree = shape
+        for attention, rope in zip(layers, ropes):
+            attention.rope = _PositionedRoPE(rope, positions)
+        yield
+    finally:
+        for layer in cache:
+            layer.tree = None
+        for attention, rope in zip(layers, ropes):
+            attention.rope = rope
 
 
 def _max_trim(layer) -> int:
@@ -199,9 +272,18 @@ class SequenceCache:
         self.unsettled = 0
         self.prefill_hidden = None
 
-    def forward(self, tokens: mx.array, hidden: bool = False):
+    @property
+    def tree_capable(self) -> bool:
+        return tree_capable(self.model, self.cache)
+
+    def forward(self, tokens: mx.array, hidden: bool = False, tree: Optional[TreeShape] = None):
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
-        (logits [n, V], final hidden states [n, H])."""
+        (logits [n, V], final hidden states [n, H]). With a `tree`, tokens are its
+        flattened block [root, x_0..x_N-1] (see `mlx_spec.tree`), fed in one pass."""
+        if tree is not None:
+            root = self.cache[0].offset  # the root's position: every layer agrees
+            with _feeding_tree(self.model, self.cache, tree, root):
+                return self.forward(tokens, hidden)
         self.unsettled += tokens.shape[0]
         self.prefill_hidden = None
         out = self._call(tokens[None], hidden)
@@ -239,13 +321,17 @@ class SequenceCache:
             self.reset()
             raise
 
-    def settle(self, kept: list[int], queued: int = 0) -> None:
+    def settle(self, kept: list[int], queued: int = 0, rows: Optional[list[int]] = None) -> None:
         """Keep the first len(kept) unsettled positions (their ids are `kept`) and forget the
         rest, except the last `queued` ones: a pass already queued for the next round, whose
-        ids are not known on the host yet (they stay unsettled)."""
+        ids are not known on the host yet (they stay unsettled). After a tree, `rows` are
+        the unsettled rows to keep (ascending: the root, then the accepted path), one per
+        id of `kept`; their K/V move into place first."""
         extra = self.unsettled - len(kept) - queued
-        if extra < 0 or (queued and extra):
+        if extra < 0 or (queued and extra) or (rows is not None and len(rows) != len(kept)):
             raise ValueError(f"cannot keep {len(kept)} + {queued} of {self.unsettled} fed positions")
+        if rows is not None and rows != list(range(len(rows))):
+            self._compact(rows)
         self._trim(extra)
         self.ids.extend(kept)
         self.unsettled = queued
@@ -254,6 +340,16 @@ class SequenceCache:
         """Forget the last n settled positions."""
         self._trim(n)
         del self.ids[len(self.ids) - n :]
+
+    def _compact(self, rows: list[int]) -> None:
+        """Move the K/V of unsettled `rows` to the first len(rows) unsettled slots of every
+        layer (a row never moves later: rows ascend from where they start)."""
+        for layer in self.cache:
+            end = layer.offset - getattr(layer, "start", 0)  # WindowKVCache's slot 0 moves
+            first = end - self.unsettled
+            index = mx.array(rows) + first
+            layer.keys[..., first : first + len(rows), :] = layer.keys[..., index, :]
+            layer.values[..., first : first + len(rows), :] = layer.values[..., index, :]
 
     def _trim(self, n: int) -> None:
         if n == 0:

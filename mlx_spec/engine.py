@@ -2,9 +2,12 @@
 
 One round (Leviathan et al. 2023, Algorithm 1):
   1. choose γ                    the policy is asked once per round, capped by max_tokens
-  2. draft                       x_1..x_γ and q_1..q_γ from the drafter (lazy, on device)
+  2. draft                       x_1..x_γ and q_1..q_γ from the drafter (lazy, on device), or
+                                 a draft tree of one-hot nodes where the policy and drafter
+                                 branch (`mlx_spec.tree`), at most γ deep
   3. verify pass                 one target forward over [last, x_1..x_γ] → p_1..p_γ+1, and
-                                 the acceptance rule → Verdict(n, token), still lazy
+                                 the acceptance rule → Verdict(n, token), still lazy (a tree:
+                                 one forward over the flattened tree, and its accepted path)
   4. accept                      the round's one host sync on the verdict
   5. commit                      cut at the first EOS id or at max_tokens, even mid-block;
                                  both caches forget every position that was not committed
@@ -29,7 +32,8 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
-from mlx_spec.verify import Verdict, verify_greedy, verify_sampled
+from mlx_spec.verify import (TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy,
+                             verify_tree_sampled)
 
 
 @dataclass
@@ -141,6 +145,10 @@ class Engine:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
         drafting = drafter is not None and self._can_draft(cache)
+        # Trees where the policy shapes them, the drafter branches, and the target's
+        # layers take tree masks; a sharded target (agree) or an MTP drafter keeps chains.
+        branching = (drafting and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
+                     and self.agree is None and not self.wants_hidden and cache.target.tree_capable)
 
         last, generated = prompt_ids[-1], 0
         queued = None  # the next plain round's (verdict, hidden), already on the device (3b)
@@ -157,7 +165,11 @@ class Engine:
                 gamma = policy.choose(stats) if gamma_next is None else gamma_next
                 gamma = min(gamma, self.max_gamma, max_tokens - generated - 1)
                 # 2. draft
-                draft = drafter.propose(gamma, history, key_draft) if drafting and gamma else Draft.empty()
+                draft = Draft.empty()
+                if drafting and gamma:
+                    draft = (drafter.propose(gamma, history, key_draft) if not branching else
+                             policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
+                                          self.max_gamma))
                 gamma = draft.tokens.shape[0]
                 if self.profile:
                     mx.eval(draft.tokens)
@@ -182,20 +194,30 @@ class Engine:
             # 4. accept: the round's one host synchronisation
             mx.eval(verdict)
             n, token = verdict.n.item(), verdict.token.item()
+            # the accepted nodes: a chain's first n, a tree's accepted path
+            path = list(range(n)) if draft.tree is None else [i for i, on in enumerate(verdict.path.tolist()) if on]
             # 5. commit
-            emitted, finish = self._commit(cache, last, draft.tokens.tolist()[:n] + [token],
-                                           max_tokens - generated, queued is not None, drafting, hidden)
+            x = draft.tokens.tolist()
+            rows = [0] + [i + 1 for i in path]  # the block rows that scored each emitted token
+            emitted, finish = self._commit(cache, last, [x[i] for i in path] + [token], max_tokens - generated,
+                                           queued is not None, drafting, hidden, rows)
             if finish:
                 queued = None  # its position was rolled back with the rest
             history.extend(emitted)
             last, generated = emitted[-1], generated + len(emitted)
             end = perf_counter()
-            policy.observe(gamma, n, end - start)  # the round's measured time teaches auto γ its costs
-            stats.observe_round(gamma, n, len(emitted), drafted - start, end - drafted)
+            if draft.tree is not None:
+                policy.observe_tree(draft.tree, path, end - start)
+                stats.observe_tree(draft.tree.attempts(path))
+            else:
+                policy.observe(gamma, n, end - start)  # the round's measured time teaches auto γ its costs
+            depth = draft.tree.max_depth if draft.tree is not None else gamma
+            stats.observe_round(gamma, n, len(emitted), drafted - start, end - drafted, depth=depth)
             stats.draft_forwards += gamma * drafter.passes_per_token if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
             yield Round(emitted, gamma, n, finish,
-                        None if scores is None else _token_logprobs(scores, emitted, logprobs))
+                        None if scores is None else
+                        _token_logprobs(scores[mx.array(rows[:len(emitted)])], emitted, logprobs))
             if finish:
                 return
 
@@ -209,9 +231,12 @@ class Engine:
 
     def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None) -> tuple:
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
-        acceptance rule, as a lazy (`Verdict`, hidden states or None, log-probs [γ+1, V] or
-        None unless `logprobs` is set). `unseen`: tokens after `history` not yet on the host
-        (a queued round's input), for the repetition penalty."""
+        acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
+        [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
+        the host (a queued round's input), for the repetition penalty."""
+        if draft.tree is not None:
+            verdict, logits = self._verify_tree(cache, block, draft, history, processor, key)
+            return verdict, None, None if logprobs is None else _log_softmax(logits)
         if self.wants_hidden:
             logits, hidden = cache.target.forward(block, hidden=True)
         else:
@@ -227,19 +252,25 @@ class Engine:
             verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
         if self.agree is not None:
             verdict = self.agree(verdict)
-        scores = None
-        if logprobs is not None:
-            scores = logits.astype(mx.float32)
-            scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
-        return verdict, hidden, scores
+        return verdict, hidden, None if logprobs is None else _log_softmax(logits)
+
+    def _verify_tree(self, cache, block, draft, history, processor, key) -> tuple:
+        """Step 3 for a draft tree: one pass over its flattened block, then its rule; returns
+        (`TreeVerdict`, the pass's logits)."""
+        logits = cache.target.forward(block, tree=draft.tree)
+        windows = processor.tree_windows(history, draft.tokens, draft.tree)
+        if processor.params.greedy:
+            return verify_tree_greedy(draft.tokens, draft.tree, processor.greedy(logits, windows)), logits
+        return verify_tree_sampled(draft.tokens, draft.tree, processor.distribution(logits, windows), key), logits
 
     def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
-                drafting: bool, hidden: Optional[mx.array]):
+                drafting: bool, hidden: Optional[mx.array], rows: list[int]):
         """Step 5: cut `emitted` (accepted drafts + the recovered or bonus token) at the first
         EOS id, or to the `room` left before max_tokens; roll the target's cache back to
         [last] + emitted minus the new last token (plus a queued pass, if it is still
-        needed), and tell the drafter, which rolls back its own state. Returns (emitted,
-        finish reason or None)."""
+        needed), and tell the drafter, which rolls back its own state. `rows`: the block
+        rows the kept positions were fed at (a tree's accepted path is not a prefix of it).
+        Returns (emitted, finish reason or None)."""
         finish = None
         for i, t in enumerate(emitted):
             if t in self.eos_ids:
@@ -247,7 +278,8 @@ class Engine:
                 break
         if finish is None and len(emitted) >= room:
             emitted, finish = emitted[:room], "length"
-        cache.target.settle(([last] + emitted)[:-1], queued=1 if queued and not finish else 0)
+        kept = ([last] + emitted)[:-1]
+        cache.target.settle(kept, queued=1 if queued and not finish else 0, rows=rows[: len(kept)])
         if drafting:
             self.drafter.accept(emitted, **({"target_hidden": hidden} if self.wants_hidden else {}))
         return emitted, finish
@@ -264,8 +296,14 @@ class Engine:
         return True
 
 
+def _log_softmax(logits: mx.array) -> mx.array:
+    """The target's log-probs, before temperature or top-p: what plain decoding reports."""
+    scores = logits.astype(mx.float32)
+    return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+
+
 def _token_logprobs(scores: mx.array, emitted: list[int], top: int) -> list:
-    """Row i of `scores` (log-probs [γ+1, V]) scored emitted token i: its log-prob and the
+    """Row i of `scores` (log-probs [len(emitted), V]) scored emitted token i: its log-prob and the
     `top` likeliest alternatives, for the committed tokens only (one extra host sync)."""
     rows = scores[: len(emitted)]
     chosen = mx.take_along_axis(rows, mx.array(emitted)[:, None], axis=-1)[:, 0]

@@ -22,8 +22,11 @@ from __future__ import annotations
 import math
 from typing import Optional, Protocol, Sequence
 
+import mlx.core as mx
+
 from mlx_spec.costs import CostCurve, LiveCosts
 from mlx_spec.stats import Stats
+from mlx_spec.tree import TreeShape
 
 MAX_GAMMA = 16  # the largest γ anywhere; caches keep MAX_GAMMA + 1 positions of rollback slack
 
@@ -224,6 +227,118 @@ class AutoGamma:
 
     def __repr__(self) -> str:
         return f"AutoGamma(max_gamma={self.max_gamma})"
+
+
+class TreePolicy(AutoGamma):
+    """Draft trees shaped by the cost curve: auto γ chooses the depth, the drafter proposes
+    its widest tree that deep (`branches` continuations), and `prune` keeps the nodes that
+    maximise expected committed tokens per second (Sequoia's aim; EAGLE-2's greedy cut):
+
+        v(node) = v(parent) · Π_{j<k} (1 − a(d, j)) · a(d, k)   P(the round accepts it)
+        keep the m likeliest nodes, m maximising (1 + Σ v) / T(m)
+
+    where a(d, k) is the live conditional acceptance of a node at depth d and sibling rank
+    k (its parent accepted, its k earlier siblings rejected) and T(m) the round time with m
+    nodes (a verify over m + 1 rows; `LiveCosts` follows measured tree rounds). Likelier
+    nodes never sit below less likely ones (v falls along a path), so the kept nodes form a
+    tree. Where width is dear the cut keeps the chain, or nothing (a plain round). While
+    it learns costs, the first cut that drafts and every `explore_every`-th after it also
+    keep the likeliest sibling left out (and its path), so a(d, k) for k > 0 is measured,
+    not only assumed.
+
+    Args:
+        costs, max_gamma and the rest: as `AutoGamma` (max_gamma: the deepest tree).
+        branches: continuations the drafter is asked for.
+        max_nodes: the most nodes a tree may keep (the caches' rollback slack bounds it).
+    """
+
+    def __init__(self, costs: CostCurve, max_gamma: int = 6, branches: int = 4, max_nodes: int = MAX_GAMMA,
+                 **kwargs):
+        super().__init__(costs, max_gamma=max_gamma, **kwargs)
+        self.branches, self.max_nodes = branches, max_nodes
+        self.rank_tried: dict[tuple[int, int], float] = {}  # decayed: (depth, rank) -> turns that came
+        self.rank_taken: dict[tuple[int, int], float] = {}  # decayed: of those, accepted
+        # the cost model's forecast for the rounds so far, on the calibrated curve: expected
+        # tokens and seconds, summed (`forecast_speedup`)
+        self.calibrated = costs
+        self.forecast_tokens = self.forecast_seconds = 0.0
+        self.cuts = 0  # cuts that kept nodes, for exploration
+
+    @property
+    def forecast_speedup(self) -> float:
+        """Forecast tokens per second over the rounds so far / plain decoding's."""
+        if not self.forecast_seconds:
+            return 1.0
+        return self.forecast_tokens / self.forecast_seconds * self.calibrated.round_time(0)
+
+    def rank_acceptance(self, depth: int, rank: int) -> float:
+        """a(d, k), smoothed: rank 0's prior is auto γ's acceptance at depth d, rank k's
+        half of rank k−1's (later siblings are the less likely continuations)."""
+        rates = self.acceptance()
+        prior = rates[min(depth, len(rates)) - 1] if rank == 0 else 0.5 * self.rank_acceptance(depth, rank - 1)
+        tried = self.rank_tried.get((depth, rank), 0.0)
+        return (self.rank_taken.get((depth, rank), 0.0) + self.prior_weight * prior) / (tried + self.prior_weight)
+
+    def node_values(self, shape: TreeShape) -> list[float]:
+        """v(node) for every node of `shape`."""
+        values: list[float] = []
+        for parent, depth, rank in zip(shape.parents, shape.depth, shape.rank):
+            v = 1.0 if parent < 0 else values[parent]
+            for j in range(rank):
+                v *= 1.0 - self.rank_acceptance(depth, j)
+            values.append(v * self.rank_acceptance(depth, rank))
+        return values
+
+    def prune(self, draft, max_nodes: Optional[int] = None):
+        """The part of `draft`'s tree worth verifying, at most `max_nodes` nodes (a chain is
+        returned as a chain)."""
+        from mlx_spec.drafters import Draft
+
+        if draft.tree is None:
+            return draft
+        values = self.node_values(draft.tree)
+        limit = min(self.max_nodes, max_nodes or self.max_nodes)
+        order = sorted(range(len(values)), key=lambda i: (-values[i], i))[:limit]
+        expected, best, best_rate = 1.0, 0, 1.0 / self.costs.round_time(0)
+        for m, i in enumerate(order, start=1):
+            expected += values[i]
+            rate = expected / self.costs.round_time(m)
+            if rate > best_rate:
+                best, best_rate = m, rate
+        keep = set(order[:best])
+        if keep:  # a plain round is forecast where it is observed
+            self.forecast_tokens += 1.0 + sum(values[i] for i in keep)
+            self.forecast_seconds += self.calibrated.round_time(best)
+            self.cuts += 1
+            if isinstance(self.costs, LiveCosts) and self.cuts % self.explore_every == 1:
+                left_out = [i for i in order if i not in keep and draft.tree.rank[i] > 0]
+                if left_out:
+                    keep |= set(draft.tree.path(left_out[0]))
+        keep = sorted(keep)[:limit]  # nodes come after their parents: a cut stays a tree
+        shape = draft.tree.subtree(keep)
+        tokens = draft.tokens[mx.array(keep)] if keep else draft.tokens[:0]
+        return Draft(tokens, tree=None if shape == TreeShape.chain(len(keep)) else shape)
+
+    def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
+        if gamma == 0:
+            self.forecast_tokens += 1.0
+            self.forecast_seconds += self.calibrated.round_time(0)
+        super().observe(gamma, accepted, seconds)
+
+    def observe_tree(self, shape: TreeShape, path: list[int], seconds: Optional[float] = None) -> None:
+        """A tree round: its m nodes cost what a width-(m + 1) round does, its accepted path
+        teaches auto γ the acceptance by depth, its tried nodes a(d, k)."""
+        AutoGamma.observe(self, shape.max_depth, len(path), None)
+        if seconds is not None and isinstance(self.costs, LiveCosts):
+            self.costs.observe(shape.size, seconds)
+        self.rank_tried = {k: self.decay * v for k, v in self.rank_tried.items()}
+        self.rank_taken = {k: self.decay * v for k, v in self.rank_taken.items()}
+        for depth, rank, ok in shape.attempts(path):
+            self.rank_tried[depth, rank] = self.rank_tried.get((depth, rank), 0.0) + 1
+            self.rank_taken[depth, rank] = self.rank_taken.get((depth, rank), 0.0) + ok
+
+    def __repr__(self) -> str:
+        return f"TreePolicy(max_gamma={self.max_gamma}, branches={self.branches})"
 
 
 def as_policy(gamma: "int | GammaPolicy") -> GammaPolicy:

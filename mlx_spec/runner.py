@@ -16,21 +16,24 @@ from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy
+from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy, TreePolicy
 
 MAX_AUTO_GAMMA = 6
+TREE = "tree"  # --gamma tree: draft trees shaped by the cost curve (`TreePolicy`)
+TREE_NODES = 12  # the most nodes a draft tree keeps; its cost curve is measured that wide
+TREE_BRANCHES = 4  # continuations a branching drafter is asked for
 
 
 def parse_gamma(value: Union[int, str], *, name: str = "--gamma", minimum: int = 0,
                 limit: int = MAX_GAMMA) -> Union[int, str]:
-    """'auto', or a whole number in [minimum, limit]; anything else is a one-line error
-    that names the flag or command (`name`) the user typed."""
-    if value == "auto":
+    """'auto', 'tree' (draft trees), or a whole number in [minimum, limit]; anything else is
+    a one-line error that names the flag or command (`name`) the user typed."""
+    if value in ("auto", TREE):
         return value
     try:
         gamma = int(value)
     except (TypeError, ValueError):
-        raise UsageError(f"{name} must be a whole number or 'auto', not {value!r}") from None
+        raise UsageError(f"{name} must be a whole number or 'auto' (or 'tree'), not {value!r}") from None
     if not minimum <= gamma <= limit:
         raise UsageError(f"{name} must be between {minimum} and {limit}, or 'auto' (got {gamma})")
     return gamma
@@ -172,9 +175,11 @@ def gamma_policy(
     name: str = "--gamma",
 ) -> GammaPolicy:
     """`FixedGamma(n)` for a whole number, `AutoGamma` from the measured cost curve for
-    "auto" (measured once per pair and machine, then read from the cache). `name`: the flag
-    or command that set γ, for error messages."""
+    "auto" (measured once per pair and machine, then read from the cache), `tree_policy` for
+    "tree". `name`: the flag or command that set γ, for error messages."""
     gamma = parse_gamma(gamma, name=name, limit=engine.max_gamma)
+    if gamma == TREE:
+        return tree_policy(engine, context=context, refresh=refresh, progress=progress)
     if gamma != "auto":
         return FixedGamma(gamma)
     if engine.drafter is None:
@@ -190,3 +195,17 @@ def gamma_policy(
     # Across ranks every rank must choose the same γ: learning from local round times could
     # part them, so there the (rank 0's, broadcast) calibration is taken as given.
     return AutoGamma(costs, max_gamma=max_gamma, learn_costs=not world().active)
+
+
+def tree_policy(engine: Engine, *, context: int = 256, refresh: bool = False,
+                progress: Optional[Callable[[int, int], None]] = None) -> GammaPolicy:
+    """`TreePolicy` from the cost curve measured up to a tree's width (`TREE_NODES` + 1
+    rows). With a drafter that cannot branch it draws chains, as auto γ does."""
+    if engine.drafter is None:
+        return FixedGamma(0)
+    draft_model = getattr(engine.drafter, "model", None)
+    nodes = min(TREE_NODES, engine.max_gamma)
+    costs = load_or_measure(engine.target, draft_model, max_width=nodes + 1, context=context_bucket(context),
+                            refresh=refresh, progress=progress)
+    return TreePolicy(costs, max_gamma=min(MAX_AUTO_GAMMA, engine.max_gamma), branches=TREE_BRANCHES,
+                      max_nodes=nodes)

@@ -97,6 +97,19 @@ class LogitProcessor:
         index = mx.arange(first, rows)[:, None] + mx.arange(C)[None, :]
         return tokens[index]
 
+    def tree_windows(self, history: list[int], x: mx.array, shape) -> Optional[mx.array]:
+        """Penalty windows [N+1, C] for a draft tree's block rows (see `mlx_spec.tree`): the
+        root's row sees the history, node i's row the history and its path to node i."""
+        if not self.params.penalized or not history:
+            return None
+        C = self.params.repetition_context
+        recent = history[-C:]
+        tokens = mx.concatenate([mx.array([NO_TOKEN] * (C - len(recent)) + recent, dtype=mx.uint32),
+                                 x.astype(mx.uint32)])
+        rows = [list(range(C))] + [(list(range(C)) + [C + j for j in shape.path(i)])[-C:]
+                                   for i in range(shape.size)]
+        return tokens[mx.array(rows)]
+
     def penalize(self, logits: mx.array, windows: Optional[mx.array]) -> mx.array:
         """Apply the repetition penalty to the ids in each row's window. Ids past the width
         of `logits` (padding, or ids a narrower draft vocabulary lacks) are ignored: they

@@ -5,6 +5,8 @@ Definitions (as vLLM and llama.cpp use them, so numbers compare across tools):
   acceptance rate α̂         accepted draft tokens / drafted tokens
   acceptance at position i  rounds whose draft token i was accepted / rounds that drafted >= i
   mean accepted length      1 + accepted / rounds (counts the recovered or bonus token)
+  acceptance at rank k      draft-tree nodes of sibling rank k accepted / those whose turn
+                            came (parent accepted, every earlier sibling rejected)
   decode tok/s              generated tokens / decode time (prompt processing excluded)
 """
 
@@ -33,6 +35,9 @@ class Stats:
     decode_time: float = 0.0
     peak_memory: int = 0  # bytes, MLX's peak allocation
     gamma_last: int = 0
+    tree_rounds: int = 0  # rounds that verified a draft tree (position counters then count depth)
+    tried_at_rank: list[int] = field(default_factory=list)  # [k]: tree nodes of rank k whose turn came
+    accepted_at_rank: list[int] = field(default_factory=list)  # [k]: of those, accepted
 
     def observe_prefill(self, prompt_tokens: int, processed: int, seconds: float) -> None:
         self.prompt_tokens += prompt_tokens
@@ -40,15 +45,19 @@ class Stats:
         self.prefill_time += seconds
 
     def observe_round(
-        self, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float
+        self, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
+        depth: int | None = None,
     ) -> None:
-        """One round: `gamma` drafted, the first `accepted` taken, `emitted` tokens kept."""
+        """One round: `gamma` drafted, the first `accepted` taken, `emitted` tokens kept. A
+        draft tree's round drafted `gamma` nodes at most `depth` deep and accepted a path of
+        `accepted` (the position counters count depth)."""
         self.rounds += 1
         self.target_forwards += 1
         self.drafted += gamma
         self.accepted += accepted
         self.generated += emitted
         self.gamma_last = gamma
+        gamma = gamma if depth is None else depth
         if gamma > len(self.drafted_at):
             grow = gamma - len(self.drafted_at)
             self.drafted_at += [0] * grow
@@ -63,6 +72,17 @@ class Stats:
         self.draft_time += draft_s
         self.verify_time += verify_s
         self.decode_time += draft_s + verify_s
+
+    def observe_tree(self, attempts: list[tuple[int, int, bool]]) -> None:
+        """A tree round's tried nodes, as `TreeShape.attempts` lists them."""
+        self.tree_rounds += 1
+        for _, rank, ok in attempts:
+            if rank >= len(self.tried_at_rank):
+                grow = rank + 1 - len(self.tried_at_rank)
+                self.tried_at_rank += [0] * grow
+                self.accepted_at_rank += [0] * grow
+            self.tried_at_rank[rank] += 1
+            self.accepted_at_rank[rank] += ok
 
     def retract(self, tokens: int) -> None:
         """Tokens generated past a stop string are not part of the answer: uncount them."""
@@ -86,6 +106,10 @@ class Stats:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached_at)]
 
     @property
+    def acceptance_by_rank(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.accepted_at_rank, self.tried_at_rank)]
+
+    @property
     def mean_accepted_length(self) -> float:
         return 1 + self.accepted / self.rounds if self.rounds else 0.0
 
@@ -103,6 +127,7 @@ class Stats:
         out.update(
             acceptance_rate=self.acceptance_rate,
             acceptance_by_position=self.acceptance_by_position,
+            acceptance_by_rank=self.acceptance_by_rank,
             mean_accepted_length=self.mean_accepted_length,
             decode_tps=self.decode_tps,
             prefill_tps=self.prefill_tps,

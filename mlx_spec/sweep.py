@@ -14,6 +14,10 @@ The procedure a careful user follows by hand, automated:
      measured verify curve and per-position acceptance instead of c and one α
   7. recommend the fastest exact setting (γ = 0 when nothing pays)
 
+A `tree` setting (`bench --tree`) runs draft trees shaped by `TreePolicy`; its cost-model
+prediction is the policy's own forecast over the rounds it ran (expected tokens of each
+tree it kept over that tree's calibrated verify time), and its mean γ is nodes per round.
+
 The engine knows no text: prompts are token ids here, tokenized by the caller.
 """
 
@@ -32,14 +36,14 @@ from mlx_spec.distributed import BroadcastDrafter, CommProfile, comm_profile, wo
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import FixedGamma, cost_model_speedup, theorem_speedup
-from mlx_spec.runner import MAX_AUTO_GAMMA, build_engine, context_bucket, gamma_policy
+from mlx_spec.runner import MAX_AUTO_GAMMA, TREE, TREE_NODES, build_engine, context_bucket, gamma_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams
 from mlx_spec.stats import Stats
 
 BASELINE = "off"  # label of the drafting-off setting
 DEFAULT_GAMMAS = (1, 2, 3, 5)
 
-Gamma = Union[int, str]  # a whole number, or "auto"
+Gamma = Union[int, str]  # a whole number, "auto" or "tree"
 
 # A multi-row verify pass and a one-row decode step run different kernels on a GPU, so at
 # a near-tie their argmax can differ while both are right to rounding. A first difference
@@ -95,6 +99,7 @@ class Run:
     bandwidth: float = 0.0  # bytes/s
     mismatch_at: Optional[int] = None  # first token differing from the baseline (T = 0)
     near_tie: bool = False  # ... where the target's top-2 logits tie to rounding
+    forecast: Optional[float] = None  # the tree policy's predicted speedup for this run
 
     @property
     def cold(self) -> bool:
@@ -117,13 +122,14 @@ class SettingSummary:
     cold_tps: float
     cold_prefill_time: float
     acceptance_rate: float  # α̂ over warm runs
-    acceptance_by_position: list[float]
+    acceptance_by_position: list[float]  # by depth for a tree
     conditional_acceptance: list[float]
     mean_accepted_length: float
     mean_gamma: float  # drafted / rounds (auto varies γ)
     prefill_time: float  # median, seconds
     prefill_share: float  # prefill / (prefill + decode), median
-    predicted_speedup: float  # Theorem 3.8 with α = accepted / reached positions, c and mean γ
+    predicted_speedup: Optional[float]  # Theorem 3.8 with α = accepted / reached positions, c and
+    # mean γ (None for trees, which it does not describe)
     cost_model_speedup: float  # measured verify curve and per-position acceptance
     bandwidth: float  # bytes/s, median
     peak_memory: int
@@ -138,6 +144,7 @@ class SettingSummary:
     comm_time_per_round: Optional[float] = None
     comm_share: Optional[float] = None
     single_speedup: Optional[float] = None  # the same setting's speedup on one machine (bench --compare)
+    acceptance_by_rank: list[float] = field(default_factory=list)  # draft trees: by sibling rank
 
 
 @dataclass
@@ -225,7 +232,7 @@ class SweepResult:
 
 
 def setting_label(gamma: Gamma) -> str:
-    return BASELINE if gamma == 0 else ("auto" if gamma == "auto" else f"γ={gamma}")
+    return BASELINE if gamma == 0 else (gamma if gamma in ("auto", TREE) else f"γ={gamma}")
 
 
 def run_sweep(
@@ -246,7 +253,7 @@ def run_sweep(
         pair: a loaded `ModelPair` (target, optional draft, tokenizer, vocab widths).
         prompts: name → prompt token ids.
         drafter: "model", "mtp", "ngram" or None (as `build_engine` chooses).
-        gammas: the γ values (and/or "auto") to compare with the baseline.
+        gammas: the γ values (and/or "auto", "tree") to compare with the baseline.
         warm_runs: timed runs per setting after the cold one.
         max_tokens: tokens generated per run.
         params: sampling; at temperature 0 every run's tokens must equal the baseline's.
@@ -271,8 +278,8 @@ def run_sweep(
     # The cost curve gives c for Theorem 3.8 and the cost-model prediction; measured once
     # per pair/machine/context bucket and cached (the same entry --gamma auto reads).
     longest = max(len(ids) for ids in prompts.values())
-    numeric = [g for g in gammas if g != "auto"]
-    width = max([MAX_AUTO_GAMMA] + numeric) + 1
+    numeric = [g for g in gammas if isinstance(g, int)]
+    width = max([MAX_AUTO_GAMMA] + numeric + ([TREE_NODES] if TREE in gammas else [])) + 1
     costs = load_or_measure(spec.target, draft_model, max_width=width,
                             context=context_bucket(longest), progress=calibration_progress)
     w = world()
@@ -290,8 +297,8 @@ def run_sweep(
                 if progress:
                     progress(done, total, f"{name} {label} {'cold' if rep == 0 else f'run {rep}'}")
                 engine = plain if gamma == 0 else spec
-                policy = (gamma_policy("auto", spec, context=len(ids), progress=calibration_progress)
-                          if gamma == "auto" else FixedGamma(gamma))
+                policy = (gamma_policy(gamma, spec, context=len(ids), progress=calibration_progress)
+                          if gamma in ("auto", TREE) else FixedGamma(gamma))
                 runs.append(_one_run(engine, ids, params, policy, max_tokens, name, label, gamma, rep,
                                      target_bytes, draft_bytes))
                 done += 1
@@ -333,7 +340,8 @@ def _one_run(engine: Engine, ids, params, policy, max_tokens, prompt, label, gam
     for rnd in engine.rounds(ids, params, gamma=policy, max_tokens=max_tokens, stats=stats):
         tokens += rnd.tokens
     bandwidth = weight_bandwidth(stats, target_bytes, draft_bytes if engine.drafter else 0)
-    return Run(prompt, label, gamma, rep, tokens, stats, token_md5(tokens), bandwidth)
+    return Run(prompt, label, gamma, rep, tokens, stats, token_md5(tokens), bandwidth,
+               forecast=getattr(policy, "forecast_speedup", None))
 
 
 def _check_identity(runs: list[Run], target, prompts: dict[str, list[int]], params) -> list[Mismatch]:
@@ -389,6 +397,11 @@ def _summarize(runs: list[Run], costs: CostCurve, params: SamplingParams) -> Set
     share = [r.stats.prefill_time / (r.stats.prefill_time + r.stats.decode_time)
              if r.stats.prefill_time + r.stats.decode_time > 0 else 0.0 for r in warm]
     mismatched = [r for r in runs if r.mismatch_at is not None]
+    tree = cold.gamma == TREE
+    tried = [sum(r.stats.tried_at_rank[k] for r in warm if k < len(r.stats.tried_at_rank))
+             for k in range(max(len(r.stats.tried_at_rank) for r in warm))]
+    taken = [sum(r.stats.accepted_at_rank[k] for r in warm if k < len(r.stats.accepted_at_rank))
+             for k in range(len(tried))]
     return SettingSummary(
         prompt=cold.prompt,
         setting=cold.setting,
@@ -408,8 +421,9 @@ def _summarize(runs: list[Run], costs: CostCurve, params: SamplingParams) -> Set
         mean_gamma=mean_gamma,
         prefill_time=statistics.median(prefill),
         prefill_share=statistics.median(share),
-        predicted_speedup=theorem_speedup(alpha_reached, mean_gamma, costs.c),
-        cost_model_speedup=cost_model_speedup(costs, conditional, mean_gamma),
+        predicted_speedup=None if tree else theorem_speedup(alpha_reached, mean_gamma, costs.c),
+        cost_model_speedup=(statistics.median(r.forecast for r in warm) if tree
+                            else cost_model_speedup(costs, conditional, mean_gamma)),
         bandwidth=statistics.median(r.bandwidth for r in warm),
         peak_memory=max(r.stats.peak_memory for r in runs),
         generated=int(statistics.median(r.stats.generated for r in warm)),
@@ -417,6 +431,7 @@ def _summarize(runs: list[Run], costs: CostCurve, params: SamplingParams) -> Set
         identical=None if not params.greedy else not mismatched,
         mismatch_at=mismatched[0].mismatch_at if mismatched else None,
         near_tie=bool(mismatched) and all(r.near_tie for r in mismatched),
+        acceptance_by_rank=[a / t if t else 0.0 for a, t in zip(taken, tried)],
     )
 
 

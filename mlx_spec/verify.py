@@ -14,6 +14,15 @@ reduces to "accept while the draft token is the target's argmax".
 
 Both rules stay on the device and return a lazy `Verdict`; the engine synchronises once per
 round on it.
+
+On a draft tree (`mlx_spec.tree`; SpecInfer's multi-step speculative sampling, Miao et al.
+2024) the walk starts at the root: its children are tried in rank order, the first accepted
+one becomes the next node, and where all are rejected, or at a leaf, the recovered or bonus
+token ends the round. Draft trees are model-free (q one-hot at each node, since drafters
+choose branches deterministically), so a rejected sibling is removed from the residual:
+sibling x_k is accepted with probability p'(x_k), p' being p with the siblings tried before
+it zeroed and renormalised, and the recovered token is drawn from p with every child
+zeroed. Each step is exact for p (Appendix A.1 with one-hot q, applied again to p').
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from typing import NamedTuple, Optional
 import mlx.core as mx
 
 from mlx_spec.sampling import draw
+from mlx_spec.tree import TreeShape
 
 
 class Verdict(NamedTuple):
@@ -88,3 +98,71 @@ def verify_sampled(x: mx.array, q: Optional[mx.array], p: mx.array, key: mx.arra
     # mass is > 0 whenever a rejection can happen; the guard only covers float round-off.
     final = mx.where(mass > 0, residual / mass, p_n)
     return Verdict(n, draw(final, key_token))
+
+
+class TreeVerdict(NamedTuple):
+    """A tree round's outcome, lazy until the round's sync."""
+
+    n: mx.array  # accepted nodes: the length of the accepted path, a scalar
+    token: mx.array  # the recovered or bonus token after the path, a scalar
+    path: mx.array  # [N] bool: the nodes on the accepted path
+
+
+def _walk(shape: TreeShape, first: mx.array):
+    """The accepted path from the nodes each first accepted among their siblings ([N]
+    bool): a node is on it when it and all its ancestors were. Returns (n, path, the block
+    row the path ends at)."""
+    tables = shape.device
+    path = ~mx.any(tables["ancestors"] & ~first[None, :], axis=1)
+    n = mx.sum(path)
+    end = mx.where(n > 0, 1 + mx.argmax(mx.where(path, tables["depth"], 0)), 0)
+    return n, path, end
+
+
+def first_among_siblings(shape: TreeShape, accepted: mx.array) -> mx.array:
+    """[N] bool: accepted, and no sibling tried before it was."""
+    return accepted & ~mx.any(shape.device["earlier"] & accepted[None, :], axis=1)
+
+
+def verify_tree_greedy(x: mx.array, shape: TreeShape, target_tokens: mx.array) -> TreeVerdict:
+    """Greedy verification of a tree: the longest root path of target-argmax tokens.
+
+    Args:
+        x: node tokens [N]; shape: their tree.
+        target_tokens: the target's argmax at every block row [N+1].
+    """
+    parent_rows = mx.array(shape.parents) + 1
+    accepted = x == mx.take(target_tokens, parent_rows).astype(x.dtype)
+    n, path, end = _walk(shape, first_among_siblings(shape, accepted))
+    return TreeVerdict(n, mx.take(target_tokens, end), path)
+
+
+def rejected_mass(shape: TreeShape, p_x: mx.array) -> mx.array:
+    """[N]: p of the siblings tried before each node, all rejected when its turn comes."""
+    return shape.device["earlier_f"] @ p_x
+
+
+def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.array) -> TreeVerdict:
+    """Recursive rejection sampling over a tree of one-hot drafts (see the module docstring).
+
+    Args:
+        x: node tokens [N]; shape: their tree.
+        p: target distributions at every block row [N+1, V] (row 0: the root).
+        key: PRNG key for the acceptance draws and the final token.
+    """
+    V = p.shape[-1]
+    key_accept, key_token = mx.random.split(key)
+    parent_rows = mx.array(shape.parents) + 1
+    p_x = mx.take(p.reshape(-1), parent_rows * V + x.astype(mx.int32))  # p_parent(x) [N]
+    # Accept x_k if r < p'(x_k) = p(x_k) / (1 - rejected mass), written without the division.
+    r = mx.random.uniform(shape=(shape.size,), key=key_accept)
+    accepted = r * (1.0 - rejected_mass(shape, p_x)) < p_x
+    n, path, end = _walk(shape, first_among_siblings(shape, accepted))
+    # At the end row every child was rejected (none at a leaf): the residual is p there with
+    # those children removed, which at a leaf is p itself (the bonus distribution).
+    p_end = mx.take(p, end, axis=0)
+    kept = 1.0 - mx.take(shape.device["children_f"], end, axis=0)
+    residual = p_end.at[x].multiply(kept)
+    mass = mx.sum(residual)
+    final = mx.where(mass > 0, residual / mass, p_end)  # a guard against float round-off
+    return TreeVerdict(n, draw(final, key_token), path)

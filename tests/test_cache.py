@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from mlx_spec.cache import PromptCache, SequenceCache, WindowKVCache
+from mlx_spec.cache import PromptCache, SequenceCache, TreeKVCache, WindowKVCache
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models.tiny import TINY_VOCAB
@@ -31,7 +31,8 @@ def cached_logits(seq: SequenceCache, token):
 def test_sliding_layers_use_the_window_cache(tiny_target):
     seq = SequenceCache(tiny_target, slack=4)
     kinds = [type(c) for c in seq.cache]
-    assert kinds == [WindowKVCache, KVCache, WindowKVCache, KVCache]
+    assert kinds == [WindowKVCache, TreeKVCache, WindowKVCache, TreeKVCache]  # TreeKVCache: a KVCache
+    assert all(isinstance(c, KVCache) for c in seq.cache[1::2])
     assert seq.rollbackable
 
 

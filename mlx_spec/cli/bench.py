@@ -29,7 +29,7 @@ from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
 from mlx_spec.runner import parse_gamma
 from mlx_spec.stream import encode_prompt
-from mlx_spec.sweep import BASELINE, DEFAULT_GAMMAS, SweepResult, run_sweep
+from mlx_spec.sweep import BASELINE, DEFAULT_GAMMAS, TREE, SweepResult, run_sweep
 
 # The reference measurement's settings after drafting off (DESIGN §2: Ollama's gemma4:12b
 # with its built-in draft on an M3 Pro), and the automatic policy.
@@ -40,7 +40,7 @@ CSV_FIELDS = (
     "speedup", "predicted_speedup", "cost_model_speedup", "cold_tps", "acceptance_rate",
     "acceptance_by_position", "mean_accepted_length", "mean_gamma", "prefill_time",
     "prefill_share", "bandwidth", "peak_memory", "generated", "md5", "identical", "mismatch_at",
-    "near_tie",
+    "near_tie", "acceptance_by_rank",
 )
 
 
@@ -56,11 +56,15 @@ def bench(
     draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
     gammas: Annotated[Optional[list[str]], typer.Option(
-        "--gamma", "-g", metavar="N[,N...]|auto",
+        "--gamma", "-g", metavar="N[,N...]|auto|tree",
         help="γ values to compare with drafting off (repeatable or comma-separated; 'auto' adds "
-             "the automatic policy). Default: 1 2 3 5; for an Ollama model that carries its own "
-             "draft (-m ollama:NAME), the reference run's 1 2 3 5 auto, plus the model file's γ.")] = None,
+             "the automatic policy, 'tree' draft trees). Default: 1 2 3 5; for an Ollama model that "
+             "carries its own draft (-m ollama:NAME), the reference run's 1 2 3 5 auto, plus the "
+             "model file's γ.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Also run --gamma auto.")] = False,
+    tree: Annotated[bool, typer.Option(
+        "--tree", help="Also run draft trees (n-gram drafter: several continuations verified in one "
+                       "pass, shaped by the cost curve); reports acceptance by sibling rank.")] = False,
     recalibrate: RecalibrateOpt = False,
     prompts: Annotated[Optional[list[str]], typer.Option(
         "--prompt", metavar="NAME|@FILE|TEXT",
@@ -109,6 +113,8 @@ def bench(
         gamma_list = parse_gammas(gammas or [",".join(map(str, default_gammas(store)))])
         if auto and "auto" not in gamma_list:
             gamma_list.append("auto")
+        if tree and TREE not in gamma_list:
+            gamma_list.append(TREE)
         specs = prompts or ["long"]
         if "all" in specs:
             specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
@@ -266,14 +272,15 @@ def _print_table(result: SweepResult, setup) -> None:
                       ["setting", "tok/s", "spread", "cold", "speedup", "Thm 3.8", "cost model",
                        "prefill s", "GB/s"])
         accept = table(f"prompt {prompt!r} · acceptance and identity",
-                       ["setting", "α̂", "by position", "accepted len", "mean γ", "md5 of tokens"])
+                       ["setting", "α̂", "by position", "accepted len", "mean γ", "md5 of tokens"]
+                       + (["by rank"] if any(s.acceptance_by_rank for s in rows) else []))
         for s in rows:
             is_base = s.setting == BASELINE
             label = f"[bold]{s.setting}[/bold]" + (" ★" if s.setting == result.recommendation else "")
             spread = f"±{s.spread / 2:.0%}" if s.runs > 1 else "—"  # one warm run has no spread
             speed.add_row(label, f"{s.decode_tps:.1f}", spread, f"{s.cold_tps:.1f}",
                           f"{s.speedup:.2f}×",
-                          "—" if is_base else f"{s.predicted_speedup:.2f}×",
+                          "—" if is_base or s.predicted_speedup is None else f"{s.predicted_speedup:.2f}×",
                           "—" if is_base else f"{s.cost_model_speedup:.2f}×",
                           f"{s.prefill_time:.2f} ({s.prefill_share:.0%})",
                           f"{s.bandwidth / 1e9:.2f}")
@@ -285,7 +292,8 @@ def _print_table(result: SweepResult, setup) -> None:
             accept.add_row(label,
                            f"{s.acceptance_rate:.3f}" if drafted else "—",
                            _fmt_positions(s.acceptance_by_position) if drafted else "—",
-                           f"{s.mean_accepted_length:.2f}", f"{s.mean_gamma:.2f}", identity)
+                           f"{s.mean_accepted_length:.2f}", f"{s.mean_gamma:.2f}", identity,
+                           *([_fmt_positions(s.acceptance_by_rank)] if any(r.acceptance_by_rank for r in rows) else []))
         console.print(speed)
         console.print(accept)
         if tp or compared:
@@ -298,7 +306,8 @@ def _print_table(result: SweepResult, setup) -> None:
     console.print("Thm 3.8 = (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with α = accepted / reached draft positions, "
                   "measured c and mean γ drafted per round "
                   "(it assumes a verify costs one step); cost model = measured verify curve and per-position "
-                  "acceptance", style="dim")
+                  "acceptance; a tree's by position is by depth, its mean γ nodes per round, its cost model the "
+                  "policy's forecast", style="dim")
     if result.identity_checked:
         verdict = ("[red]OUTPUT MISMATCH[/red]" if not result.ok else
                    "token-identical to drafting off except at numerical near-ties (see stderr)"
@@ -321,7 +330,8 @@ def recommendation_text(result: SweepResult) -> str:
     best = result.recommendation
     if best == BASELINE:
         return "recommendation: drafting does not pay here; use --gamma 0 (or --gamma auto, which parks at 0)"
-    flag = "--gamma auto" if best == "auto" else f"--gamma {best.split('=')[1]}"
+    flag = ("--gamma auto" if best == "auto" else "draft trees (bench --tree)" if best == TREE
+            else f"--gamma {best.split('=')[1]}")
     line = f"recommendation: {flag} ({result.recommended_speedup:.2f}× vs drafting off)"
     noise = max((s.spread / 2 for s in result.summaries if s.setting in (best, BASELINE)), default=0.0)
     if result.recommended_speedup - 1 <= noise:
@@ -330,11 +340,12 @@ def recommendation_text(result: SweepResult) -> str:
 
 
 def csv_rows(result: SweepResult) -> list[dict]:
-    """One flat row per (prompt, setting); per-position acceptance as 'a1;a2;...'."""
+    """One flat row per (prompt, setting); per-position (and per-rank) acceptance as 'a1;a2;...'."""
     rows = []
     for s in result.summaries:
         row = {k: getattr(s, k) for k in CSV_FIELDS}
-        row["acceptance_by_position"] = ";".join(f"{a:.4f}" for a in s.acceptance_by_position)
+        for name in ("acceptance_by_position", "acceptance_by_rank"):
+            row[name] = ";".join(f"{a:.4f}" for a in getattr(s, name))
         rows.append(row)
     return rows
 def _parallel_table(table, prompt: str, rows, comm, compared: bool):
@@ -386,7 +397,7 @@ def _plot(result: SweepResult, path: Path, models: str) -> None:
     fig, (ax_speed, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     for prompt in result.prompts:
         rows = [s for s in result.summaries if s.prompt == prompt]
-        fixed = sorted((s for s in rows if s.gamma != "auto"), key=lambda s: s.gamma)
+        fixed = sorted((s for s in rows if isinstance(s.gamma, int)), key=lambda s: s.gamma)
         xs = [s.gamma for s in fixed]
         suffix = f" ({prompt})" if len(result.prompts) > 1 else ""
         line, = ax_speed.plot(xs, [s.speedup for s in fixed], "o-", label="measured" + suffix)

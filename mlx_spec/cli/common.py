@@ -65,9 +65,11 @@ DraftOnOpt = Annotated[Optional[str], typer.Option(
          "tokens (default), or on every rank, which saves that broadcast but needs identical "
          "machines (every rank must draft bit-identically).")]
 GammaOpt = Annotated[Optional[str], typer.Option(
-    "--gamma", "-g", rich_help_panel=MODELS, metavar="N|auto",
-    help="Draft tokens per round γ: a whole number (0 = plain decoding) or 'auto' (chosen each "
-         "round from measured costs and live acceptance). Default: the preset's, else auto.")]
+    "--gamma", "-g", rich_help_panel=MODELS, metavar="N|auto|tree",
+    help="Draft tokens per round γ: a whole number (0 = plain decoding), 'auto' (chosen each "
+         "round from measured costs and live acceptance) or 'tree' (auto, and with the n-gram "
+         "drafter draft trees: several continuations verified in one pass, shaped by the "
+         "measured cost of width). Default: the preset's, else auto.")]
 
 RecalibrateOpt = Annotated[bool, typer.Option(
     "--recalibrate", rich_help_panel=MODELS,

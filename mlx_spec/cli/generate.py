@@ -108,7 +108,7 @@ def generate(
             "generated_tokens": stats.generated,
             "models": setup.models,
             "drafter": views.drafter,
-            "gamma": "auto" if gamma_mode == "auto" else int(gamma_mode),
+            "gamma": gamma_mode if gamma_mode in ("auto", "tree") else int(gamma_mode),
             "chat": chat,
             "ranks": world().size,  # > 1: the target sharded across ranks (mlx.launch)
             "device": str(mx.default_device()),

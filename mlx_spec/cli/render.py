@@ -80,7 +80,9 @@ class ViewMaker:
             costs = self.policy.costs
             plain = 1.0 / costs.round_time(0)
             view.gamma_now = self.policy.last_choice
-            view.predicted_speedup = self.policy.predicted_speedup(self.policy.last_choice)
+            # a tree policy's forecast covers the trees it kept; auto γ's, its current γ
+            view.predicted_speedup = getattr(self.policy, "forecast_speedup", None) or \
+                self.policy.predicted_speedup(self.policy.last_choice)
             view.plain_tps = plain
             view.plain_measured = 0 in getattr(costs, "learned", {})
             view.measured_speedup = stats.decode_tps / plain if stats.drafted else None
@@ -117,8 +119,8 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> str:
 
 
 def gamma_text(view: View) -> str:
-    if view.gamma_mode == "auto":
-        return f"auto (now {view.gamma_now})"
+    if view.gamma_mode in ("auto", "tree"):
+        return f"{view.gamma_mode} (now {view.gamma_now})"
     return view.gamma_mode
 
 
@@ -143,7 +145,12 @@ def render_stats(view: View, title: str = "speculative decoding") -> Table:
             row = Text()
             row.append(bar(a), style="green")
             row.append(f" {a:.2f}  (n={s.drafted_at[i]})")
-            table.add_row(f"  position {i + 1}", row)
+            table.add_row(f"  position {i + 1}" if not s.tree_rounds else f"  depth {i + 1}", row)
+        for k, a in enumerate(s.acceptance_by_rank):  # draft trees: the k-th sibling tried
+            row = Text()
+            row.append(bar(a), style="green")
+            row.append(f" {a:.2f}  (n={s.tried_at_rank[k]})")
+            table.add_row(f"  sibling rank {k}", row)
     else:
         table.add_row("acceptance α̂", "— (nothing drafted)")
     if view.measured_speedup is not None:
@@ -173,6 +180,8 @@ def summary_line(view: View) -> str:
         parts.append(f"α̂ {s.acceptance_rate:.2f}")
         parts.append(f"accepted len {s.mean_accepted_length:.2f}")
         parts.append("by position " + " ".join(f"{a:.2f}" for a in s.acceptance_by_position))
+        if s.tree_rounds:
+            parts.append("by sibling rank " + " ".join(f"{a:.2f}" for a in s.acceptance_by_rank))
     if view.measured_speedup is not None:
         parts.append(f"speedup {speedup_text(view)}")
     parts.append(human_rate(view.bandwidth))

@@ -6,6 +6,8 @@ One small protocol, after llama.cpp's common/speculative.h (begin / draft / acce
   accept(committed)                            the tokens the round committed; roll back the rest
 
 A model-free drafter returns q = None and the verifier treats q as one-hot at its tokens.
+A drafter that branches also has propose_tree(gamma, branches, history, key) -> Draft: a
+draft tree (`mlx_spec.tree`) at most γ deep with at most `branches` leaves, q = None.
 A drafter with `wants_hidden = True` (MTP) gets the target's final hidden states: those of
 the round's pass with accept(committed, target_hidden=...), and at begin the last prefilled
 position's in prompt_cache.target.prefill_hidden (None if the prefill fed nothing).
@@ -18,6 +20,8 @@ from typing import Optional, Protocol
 
 import mlx.core as mx
 
+from mlx_spec.tree import TreeShape
+
 # What `--drafter` accepts: a draft model, Gemma 4's MTP assistant (a draft model that reads
 # the target's states), prompt lookup, or plain decoding.
 DRAFTER_NAMES = ("model", "mtp", "ngram", "none")
@@ -27,6 +31,7 @@ DRAFTER_NAMES = ("model", "mtp", "ngram", "none")
 class Draft:
     tokens: mx.array  # [γ'] uint32, γ' <= γ (a lookup drafter may find fewer)
     q: Optional[mx.array] = None  # [γ', V] processed draft distributions; None = one-hot
+    tree: Optional[TreeShape] = None  # the tokens' tree; None = a chain
 
     @staticmethod
     def empty() -> "Draft":

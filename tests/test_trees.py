@@ -1,0 +1,288 @@
+"""Draft trees: one target pass over a flattened tree, exact at every temperature.
+
+References outside the tree code: mlx-lm's own model called on each root path without a
+cache (the logits a tree row must give), mlx-lm's generate_step (greedy output), and the
+exact joint distribution of the first two tokens computed from the target's logits
+(the chi-square check of tests/test_distribution.py).
+"""
+
+import mlx.core as mx
+import pytest
+
+import mlx_spec.engine as engine_module
+from conftest import greedy_reference
+from mlx_spec.cache import SequenceCache
+from mlx_spec.costs import CostCurve
+from mlx_spec.drafters import Draft, NgramDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.models.tiny import tiny_gemma3
+from mlx_spec.policy import TreePolicy
+from mlx_spec.sampling import LogitProcessor, SamplingParams, draw
+from mlx_spec.stats import Stats
+from mlx_spec.tree import TreeShape
+from mlx_spec.verify import TreeVerdict, _walk, first_among_siblings, verify_tree_greedy
+from test_distribution import BROKEN_DRAWS, DRAWS, PARAMS, PROMPT, VOCAB, chi_square, exact_joint
+
+WINDOW = 16
+# Four earlier occurrences of 40 41 42, each followed by something else: the n-gram drafter
+# branches at the end of the prompt.
+BRANCHING_PROMPT = [2, 40, 41, 42, 50, 40, 41, 42, 51, 60, 40, 41, 42, 52, 40, 41, 42, 53, 61, 62, 40, 41, 42]
+LONG_BRANCHING = [2] + [(7 * i) % 250 + 6 for i in range(30)] + BRANCHING_PROMPT[1:]  # past the window
+SHAPE = TreeShape((-1, -1, 0, 0, 1, 2, 5, -1, 7, 8, 9, 10, 11, 12))
+
+
+def flat_policy(**kwargs):
+    """Width costs nothing: the cut keeps every node the drafter proposes."""
+    return TreePolicy(CostCurve([0.01] * 17, 0.0, 256), learn_costs=False, **kwargs)
+
+
+@pytest.mark.parametrize("prompt_length", [5, 40])  # within the 16-token window, and past it
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])  # Gemma 4: KV shared across layers too
+def test_tree_rows_equal_each_path_decoded_alone(tiny_target, arch, prompt_length):
+    """Every row of one tree pass gives the logits mlx-lm's model gives for prefix + that
+    row's root path, fed without any cache; after keeping a path that is not a prefix of
+    the block, the next token's logits are those of prefix + path."""
+    if arch == "gemma4":
+        from mlx_spec.models.tiny_gemma4 import WINDOW as gemma4_window, tiny_gemma4
+
+        assert prompt_length < 10 or prompt_length > gemma4_window
+        tiny_target = tiny_gemma4(seed=0)
+    prefix = [(11 * i) % 250 + 6 for i in range(prompt_length)]
+    x = [(37 * i) % 250 + 6 for i in range(SHAPE.size)]
+    seq = SequenceCache(tiny_target, slack=17)
+    seq.prefill(prefix[:-1])
+    logits = seq.forward(mx.array([prefix[-1]] + x, mx.uint32), tree=SHAPE)
+    for row in range(SHAPE.size + 1):
+        path = [x[j] for j in (SHAPE.path(row - 1) if row else [])]
+        reference = tiny_target(mx.array(prefix + path)[None])[0, -1]
+        assert mx.allclose(logits[row], reference, atol=1e-4).item(), row
+    path = SHAPE.path(6)  # nodes 0 -> 2 -> 5 -> 6: block rows 1, 3, 6, 7
+    seq.settle([prefix[-1]] + [x[j] for j in path], rows=[0] + [j + 1 for j in path])
+    after = seq.forward(mx.array([17], mx.uint32))[0]
+    reference = tiny_target(mx.array(prefix + [x[j] for j in path] + [17])[None])[0, -1]
+    assert mx.allclose(after, reference, atol=1e-4).item()
+    assert seq.ids == prefix[:-1] + [prefix[-1]] + [x[j] for j in path]
+
+
+def test_tree_shape_bookkeeping():
+    shape = TreeShape((-1, -1, 0, 0, 2))
+    assert shape.depth == [1, 1, 2, 2, 3] and shape.rank == [0, 1, 0, 1, 0]
+    assert shape.path(4) == [0, 2, 4]
+    # path 0 -> 3: at the root node 0 is taken first; under node 0, node 2 is tried and
+    # rejected, then node 3 taken; node 3 is a leaf
+    assert shape.attempts([0, 3]) == [(1, 0, True), (2, 0, False), (2, 1, True)]
+    assert shape.attempts([]) == [(1, 0, False), (1, 1, False)]
+    assert shape.subtree([0, 2, 4]) == TreeShape.chain(3)
+    with pytest.raises(ValueError):
+        TreeShape((0,))
+
+
+def test_greedy_tree_rule_takes_the_longest_argmax_path():
+    shape = TreeShape((-1, -1, 0, 1, 1, 4))  # rows: root 0, nodes 1..6
+    x = mx.array([5, 6, 7, 8, 9, 3], mx.uint32)
+    # argmax at each row: root -> 6 (node 1), node 1 -> 9 (node 4), node 4 -> 3 (node 5)
+    verdict = verify_tree_greedy(x, shape, mx.array([6, 0, 9, 0, 0, 3, 4]))
+    assert (verdict.n.item(), verdict.token.item()) == (3, 4)
+    assert verdict.path.tolist() == [False, True, False, False, True, True]
+    verdict = verify_tree_greedy(x, shape, mx.array([1, 0, 0, 0, 0, 0, 0]))
+    assert (verdict.n.item(), verdict.token.item()) == (0, 1)
+
+
+def run(engine, prompt, policy, max_tokens=48):
+    stats = Stats()
+    tokens = [t for r in engine.rounds(prompt, gamma=policy, max_tokens=max_tokens, stats=stats) for t in r.tokens]
+    return tokens, stats
+
+
+@pytest.mark.parametrize("prompt", [BRANCHING_PROMPT, LONG_BRANCHING], ids=["short", "past-window"])
+def test_greedy_ngram_trees_match_plain_decoding(tiny_target, prompt):
+    tokens, stats = run(Engine(tiny_target, NgramDrafter(min_ngram=1)), prompt, flat_policy(max_gamma=4))
+    assert tokens == greedy_reference(tiny_target, prompt, 48)
+    assert len(prompt) + len(tokens) > WINDOW
+    assert stats.tree_rounds > 0 and sum(stats.tried_at_rank[1:]) > 0  # it branched
+    assert stats.as_dict()["acceptance_by_rank"] == stats.acceptance_by_rank
+
+
+class SecondSiblingDrafter:
+    """Test drafter: a tree whose right answer is never the first child. At each of
+    `depth` levels it proposes a decoy token first, then the reference's next token, and a
+    decoy child under each decoy but the deepest; so every accepted path runs through rank-1 nodes and is
+    never a prefix of the flattened block. `reference`: the greedy output it peeks at."""
+
+    name, passes_per_token, rollbackable = "second-sibling", 0, True
+
+    def __init__(self, prompt, reference, depth=3):
+        self.prompt, self.reference, self.depth = list(prompt), reference, depth
+
+    def begin(self, prompt_ids, prompt_cache=None, processor=None):
+        self.done = 0
+        return 0
+
+    def propose(self, gamma, history, key=None):
+        return Draft.empty()
+
+    def propose_tree(self, gamma, branches, history, key=None):
+        done = len(history) - len(self.prompt)
+        right = self.reference[done : done + min(gamma, self.depth)]
+        parents, tokens, node = [], [], -1
+        for level, t in enumerate(right):
+            decoy = (t + 1) % 250 + 6
+            parents.append(node)
+            tokens.append(decoy)
+            if level + 1 < len(right):  # the decoy's child, within γ
+                parents.append(len(parents) - 1)
+                tokens.append((decoy + 7) % 250 + 6)
+            parents.append(node)  # the right token, second child
+            tokens.append(t)
+            node = len(parents) - 1
+        if not tokens:
+            return Draft.empty()
+        return Draft(mx.array(tokens, mx.uint32), tree=TreeShape(tuple(parents)))
+
+    def accept(self, committed):
+        pass
+
+
+def test_accepted_paths_off_the_block_prefix_stay_exact_far_past_the_window(tiny_target):
+    prompt = [2, 40, 41, 42, 43, 44, 45, 40, 41]
+    reference = greedy_reference(tiny_target, prompt, 120)
+    drafter = SecondSiblingDrafter(prompt, reference)
+    tokens, stats = run(Engine(tiny_target, drafter), prompt, flat_policy(max_gamma=3), 120)
+    assert tokens == reference
+    assert stats.accepted_at_rank[0] == 0 and stats.accepted_at_rank[1] > 0
+    assert stats.mean_accepted_length > 3  # most rounds took all three levels
+
+
+# ---------------------------------------------------------------------------------------
+# Temperature > 0
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return tiny_gemma3(seed=0, vocab_size=VOCAB, logit_scale=2.0)
+
+
+class LikeliestSiblingsDrafter:
+    """Test drafter: at the root, the target's own `width` likeliest next tokens (target
+    sampling processed as `params`, from the history alone), each with one child, its
+    likeliest follower; so high-probability siblings are tried in turn. Its choices never
+    see the verify pass's randomness, so the rule must stay exact for them."""
+
+    name, passes_per_token, rollbackable = "likeliest", 0, True
+
+    def __init__(self, target, params, width=3):
+        self.target, self.processor, self.width = target, LogitProcessor(params), width
+        self.ranked: dict[tuple, list[int]] = {}  # history -> tokens by p, most likely first
+
+    def begin(self, prompt_ids, prompt_cache=None, processor=None):
+        return 0
+
+    def _likeliest(self, ids, k):
+        if tuple(ids) not in self.ranked:  # every draw starts from the same prompt
+            logits = self.target(mx.array(ids)[None])[0, -1:]
+            probs = self.processor.distribution(logits, self.processor.windows(ids, None, 1))[0]
+            self.ranked[tuple(ids)] = mx.argsort(-probs).tolist()
+        return self.ranked[tuple(ids)][:k]
+
+    def propose(self, gamma, history, key=None):
+        return Draft.empty()
+
+    def propose_tree(self, gamma, branches, history, key=None):
+        parents, tokens = [], []
+        for t in self._likeliest(history, self.width):
+            parents.append(-1)
+            tokens.append(t)
+            if gamma > 1:
+                parents.append(len(parents) - 1)
+                tokens.append(self._likeliest(history + [t], 1)[0])
+        return Draft(mx.array(tokens, mx.uint32), tree=TreeShape(tuple(parents)))
+
+    def accept(self, committed):
+        pass
+
+
+def sampled_tree_joint(engine, params, draws):
+    counts = {}
+    cache = engine.make_prompt_cache()
+    for seed in range(draws):
+        run_params = SamplingParams(**{**params.__dict__, "seed": seed})
+        rounds = engine.rounds(PROMPT, run_params, gamma=flat_policy(max_gamma=2), max_tokens=3, prompt_cache=cache)
+        tokens = [t for r in rounds for t in r.tokens]
+        counts[tokens[0], tokens[1]] = counts.get((tokens[0], tokens[1]), 0) + 1
+    return counts
+
+
+def test_tree_sampling_matches_target_distribution(small_target):
+    """T = 1 with top-k, top-p and a repetition penalty (whose windows follow each path)."""
+    params = SamplingParams(**PARAMS)
+    engine = Engine(small_target, LikeliestSiblingsDrafter(small_target, params))
+    counts = sampled_tree_joint(engine, params, DRAWS)
+    stat, critical = chi_square(counts, exact_joint(small_target, params))
+    assert stat < critical
+
+
+def no_sibling_removal(x, shape, p, key):
+    """Broken: a rejected sibling stays in the residual (each sibling is accepted with its
+    plain p, and the recovered token is drawn from p)."""
+    key_accept, key_token = mx.random.split(key)
+    V = p.shape[-1]
+    p_x = mx.take(p.reshape(-1), (mx.array(shape.parents) + 1) * V + x.astype(mx.int32))
+    accepted = mx.random.uniform(shape=(shape.size,), key=key_accept) < p_x
+    n, path, end = _walk(shape, first_among_siblings(shape, accepted))
+    return TreeVerdict(n, draw(mx.take(p, end, axis=0), key_token), path)
+
+
+def test_the_check_catches_a_wrong_residual_update(small_target, monkeypatch):
+    params = SamplingParams(**PARAMS)
+    monkeypatch.setattr(engine_module, "verify_tree_sampled", no_sibling_removal)
+    engine = Engine(small_target, LikeliestSiblingsDrafter(small_target, params))
+    stat, critical = chi_square(sampled_tree_joint(engine, params, BROKEN_DRAWS), exact_joint(small_target, params))
+    assert stat > critical
+
+
+# ---------------------------------------------------------------------------------------
+# The cut by the cost curve
+
+
+def test_the_cut_follows_the_cost_of_width():
+    draft = NgramDrafter(min_ngram=1)
+    draft.begin(BRANCHING_PROMPT)
+    tree = draft.propose_tree(4, 4)
+    shape = tree.tree
+    assert shape.size == 16 and [r for r, p in zip(shape.rank, shape.parents) if p < 0] == [0, 1, 2, 3]
+
+    def kept(verify):
+        policy = TreePolicy(CostCurve(verify, 0.0, 256), max_gamma=4, learn_costs=False)
+        # evidence: first children accepted 60% of the time, second ones 50%
+        for _ in range(20):
+            policy.observe_tree(TreeShape((-1, -1)), [0])
+            policy.observe_tree(TreeShape((-1, -1)), [1])
+            policy.observe_tree(TreeShape((-1, -1, 0)), [0, 2])
+            policy.observe_tree(TreeShape((-1, -1)), [])
+            policy.observe_tree(TreeShape((-1, -1)), [])
+        return policy.prune(tree)
+
+    flat = kept([0.01] * 17)
+    assert flat.tree is not None and flat.tokens.shape[0] == 16  # width is free: all of it
+    gentle = kept([0.01 * (1 + 0.15 * w) for w in range(17)])  # each row costs 15% of a step
+    assert gentle.tree is None and 0 < gentle.tokens.shape[0] < 16  # a chain: the first branch
+    assert gentle.tokens.tolist() == draft.propose(gentle.tokens.shape[0]).tokens.tolist()
+    linear = kept([0.01 * (w + 1) for w in range(17)])  # every row costs a step
+    assert linear.tokens.shape[0] == 0  # plain decoding
+
+
+# ---------------------------------------------------------------------------------------
+# The real Gemma 3 270M (512-token sliding window)
+
+
+@pytest.mark.slow
+def test_real_270m_greedy_trees_match_plain_decoding_across_the_window(gemma270m):
+    from importlib.resources import files
+
+    text = files("mlx_spec.prompts").joinpath("window.txt").read_text()
+    prompt = list(gemma270m.tokenizer.encode(text))[:500]
+    reference = greedy_reference(gemma270m.model, prompt, 40)
+    tokens, stats = run(Engine(gemma270m.model, NgramDrafter()), prompt, flat_policy(), 40)
+    assert len(prompt) + len(tokens) > 512 + 20  # the sliding layers wrapped mid-generation
+    assert tokens == reference
+    assert stats.tree_rounds > 0 and sum(stats.tried_at_rank[1:]) > 0
