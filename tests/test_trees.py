@@ -153,6 +153,24 @@ def test_accepted_paths_off_the_block_prefix_stay_exact_far_past_the_window(tiny
     assert stats.mean_accepted_length > 3  # most rounds took all three levels
 
 
+def test_log_probs_of_a_tree_round_come_from_the_rows_of_the_accepted_path(tiny_target):
+    """The server's log-probs on a tree round: each emitted token scored by the row of its
+    parent on the accepted path (not block row i), equal to mlx-lm's own for plain decoding."""
+    from mlx_lm.generate import generate_step
+
+    prompt, n, top = [2, 40, 41, 42, 43, 44, 45, 40, 41], 40, 3
+    expected = list(generate_step(mx.array(prompt), tiny_target, max_tokens=n))
+    drafter = SecondSiblingDrafter(prompt, [int(t) for t, _ in expected])
+    rounds = list(Engine(tiny_target, drafter).rounds(prompt, gamma=flat_policy(max_gamma=3), max_tokens=n,
+                                                       stats=Stats(), logprobs=top))
+    scored = [entry for r in rounds for entry in r.logprobs]
+    assert [t for r in rounds for t in r.tokens] == [int(t) for t, _ in expected]
+    assert any(r.accepted > 0 for r in rounds)  # rows off the block prefix were read
+    for (logprob, alternatives), (token, reference) in zip(scored, expected, strict=True):
+        assert logprob == pytest.approx(reference[int(token)].item(), abs=2e-4)
+        assert [i for i, _ in alternatives] == mx.argsort(-reference)[:top].tolist()
+
+
 # ---------------------------------------------------------------------------------------
 # Temperature > 0
 
