@@ -23,7 +23,7 @@ machine's curve and the Apple-shaped ones (draft step at the c measured here, an
 draft of 1/15 of the target's bytes, DESIGN.md §2's pair), and on a hypothetical curve
 whose extra rows cost 5% of a step each.
 
-    python bench/trees.py --pair layered-tiny --max-tokens 96 --repeats 3
+    python bench/trees.py --pair layered-tiny-loose --max-tokens 96 --repeats 5 --sampled
     python bench/trees.py --pair gemma270m-q8 --prompts long --gammas 2 4 --max-tokens 48 --repeats 2
 """
 
@@ -217,6 +217,35 @@ def model_drafter_study(target, make_drafter, ids, gammas, max_tokens, repeats):
     }
 
 
+def sampled_acceptance(target, make_drafter, ids, max_tokens, seeds=6) -> dict:
+    """Tokens per round at T = 1 (no timing): the chain γ = 6, wide trees with the tree rule
+    as built (a sampled chain token tested with its q, siblings one-hot against
+    norm(max(p − q, 0))), and wide trees with every node one-hot (q dropped: exact too, but
+    the chain token is accepted with p(x) instead of min(1, p/q))."""
+    import mlx_spec.engine as engine_module
+
+    rule = engine_module.verify_tree_sampled
+    one_hot = lambda x, shape, p, key, q=None: rule(x, shape, p, key, None)  # noqa: E731
+    flat = CostCurve([1.0] * (TREE_NODES + 1), 0.0, 256)
+    out = {}
+    for name, verify in (("chain γ=6", rule), ("tree, q-aware", rule), ("tree, all one-hot", one_hot)):
+        engine_module.verify_tree_sampled = verify
+        per_seed = []
+        try:
+            for seed in range(seeds):
+                policy = (FixedGamma(6) if name.startswith("chain") else
+                          TreePolicy(flat, max_gamma=DEPTH, max_nodes=TREE_NODES, learn_costs=False))
+                stats = Stats()
+                for _ in Engine(target, make_drafter()).rounds(ids, SamplingParams(temperature=1.0, seed=seed),
+                                                               gamma=policy, max_tokens=max_tokens, stats=stats):
+                    pass
+                per_seed.append(stats.mean_accepted_length)
+        finally:
+            engine_module.verify_tree_sampled = rule
+        out[name] = {"tokens_per_round_mean": sum(per_seed) / len(per_seed), "per_seed": per_seed}
+    return out
+
+
 def print_model_study(prompt, r):
     s, best = r["settings"], r["best_chain"]
     print(f"{prompt}: plain {s['off']['decode_tps']:.2f} tok/s; best chain {best} {s[best]['decode_tps']:.2f} "
@@ -243,6 +272,11 @@ def main_model_pair(args) -> None:
         results[prompt] = model_drafter_study(pair.target, pair.make_drafter, pair.prompt, args.gammas,
                                               args.max_tokens, args.repeats)
         print_model_study(prompt, results[prompt])
+        if args.sampled:
+            results[prompt]["t1_tokens_per_round"] = sampled = sampled_acceptance(
+                pair.target, pair.make_drafter, pair.prompt, args.max_tokens)
+            print("  T = 1, tokens/round: " + ", ".join(f"{k} {v['tokens_per_round_mean']:.2f}"
+                                                       for k, v in sampled.items()))
     path = write_results(f"trees_{args.pair}_{'-'.join(prompts)}", {
         "pair": args.pair, "max_tokens": args.max_tokens, "repeats": args.repeats, "prompts": results,
         "note": "settings interleaved per repetition (order reversed every other one) on a CPU shared with other "
@@ -260,6 +294,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pair", default=None, help="a draft-model pair from bench/pairs.py (e.g. layered-tiny, "
                         "gemma270m-q8); default: the 270M with the n-gram drafter")
+    parser.add_argument("--sampled", action="store_true", help="with --pair: also tokens per round at T = 1, "
+                        "chain vs trees with the q-aware rule vs trees all one-hot")
     args = parser.parse_args()
     if args.pair is not None:
         return main_model_pair(args)
