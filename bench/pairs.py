@@ -102,6 +102,8 @@ PAIRS = {
     "tiny-self": "tiny Gemma 3 (4 layers, d=64) drafting for itself: overhead-bound, all accepted",
     "layered-tiny": "tiny Gemma 3 (12 layers, late blocks small) with its 2-block truncation as draft",
     "layered-tiny-ngram": "the same 12-layer tiny target with the n-gram drafter",
+    "layered-tiny-loose": "a 12-layer tiny target whose late blocks matter more (0.3), its 2-block truncation as "
+                          "draft: top-1 the target's ~78% of the time, its second guess ~9%",
     "gemma270m-q8": "Gemma 3 270M float32 with its own 8-bit copy as draft",
     "gemma270m-q4": "Gemma 3 270M float32 with its own 4-bit copy as draft",
     "gemma270m-self": "Gemma 3 270M float32 drafting for itself",
@@ -128,7 +130,7 @@ def build(name: str, prompt: str = "long") -> Pair:
         if name == "tiny-self":
             target = draft = tiny_gemma3(seed=0)
         else:
-            target, draft = layered_tiny_pair()
+            target, draft = layered_tiny_pair(late_scale=0.3 if name == "layered-tiny-loose" else 0.05)
             draft = None if name.endswith("ngram") else draft
     width = target(mx.array([ids[:1]])).shape[-1]
     make = (lambda: ModelDrafter(draft, width)) if draft is not None else NgramDrafter

@@ -29,3 +29,5 @@ py distributed.py --pair tiny --prompt long --gammas 1,3 --max-tokens 32 --runs 
 py draft_placement.py --reps 10 --gamma 3 --max-tokens 32
 py shard_memory.py
 py trees.py --prompts quote long --gammas 2 4 6 --max-tokens 96 --repeats 3
+py trees.py --pair layered-tiny-loose --max-tokens 96 --repeats 5 --sampled
+py trees.py --pair gemma270m-q8 --prompts long --gammas 2 4 --max-tokens 48 --repeats 2

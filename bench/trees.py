@@ -14,6 +14,17 @@ without early stop, and two Apple-GPU-shaped curves from DESIGN.md §5), so the 
 says where trees would beat chains.
 
     python bench/trees.py --prompts quote long --max-tokens 96 --repeats 3
+
+With `--pair` a draft model drafts instead (`ModelDrafter.propose_tree`: the chain, plus
+sibling leaves where the draft's top-1 probability is split): plain, fixed chains, auto γ,
+the cost-curve tree and a wide tree (every sibling kept) interleaved per repetition, the
+same md5 check and paired ratios, and the replay of the wide tree's proposals on this
+machine's curve and the Apple-shaped ones (draft step at the c measured here, and at a
+draft of 1/15 of the target's bytes, DESIGN.md §2's pair), and on a hypothetical curve
+whose extra rows cost 5% of a step each.
+
+    python bench/trees.py --pair layered-tiny-loose --max-tokens 96 --repeats 5 --sampled
+    python bench/trees.py --pair gemma270m-q8 --prompts long --gammas 2 4 --max-tokens 48 --repeats 2
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import median, write_results  # noqa: E402
-from pairs import gemma270m, gemma_prompt_ids  # noqa: E402
+from pairs import build, gemma270m, gemma_prompt_ids  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
@@ -32,8 +43,8 @@ from mlx_spec.costs import CostCurve, measure_costs  # noqa: E402
 from mlx_spec.drafters import Draft, NgramDrafter  # noqa: E402
 from mlx_spec.engine import Engine  # noqa: E402
 from mlx_spec.models.pairing import ModelPair  # noqa: E402
-from mlx_spec.policy import FixedGamma, TreePolicy  # noqa: E402
-from mlx_spec.runner import TREE_NODES  # noqa: E402
+from mlx_spec.policy import AutoGamma, FixedGamma, TreePolicy  # noqa: E402
+from mlx_spec.runner import TREE_BRANCHES, TREE_NODES  # noqa: E402
 from mlx_spec.sampling import SamplingParams  # noqa: E402
 from mlx_spec.stats import Stats  # noqa: E402
 from mlx_spec.sweep import TREE, run_sweep, token_md5  # noqa: E402
@@ -59,24 +70,27 @@ def interpolated(points: dict[int, float], widths: int) -> list[float]:
     return out
 
 
-class RecordingNgram(NgramDrafter):
-    """The n-gram drafter, keeping every tree it proposes (for the replay)."""
+def recording(drafter):
+    """`drafter`, keeping every tree it proposes in `drafter.proposed` (for the replay)."""
+    drafter.proposed = []
+    propose_tree = drafter.propose_tree
 
-    def __init__(self):
-        super().__init__()
-        self.proposed = []
-
-    def propose_tree(self, gamma, branches, history=None, key=None):
-        draft = super().propose_tree(gamma, branches, history, key)
-        self.proposed.append(draft)
+    def recorded(gamma, branches, history=None, key=None):
+        draft = propose_tree(gamma, branches, history, key)
+        drafter.proposed.append(draft)
         return draft
+
+    drafter.propose_tree = recorded
+    return drafter
 
 
 def first_branch(draft: Draft) -> Draft:
     """The chain of first children: what the chain drafter proposes."""
     shape = draft.tree
     keep = [i for i in range(shape.size) if all(shape.rank[j] == 0 for j in shape.path(i))]
-    return Draft(draft.tokens[mx.array(keep)], tree=shape.subtree(keep)) if keep else Draft.empty()
+    if not keep:
+        return Draft.empty()
+    return Draft(draft.tokens[mx.array(keep)], tree=shape.subtree(keep), forwards=draft.forwards)
 
 
 def replay(learned: TreePolicy, proposed: list[Draft], curve: CostCurve, chain: bool) -> float:
@@ -86,11 +100,11 @@ def replay(learned: TreePolicy, proposed: list[Draft], curve: CostCurve, chain: 
     policy.reached, policy.taken = learned.reached, learned.taken
     policy.rank_tried, policy.rank_taken = learned.rank_tried, learned.rank_taken
     for draft in proposed:
-        if draft.tree is None:  # nothing matched: a plain round
+        if draft.tree is None and draft.tokens.shape[0] == 0:  # nothing matched: a plain round
             policy.forecast_tokens += 1.0
             policy.forecast_seconds += curve.round_time(0)
         else:
-            policy.prune(first_branch(draft) if chain else draft)
+            policy.prune(first_branch(draft) if chain and draft.tree is not None else draft)
     return policy.forecast_speedup
 
 
@@ -103,7 +117,7 @@ def wide_tree_study(loaded, ids, max_tokens, repeats, plain_md5):
         for name in (list(tps) if rep % 2 else list(tps)[::-1]):
             stats = Stats()
             if name == "wide tree":
-                drafter = RecordingNgram()
+                drafter = recording(NgramDrafter())
                 policy = TreePolicy(flat, max_gamma=DEPTH, max_nodes=TREE_NODES, learn_costs=False, decay=1.0,
                                     parked_decay=1.0)
             else:
@@ -135,6 +149,142 @@ def wide_tree_study(loaded, ids, max_tokens, repeats, plain_md5):
     }
 
 
+def apple_curves(full: CostCurve, draft_step: float) -> dict[str, CostCurve]:
+    return {k: CostCurve([full.verify[0] * r for r in interpolated(v, TREE_NODES + 1)], draft_step, 256)
+            for k, v in APPLE.items()}
+
+
+def model_drafter_study(target, make_drafter, ids, gammas, max_tokens, repeats):
+    """Plain, chains, auto γ, tree (runner's TreePolicy) and a wide tree with a draft model,
+    interleaved; the replay of the wide tree's proposals on several curves."""
+    costs = measure_costs(target, make_drafter().model, max_width=TREE_NODES + 1, context=256, early_stop=False)
+    flat = CostCurve([1.0] * (TREE_NODES + 1), 0.0, 256)
+    policies = {
+        "off": lambda: FixedGamma(0), **{f"γ={g}": (lambda g=g: FixedGamma(g)) for g in gammas},
+        "auto": lambda: AutoGamma(costs, max_gamma=DEPTH),
+        TREE: lambda: TreePolicy(costs, max_gamma=DEPTH, branches=TREE_BRANCHES, max_nodes=TREE_NODES),
+        "wide tree": lambda: TreePolicy(flat, max_gamma=DEPTH, branches=TREE_BRANCHES, max_nodes=TREE_NODES,
+                                        learn_costs=False, decay=1.0, parked_decay=1.0),
+    }
+    runs = {name: [] for name in policies}
+    md5 = {}
+    for rep in range(repeats + 1):  # rep 0 warms up
+        for name in (list(policies) if rep % 2 else list(policies)[::-1]):
+            stats, drafter, policy = Stats(), recording(make_drafter()), policies[name]()
+            tokens = [t for r in Engine(target, drafter).rounds(ids, gamma=policy, max_tokens=max_tokens, stats=stats)
+                      for t in r.tokens]
+            md5.setdefault(name, set()).add(token_md5(tokens))
+            if rep:
+                runs[name].append(stats)
+            if name == "wide tree":
+                wide = (stats, drafter, policy)
+            if name == TREE:
+                forecast = policy.forecast_speedup
+    plain = md5["off"]
+    tps = {name: [s.decode_tps for s in r] for name, r in runs.items()}
+    chains = [n for n in policies if n not in ("off", TREE, "wide tree")]
+    best = max(chains, key=lambda n: median(tps[n]))
+    settings = {name: {
+        "decode_tps": median(tps[name]), "speedup": median(tps[name]) / median(tps["off"]),
+        "tokens_per_round": median([s.mean_accepted_length for s in r]),
+        "nodes_per_round": median([s.drafted / s.rounds for s in r]),
+        "draft_forwards_per_round": median([s.draft_forwards / s.rounds for s in r]),
+        "tree_rounds": median([s.tree_rounds for s in r]),
+        "acceptance_by_position": r[-1].acceptance_by_position, "acceptance_by_rank": r[-1].acceptance_by_rank,
+        "tried_at_rank": r[-1].tried_at_rank, "identical": md5[name] == plain,
+    } for name, r in runs.items()}
+    stats, drafter, learned = wide
+    step = costs.verify[0]
+    curves = {"this-cpu": costs, **{f"{k} (c as here)": c for k, c in apple_curves(costs, costs.draft_step).items()},
+              **{f"{k} (c=1/15)": c for k, c in apple_curves(costs, step / 15).items()},
+              # hypothetical: each extra row 5% of a step (where siblings this rarely right could pay)
+              "rows-5% (c=1/15)": CostCurve([step * (1 + 0.05 * w) for w in range(TREE_NODES + 1)], step / 15, 256)}
+    predicted = {name: {"tree": replay(learned, drafter.proposed, c, chain=False),
+                        "chain": replay(learned, drafter.proposed, c, chain=True),
+                        "c": c.draft_step / c.verify[0],
+                        "verify_over_step": [t / c.verify[0] for t in c.verify]} for name, c in curves.items()}
+    for p in predicted.values():
+        p["tree_over_chain"] = p["tree"] / p["chain"]
+    paired = [t.decode_tps / b.decode_tps for t, b in zip(runs[TREE], runs[best])]
+    return {
+        "prompt_tokens": len(ids), "ok": all(v["identical"] for v in settings.values()), "settings": settings,
+        "best_chain": best, "tree_over_best_chain": median(tps[TREE]) / median(tps[best]),
+        "tree_over_best_chain_paired_median": median(paired),
+        "wide_over_best_chain": median(tps["wide tree"]) / median(tps[best]),
+        "tree_forecast_speedup_last_run": forecast,
+        "cost_curve": {"verify_s": costs.verify, "draft_step_s": costs.draft_step, "c": costs.c},
+        "cost_model_replay": predicted,
+    }
+
+
+def sampled_acceptance(target, make_drafter, ids, max_tokens, seeds=6) -> dict:
+    """Tokens per round at T = 1 (no timing): the chain γ = 6, wide trees with the tree rule
+    as built (a sampled chain token tested with its q, siblings one-hot against
+    norm(max(p − q, 0))), and wide trees with every node one-hot (q dropped: exact too, but
+    the chain token is accepted with p(x) instead of min(1, p/q))."""
+    import mlx_spec.engine as engine_module
+
+    rule = engine_module.verify_tree_sampled
+    one_hot = lambda x, shape, p, key, q=None: rule(x, shape, p, key, None)  # noqa: E731
+    flat = CostCurve([1.0] * (TREE_NODES + 1), 0.0, 256)
+    out = {}
+    for name, verify in (("chain γ=6", rule), ("tree, q-aware", rule), ("tree, all one-hot", one_hot)):
+        engine_module.verify_tree_sampled = verify
+        per_seed = []
+        try:
+            for seed in range(seeds):
+                policy = (FixedGamma(6) if name.startswith("chain") else
+                          TreePolicy(flat, max_gamma=DEPTH, max_nodes=TREE_NODES, learn_costs=False))
+                stats = Stats()
+                for _ in Engine(target, make_drafter()).rounds(ids, SamplingParams(temperature=1.0, seed=seed),
+                                                               gamma=policy, max_tokens=max_tokens, stats=stats):
+                    pass
+                per_seed.append(stats.mean_accepted_length)
+        finally:
+            engine_module.verify_tree_sampled = rule
+        out[name] = {"tokens_per_round_mean": sum(per_seed) / len(per_seed), "per_seed": per_seed}
+    return out
+
+
+def print_model_study(prompt, r):
+    s, best = r["settings"], r["best_chain"]
+    print(f"{prompt}: plain {s['off']['decode_tps']:.2f} tok/s; best chain {best} {s[best]['decode_tps']:.2f} "
+          f"({s[best]['tokens_per_round']:.2f} tokens/round); auto {s['auto']['decode_tps']:.2f}; tree "
+          f"{s[TREE]['decode_tps']:.2f} ({s[TREE]['tokens_per_round']:.2f} tokens/round, "
+          f"{s[TREE]['nodes_per_round']:.1f} nodes, {s[TREE]['tree_rounds']:.0f} tree rounds); tree/best chain "
+          f"{r['tree_over_best_chain']:.3f}x (paired {r['tree_over_best_chain_paired_median']:.3f}x); identical {r['ok']}")
+    w = s["wide tree"]
+    print(f"  wide tree {w['decode_tps']:.2f} tok/s: {w['tokens_per_round']:.2f} tokens/round over "
+          f"{w['nodes_per_round']:.1f} nodes, by rank {[round(a, 2) for a in w['acceptance_by_rank']]} "
+          f"(tried {w['tried_at_rank']}); c = {r['cost_curve']['c']:.2f}")
+    print("  verify w / 1 step: " + ", ".join(f"{w}: {t / r['cost_curve']['verify_s'][0]:.2f}"
+                                              for w, t in enumerate(r["cost_curve"]["verify_s"], 1)))
+    for curve, p in r["cost_model_replay"].items():
+        print(f"  cost model on {curve}: best tree {p['tree']:.2f}x, best chain {p['chain']:.2f}x plain "
+              f"(tree/chain {p['tree_over_chain']:.3f}x)")
+
+
+def main_model_pair(args) -> None:
+    results = {}
+    prompts = args.prompts if args.pair.startswith("gemma270m") else ["fixed"]  # tiny pairs: one id sequence
+    for prompt in prompts:
+        pair = build(args.pair, prompt)
+        results[prompt] = model_drafter_study(pair.target, pair.make_drafter, pair.prompt, args.gammas,
+                                              args.max_tokens, args.repeats)
+        print_model_study(prompt, results[prompt])
+        if args.sampled:
+            results[prompt]["t1_tokens_per_round"] = sampled = sampled_acceptance(
+                pair.target, pair.make_drafter, pair.prompt, args.max_tokens)
+            print("  T = 1, tokens/round: " + ", ".join(f"{k} {v['tokens_per_round_mean']:.2f}"
+                                                       for k, v in sampled.items()))
+    path = write_results(f"trees_{args.pair}_{'-'.join(prompts)}", {
+        "pair": args.pair, "max_tokens": args.max_tokens, "repeats": args.repeats, "prompts": results,
+        "note": "settings interleaved per repetition (order reversed every other one) on a CPU shared with other "
+                "work; compare ratios within a prompt, not absolute tok/s",
+    })
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -142,7 +292,13 @@ def main() -> None:
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pair", default=None, help="a draft-model pair from bench/pairs.py (e.g. layered-tiny, "
+                        "gemma270m-q8); default: the 270M with the n-gram drafter")
+    parser.add_argument("--sampled", action="store_true", help="with --pair: also tokens per round at T = 1, "
+                        "chain vs trees with the q-aware rule vs trees all one-hot")
     args = parser.parse_args()
+    if args.pair is not None:
+        return main_model_pair(args)
 
     # the embedded Gemma 3 270M with the n-gram drafter (the drafter that branches)
     loaded = gemma270m(args.dtype)

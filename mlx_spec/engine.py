@@ -3,8 +3,8 @@
 One round (Leviathan et al. 2023, Algorithm 1):
   1. choose γ                    the policy is asked once per round, capped by max_tokens
   2. draft                       x_1..x_γ and q_1..q_γ from the drafter (lazy, on device), or
-                                 a draft tree of one-hot nodes where the policy and drafter
-                                 branch (`mlx_spec.tree`), at most γ deep
+                                 a draft tree where the policy and drafter branch
+                                 (`mlx_spec.tree`; siblings one-hot), at most γ deep
   3. verify pass                 one target forward over [last, x_1..x_γ] → p_1..p_γ+1, and
                                  the acceptance rule → Verdict(n, token), still lazy (a tree:
                                  one forward over the flattened tree, and its accepted path)
@@ -146,9 +146,9 @@ class Engine:
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
         drafting = drafter is not None and self._can_draft(cache)
         # Trees where the policy shapes them, the drafter branches, and the target's
-        # layers take tree masks; a sharded target (agree) or an MTP drafter keeps chains.
+        # layers take tree masks; a sharded target (agree) keeps chains.
         branching = (drafting and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
-                     and self.agree is None and not self.wants_hidden and cache.target.tree_capable)
+                     and self.agree is None and cache.target.tree_capable)
 
         last, generated = prompt_ids[-1], 0
         queued = None  # the next plain round's (verdict, hidden), already on the device (3b)
@@ -199,6 +199,8 @@ class Engine:
             # 5. commit
             x = draft.tokens.tolist()
             rows = [0] + [i + 1 for i in path]  # the block rows that scored each emitted token
+            if draft.tree is not None and hidden is not None:  # an MTP drafter reads the path's rows
+                hidden = hidden[mx.array(rows)]
             emitted, finish = self._commit(cache, last, [x[i] for i in path] + [token], max_tokens - generated,
                                            queued is not None, drafting, hidden, rows)
             if finish:
@@ -213,7 +215,8 @@ class Engine:
                 policy.observe(gamma, n, end - start)  # the round's measured time teaches auto γ its costs
             depth = draft.tree.max_depth if draft.tree is not None else gamma
             stats.observe_round(gamma, n, len(emitted), drafted - start, end - drafted, depth=depth)
-            stats.draft_forwards += gamma * drafter.passes_per_token if drafting else 0
+            stats.draft_forwards += (draft.forwards if draft.forwards is not None else
+                                     gamma * drafter.passes_per_token) if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
             yield Round(emitted, gamma, n, finish,
                         None if scores is None else
@@ -235,8 +238,8 @@ class Engine:
         [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
         the host (a queued round's input), for the repetition penalty."""
         if draft.tree is not None:
-            verdict, logits = self._verify_tree(cache, block, draft, history, processor, key)
-            return verdict, None, None if logprobs is None else _log_softmax(logits)
+            verdict, logits, hidden = self._verify_tree(cache, block, draft, history, processor, key)
+            return verdict, hidden, None if logprobs is None else _log_softmax(logits)
         if self.wants_hidden:
             logits, hidden = cache.target.forward(block, hidden=True)
         else:
@@ -256,12 +259,17 @@ class Engine:
 
     def _verify_tree(self, cache, block, draft, history, processor, key) -> tuple:
         """Step 3 for a draft tree: one pass over its flattened block, then its rule; returns
-        (`TreeVerdict`, the pass's logits)."""
-        logits = cache.target.forward(block, tree=draft.tree)
+        (`TreeVerdict`, the pass's logits, its hidden states per block row or None)."""
+        hidden = None
+        if self.wants_hidden:
+            logits, hidden = cache.target.forward(block, hidden=True, tree=draft.tree)
+        else:
+            logits = cache.target.forward(block, tree=draft.tree)
         windows = processor.tree_windows(history, draft.tokens, draft.tree)
         if processor.params.greedy:
-            return verify_tree_greedy(draft.tokens, draft.tree, processor.greedy(logits, windows)), logits
-        return verify_tree_sampled(draft.tokens, draft.tree, processor.distribution(logits, windows), key), logits
+            return verify_tree_greedy(draft.tokens, draft.tree, processor.greedy(logits, windows)), logits, hidden
+        p = processor.distribution(logits, windows)
+        return verify_tree_sampled(draft.tokens, draft.tree, p, key, draft.q), logits, hidden
 
     def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
                 drafting: bool, hidden: Optional[mx.array], rows: list[int]):

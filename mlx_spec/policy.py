@@ -302,13 +302,13 @@ class TreePolicy(AutoGamma):
         expected, best, best_rate = 1.0, 0, 1.0 / self.costs.round_time(0)
         for m, i in enumerate(order, start=1):
             expected += values[i]
-            rate = expected / self.costs.round_time(m)
+            rate = expected / tree_round_time(self.costs, m, draft.forwards)
             if rate > best_rate:
                 best, best_rate = m, rate
         keep = set(order[:best])
         if keep:  # a plain round is forecast where it is observed
             self.forecast_tokens += 1.0 + sum(values[i] for i in keep)
-            self.forecast_seconds += self.calibrated.round_time(best)
+            self.forecast_seconds += tree_round_time(self.calibrated, best, draft.forwards)
             self.cuts += 1
             if isinstance(self.costs, LiveCosts) and self.cuts % self.explore_every == 1:
                 left_out = [i for i in order if i not in keep and draft.tree.rank[i] > 0]
@@ -316,8 +316,10 @@ class TreePolicy(AutoGamma):
                     keep |= set(draft.tree.path(left_out[0]))
         keep = sorted(keep)[:limit]  # nodes come after their parents: a cut stays a tree
         shape = draft.tree.subtree(keep)
-        tokens = draft.tokens[mx.array(keep)] if keep else draft.tokens[:0]
-        return Draft(tokens, tree=None if shape == TreeShape.chain(len(keep)) else shape)
+        index = mx.array(keep) if keep else None
+        tokens = draft.tokens[index] if keep else draft.tokens[:0]
+        q = None if draft.q is None or not keep else draft.q[index]
+        return Draft(tokens, q, tree=None if shape == TreeShape.chain(len(keep)) else shape, forwards=draft.forwards)
 
     def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
         if gamma == 0:
@@ -339,6 +341,16 @@ class TreePolicy(AutoGamma):
 
     def __repr__(self) -> str:
         return f"TreePolicy(max_gamma={self.max_gamma}, branches={self.branches})"
+
+
+def tree_round_time(costs, nodes: int, forwards: Optional[int]) -> float:
+    """A round verifying `nodes` tree nodes after `forwards` draft forwards (None: one per
+    node, as a chain's): the draft steps are what the drafter spent, not one per node."""
+    time = costs.round_time(nodes)
+    if forwards is None or nodes == 0:
+        return time
+    draft_step = getattr(costs, "prior", costs).draft_step
+    return time + (forwards - nodes) * draft_step
 
 
 def as_policy(gamma: "int | GammaPolicy") -> GammaPolicy:

@@ -85,12 +85,18 @@ class TreeShape:
     @cached_property
     def device(self) -> dict[str, mx.array]:
         """The tables on the device: node ancestors [N, N] and earlier siblings [N, N] (bool),
-        children [N+1, N] and earlier siblings as float32 (for matmuls), depth [N]."""
+        children [N+1, N] and earlier siblings as float32 (for matmuls), depth [N], later
+        siblings (rank > 0) [N] as bool and float32, each block row's first child [N+1] (N
+        where it has none)."""
         nodes = [row[1:] for row in self.ancestors[1:]]
+        later = [k > 0 for k in self.rank]
+        first_child = [next((j for j, on in enumerate(row) if on), self.size) for row in self.children]
         return {
             "ancestors": mx.array(nodes), "earlier": mx.array(self.earlier_siblings),
             "earlier_f": mx.array(self.earlier_siblings, mx.float32),
             "children_f": mx.array(self.children, mx.float32), "depth": mx.array(self.depth),
+            "later": mx.array(later), "later_f": mx.array(later, mx.float32),
+            "first_child": mx.array(first_child),
         }
 
     def path(self, node: int) -> list[int]:

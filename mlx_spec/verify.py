@@ -18,11 +18,15 @@ round on it.
 On a draft tree (`mlx_spec.tree`; SpecInfer's multi-step speculative sampling, Miao et al.
 2024) the walk starts at the root: its children are tried in rank order, the first accepted
 one becomes the next node, and where all are rejected, or at a leaf, the recovered or bonus
-token ends the round. Draft trees are model-free (q one-hot at each node, since drafters
-choose branches deterministically), so a rejected sibling is removed from the residual:
-sibling x_k is accepted with probability p'(x_k), p' being p with the siblings tried before
-it zeroed and renormalised, and the recovered token is drawn from p with every child
-zeroed. Each step is exact for p (Appendix A.1 with one-hot q, applied again to p').
+token ends the round. A node's first child may carry the q it was sampled from (a draft
+model's chain); every other node is one-hot (drafters choose siblings deterministically).
+At each node the first child gets Leviathan's test (r·q(x) < p(x); one-hot: r < p(x)); if
+it is rejected, the output must be distributed as the residual p' = norm(max(p − q, 0))
+whatever that child was, so the later siblings x_k are one-hot drafts against p': each
+accepted with probability p'(x_k) over the mass of p' not yet rejected, and where all are
+rejected the recovered token is drawn from p' with them zeroed. Each step is exact for p
+(Appendix A.1, then again with one-hot q on p'); with one-hot q throughout this is
+SpecInfer's rule for deterministic siblings.
 """
 
 from __future__ import annotations
@@ -142,27 +146,41 @@ def rejected_mass(shape: TreeShape, p_x: mx.array) -> mx.array:
     return shape.device["earlier_f"] @ p_x
 
 
-def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.array) -> TreeVerdict:
-    """Recursive rejection sampling over a tree of one-hot drafts (see the module docstring).
+def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.array,
+                        q: Optional[mx.array] = None) -> TreeVerdict:
+    """Recursive rejection sampling over a draft tree (see the module docstring).
 
     Args:
         x: node tokens [N]; shape: their tree.
         p: target distributions at every block row [N+1, V] (row 0: the root).
         key: PRNG key for the acceptance draws and the final token.
+        q: draft distributions [N, V] the first children (rank 0) were sampled from, or None
+            (all one-hot); rows of later siblings must be one-hot at their tokens.
     """
-    V = p.shape[-1]
+    N, V = shape.size, p.shape[-1]
+    tables = shape.device
     key_accept, key_token = mx.random.split(key)
+    x = x.astype(mx.int32)
+    if q is None:
+        q = (mx.arange(V)[None, :] == x[:, None]).astype(p.dtype)
     parent_rows = mx.array(shape.parents) + 1
-    p_x = mx.take(p.reshape(-1), parent_rows * V + x.astype(mx.int32))  # p_parent(x) [N]
-    # Accept x_k if r < p'(x_k) = p(x_k) / (1 - rejected mass), written without the division.
-    r = mx.random.uniform(shape=(shape.size,), key=key_accept)
-    accepted = r * (1.0 - rejected_mass(shape, p_x)) < p_x
+    # Per block row: the residual once its first child is rejected, p' = norm(max(p − q, 0)).
+    q_first = mx.take(mx.concatenate([q, mx.zeros((1, V), q.dtype)]), tables["first_child"], axis=0)
+    residual = mx.maximum(p - q_first, 0.0)
+    mass = mx.sum(residual, axis=-1, keepdims=True)
+    p_rest = mx.where(mass > 0, residual / mass, p)  # a guard against float round-off
+    p_x = mx.take(p.reshape(-1), parent_rows * V + x)  # p_parent(x) [N]
+    q_x = mx.take(q.reshape(-1), mx.arange(N) * V + x)
+    rest_x = mx.take(p_rest.reshape(-1), parent_rows * V + x) * tables["later_f"]  # 0 for first children
+    r = mx.random.uniform(shape=(N,), key=key_accept)
+    # First children: r·q(x) < p(x). Later ones: r < p'(x_k) / (1 − p' of earlier later siblings).
+    accepted = mx.where(tables["later"], r * (1.0 - tables["earlier_f"] @ rest_x) < rest_x, r * q_x < p_x)
     n, path, end = _walk(shape, first_among_siblings(shape, accepted))
-    # At the end row every child was rejected (none at a leaf): the residual is p there with
-    # those children removed, which at a leaf is p itself (the bonus distribution).
-    p_end = mx.take(p, end, axis=0)
-    kept = 1.0 - mx.take(shape.device["children_f"], end, axis=0)
-    residual = p_end.at[x].multiply(kept)
-    mass = mx.sum(residual)
-    final = mx.where(mass > 0, residual / mass, p_end)  # a guard against float round-off
+    # At the end row every child was rejected: p' there with the later children zeroed; at a
+    # leaf, p itself (no first child: p' = p), the bonus distribution.
+    p_end = mx.take(p_rest, end, axis=0)
+    kept = 1.0 - mx.take(shape.device["children_f"], end, axis=0) * tables["later_f"]
+    final = p_end.at[x].multiply(kept)
+    final_mass = mx.sum(final)
+    final = mx.where(final_mass > 0, final / final_mass, mx.take(p, end, axis=0))
     return TreeVerdict(n, draw(final, key_token), path)

@@ -346,3 +346,52 @@ def test_chat_turns_draft_from_round_one(distilled):
         chat_turn_matches_plain_decoding(session, distilled.target.model, question)
     assert len(starts) == 2
     assert all(len(proposals[i]) == 3 for i in starts)
+
+
+# ---------------------------------------------------------------------------------------
+# Draft trees: siblings from the assistant's logits where its top-1 is split
+
+
+def flat_tree_policy():
+    """Width costs nothing: every sibling the assistant proposes is verified."""
+    from mlx_spec.costs import CostCurve
+    from mlx_spec.policy import TreePolicy
+
+    return TreePolicy(CostCurve([0.01] * 17, 0.0, 256), max_gamma=3, learn_costs=False)
+
+
+@pytest.mark.parametrize("prompt_name", ["short", "long"])
+def test_greedy_trees_match_plain_decoding(pair, references, prompt_name):
+    prompt = SHORT_PROMPT if prompt_name == "short" else LONG_PROMPT
+    tokens, stats = run(build_engine(pair), prompt, flat_tree_policy())
+    assert tokens == references[prompt_name]
+    assert stats.tree_rounds > 0 and sum(stats.tried_at_rank[1:]) > 0
+
+
+def test_trees_hand_the_assistant_the_accepted_paths_hidden_state(distilled):
+    """After a tree round the assistant's h is the target's final hidden state at the last
+    committed position but one, read from the tree row on the accepted path (not block row
+    i): equal to the target's own, computed on the committed sequence fed whole without a
+    cache. Some accepted paths run through siblings, whose rows are off the block prefix."""
+    from mlx_spec.cache import final_hidden
+
+    engine = build_engine(distilled)
+    drafter, target = engine.drafter, distilled.target.model
+    stats, checked = Stats(), []
+    for prompt in TRAIN_PROMPTS[:3]:
+        sequence = list(prompt)
+        accept = drafter.accept
+
+        def recording(committed, target_hidden=None):
+            accept(committed, target_hidden)
+            sequence.extend(committed)
+            reference = final_hidden(target, mx.array(sequence[:-1])[None], None)[0, -1]
+            checked.append(mx.allclose(drafter.h.reshape(-1), reference, atol=1e-4).item())
+
+        drafter.accept = recording
+        tokens = [t for r in engine.rounds(prompt, gamma=flat_tree_policy(), max_tokens=48, stats=stats)
+                  for t in r.tokens]
+        drafter.accept = accept
+        assert tokens == greedy_reference(target, prompt, 48)
+    assert checked and all(checked)
+    assert stats.tree_rounds > 0 and sum(stats.accepted_at_rank[1:]) > 0

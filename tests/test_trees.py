@@ -13,14 +13,14 @@ import mlx_spec.engine as engine_module
 from conftest import greedy_reference
 from mlx_spec.cache import SequenceCache
 from mlx_spec.costs import CostCurve
-from mlx_spec.drafters import Draft, NgramDrafter
+from mlx_spec.drafters import Draft, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import tiny_gemma3
+from mlx_spec.models.tiny import perturbed_copy, tiny_gemma3
 from mlx_spec.policy import TreePolicy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, draw
 from mlx_spec.stats import Stats
 from mlx_spec.tree import TreeShape
-from mlx_spec.verify import TreeVerdict, _walk, first_among_siblings, verify_tree_greedy
+from mlx_spec.verify import TreeVerdict, _walk, first_among_siblings, verify_tree_greedy, verify_tree_sampled
 from test_distribution import BROKEN_DRAWS, DRAWS, PARAMS, PROMPT, VOCAB, chi_square, exact_joint
 
 WINDOW = 16
@@ -101,6 +101,20 @@ def test_greedy_ngram_trees_match_plain_decoding(tiny_target, prompt):
     assert len(prompt) + len(tokens) > WINDOW
     assert stats.tree_rounds > 0 and sum(stats.tried_at_rank[1:]) > 0  # it branched
     assert stats.as_dict()["acceptance_by_rank"] == stats.acceptance_by_rank
+
+
+@pytest.mark.parametrize("prompt", [BRANCHING_PROMPT, LONG_BRANCHING], ids=["short", "past-window"])
+def test_greedy_model_drafter_trees_match_plain_decoding(tiny_target, prompt):
+    """A draft that disagrees with the target often (a noisier copy of it) branches where
+    its top-1 probability is split; its second guesses are sometimes the target's, so paths
+    run through siblings and the draft's cache must follow them back."""
+    draft = perturbed_copy(tiny_target, noise=0.1, seed=1)
+    drafter = ModelDrafter(draft, tiny_target.args.vocab_size)
+    tokens, stats = run(Engine(tiny_target, drafter), prompt, flat_policy(max_gamma=4), 60)
+    assert tokens == greedy_reference(tiny_target, prompt, 60)
+    assert len(prompt) + len(tokens) > WINDOW
+    assert stats.tree_rounds > 0 and sum(stats.accepted_at_rank[1:]) > 0  # siblings taken
+    assert stats.draft_forwards < stats.drafted  # siblings cost no draft forward
 
 
 class SecondSiblingDrafter:
@@ -239,7 +253,7 @@ def test_tree_sampling_matches_target_distribution(small_target):
     assert stat < critical
 
 
-def no_sibling_removal(x, shape, p, key):
+def no_sibling_removal(x, shape, p, key, q=None):
     """Broken: a rejected sibling stays in the residual (each sibling is accepted with its
     plain p, and the recovered token is drawn from p)."""
     key_accept, key_token = mx.random.split(key)
@@ -254,6 +268,62 @@ def test_the_check_catches_a_wrong_residual_update(small_target, monkeypatch):
     params = SamplingParams(**PARAMS)
     monkeypatch.setattr(engine_module, "verify_tree_sampled", no_sibling_removal)
     engine = Engine(small_target, LikeliestSiblingsDrafter(small_target, params))
+    stat, critical = chi_square(sampled_tree_joint(engine, params, BROKEN_DRAWS), exact_joint(small_target, params))
+    assert stat > critical
+
+
+@pytest.fixture(scope="module")
+def small_draft():
+    return tiny_gemma3(seed=9, vocab_size=VOCAB, logit_scale=2.0)  # unrelated: split and often wrong
+
+
+def test_model_drafter_tree_sampling_matches_target_distribution(small_target, small_draft):
+    """A sampled chain (its q: Leviathan's test) plus the draft's next likeliest tokens as
+    one-hot siblings, tried against the residual norm(max(p - q, 0))."""
+    params = SamplingParams(**PARAMS)
+    engine = Engine(small_target, ModelDrafter(small_draft, VOCAB))
+    shapes = []
+    real = engine_module.verify_tree_sampled
+
+    def recording(x, shape, p, key, q=None):
+        shapes.append((shape, q is not None))
+        return real(x, shape, p, key, q)
+
+    engine_module.verify_tree_sampled = recording
+    try:
+        counts = sampled_tree_joint(engine, params, DRAWS)
+    finally:
+        engine_module.verify_tree_sampled = real
+    assert len(shapes) >= DRAWS // 2 and all(with_q for _, with_q in shapes)
+    assert any(max(shape.rank) >= 2 for shape, _ in shapes)  # several siblings at a node
+    stat, critical = chi_square(counts, exact_joint(small_target, params))
+    assert stat < critical
+
+
+def one_hot_residual(x, shape, p, key, q=None):
+    """Broken: a sampled first child gets Leviathan's test, but after its rejection the
+    siblings and the recovered token use p without that child (the one-hot residual), not
+    norm(max(p - q, 0))."""
+    if q is None:
+        return verify_tree_sampled(x, shape, p, key)
+    V, N = p.shape[-1], shape.size
+    key_accept, key_token = mx.random.split(key)
+    xi = x.astype(mx.int32)
+    p_x = mx.take(p.reshape(-1), (mx.array(shape.parents) + 1) * V + xi)
+    q_x = mx.take(q.reshape(-1), mx.arange(N) * V + xi)
+    r = mx.random.uniform(shape=(N,), key=key_accept)
+    rejected = shape.device["earlier_f"] @ p_x  # p of every earlier sibling, the first included
+    first = mx.array([k == 0 for k in shape.rank])
+    accepted = mx.where(first, r * q_x < p_x, r * (1.0 - rejected) < p_x)
+    n, path, end = _walk(shape, first_among_siblings(shape, accepted))
+    residual = mx.take(p, end, axis=0).at[x].multiply(1.0 - mx.take(shape.device["children_f"], end, axis=0))
+    return TreeVerdict(n, draw(residual / mx.sum(residual), key_token), path)
+
+
+def test_the_check_catches_a_one_hot_residual_after_a_sampled_child(small_target, small_draft, monkeypatch):
+    params = SamplingParams(**PARAMS)
+    monkeypatch.setattr(engine_module, "verify_tree_sampled", one_hot_residual)
+    engine = Engine(small_target, ModelDrafter(small_draft, VOCAB))
     stat, critical = chi_square(sampled_tree_joint(engine, params, BROKEN_DRAWS), exact_joint(small_target, params))
     assert stat > critical
 
@@ -287,6 +357,43 @@ def test_the_cut_follows_the_cost_of_width():
     assert gentle.tokens.tolist() == draft.propose(gentle.tokens.shape[0]).tokens.tolist()
     linear = kept([0.01 * (w + 1) for w in range(17)])  # every row costs a step
     assert linear.tokens.shape[0] == 0  # plain decoding
+
+
+def test_the_cut_keeps_the_model_drafter_chain_where_width_is_dear(tiny_target):
+    """Sibling leaves cost verify width only (no draft forward): with cheap width but dear
+    draft steps they are kept; where width is dear the cut is the chain `propose` drafts,
+    still carrying its q (so a chain at T > 0 keeps Leviathan's acceptance)."""
+    draft = perturbed_copy(tiny_target, noise=0.3, seed=1)
+    prompt = LONG_BRANCHING
+
+    def proposal(params):
+        drafter = ModelDrafter(draft, tiny_target.args.vocab_size)
+        drafter.begin(prompt, Engine(tiny_target).make_prompt_cache(), LogitProcessor(params))
+        return drafter.propose_tree(4, 4, prompt, mx.random.key(3))
+
+    def cut(tree, verify, draft_step):
+        policy = TreePolicy(CostCurve(verify, draft_step, 256), max_gamma=4, learn_costs=False)
+        for _ in range(20):  # first children accepted 60% of the time, second ones 50%
+            policy.observe_tree(TreeShape((-1, -1)), [0])
+            policy.observe_tree(TreeShape((-1, -1)), [1])
+            policy.observe_tree(TreeShape((-1, -1, 0)), [0, 2])
+            policy.observe_tree(TreeShape((-1, -1)), [])
+            policy.observe_tree(TreeShape((-1, -1)), [])
+        return policy.prune(tree)
+
+    tree = proposal(SamplingParams())
+    assert tree.tree is not None and tree.tree.size > 4 and tree.forwards == 4
+    # width free, a draft step a fifth of a target step: every sibling stays (charged a
+    # draft step each, as a chain's nodes are, the least likely would be cut)
+    assert cut(tree, [0.01] * 17, 0.002).tokens.shape[0] == tree.tree.size
+    gentle = cut(tree, [0.01 * (1 + 0.2 * w) for w in range(17)], 0.001)
+    assert gentle.tree is None and 0 < gentle.tokens.shape[0] <= 4  # each row costs 20% of a step: a chain
+    assert gentle.tokens.tolist() == tree.tokens[:gentle.tokens.shape[0]].tolist()
+    assert cut(tree, [0.01 * (w + 1) for w in range(17)], 0.001).tokens.shape[0] == 0  # plain
+    sampled = proposal(SamplingParams(temperature=1.0, seed=0))
+    chain = cut(sampled, [0.01 * (1 + 0.2 * w) for w in range(17)], 0.001)
+    assert chain.tree is None and 0 < chain.tokens.shape[0] and chain.q.shape == (chain.tokens.shape[0], tiny_target.args.vocab_size)
+    assert mx.array_equal(chain.q, sampled.q[: chain.tokens.shape[0]]).item()
 
 
 # ---------------------------------------------------------------------------------------

@@ -63,8 +63,10 @@ def bench(
              "model file's γ.")] = None,
     auto: Annotated[bool, typer.Option("--auto", help="Also run --gamma auto.")] = False,
     tree: Annotated[bool, typer.Option(
-        "--tree", help="Also run draft trees (n-gram drafter: several continuations verified in one "
-                       "pass, shaped by the cost curve); reports acceptance by sibling rank.")] = False,
+        "--tree", help="Also run draft trees (several continuations verified in one pass, shaped by "
+                       "the cost curve: the n-gram drafter's earlier matches, a draft model's or MTP "
+                       "assistant's next likeliest tokens where it is unsure); reports acceptance by "
+                       "sibling rank.")] = False,
     recalibrate: RecalibrateOpt = False,
     prompts: Annotated[Optional[list[str]], typer.Option(
         "--prompt", metavar="NAME|@FILE|TEXT",

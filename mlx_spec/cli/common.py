@@ -67,9 +67,10 @@ DraftOnOpt = Annotated[Optional[str], typer.Option(
 GammaOpt = Annotated[Optional[str], typer.Option(
     "--gamma", "-g", rich_help_panel=MODELS, metavar="N|auto|tree",
     help="Draft tokens per round γ: a whole number (0 = plain decoding), 'auto' (chosen each "
-         "round from measured costs and live acceptance) or 'tree' (auto, and with the n-gram "
-         "drafter draft trees: several continuations verified in one pass, shaped by the "
-         "measured cost of width). Default: the preset's, else auto.")]
+         "round from measured costs and live acceptance) or 'tree' (auto, plus draft trees: "
+         "several continuations verified in one pass, shaped by the measured cost of width; "
+         "the n-gram drafter branches at earlier matches, a draft model or MTP assistant at "
+         "its next likeliest tokens where it is unsure). Default: the preset's, else auto.")]
 
 RecalibrateOpt = Annotated[bool, typer.Option(
     "--recalibrate", rich_help_panel=MODELS,

@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.drafters import Draft
+from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.sampling import draw
 
 
@@ -16,12 +16,22 @@ class ModelDrafter:
     The draft cache lags the committed sequence by the `pending` tokens: normally the last
     committed token; after a fully accepted round also x_γ, which was sampled but never fed
     (mlx-lm's speculative loop keeps the same off-by-one).
+
+    `propose_tree` drafts the same chain and, where the draft is unsure (its likeliest token
+    has less than `split_below` of q), adds its next likeliest tokens as sibling leaves: no
+    extra draft forward. Siblings are the draft's own ranking, distinct from the chain token
+    and from each other, chosen before the target is consulted; so they are one-hot drafts
+    for the tree rule, while a sampled chain token keeps its q (the Leviathan step).
     """
 
     name = "model"
     passes_per_token = 1
     # Past this many pending tokens (after γ = 0 rounds) catch up with a chunked prefill.
     catch_up_after = 8
+    # Branch where the draft's top-1 probability is below this; a sibling needs at least
+    # `sibling_floor` of q (a token the draft all but rules out is rarely the target's).
+    split_below = 0.8
+    sibling_floor = 0.02
 
     def __init__(self, model, target_vocab: int):
         """Args: model: the draft model; target_vocab: width of the target's logits, so that
@@ -32,6 +42,7 @@ class ModelDrafter:
         self.state = None
         self.pending: list[int] = []
         self.fed_drafts: Optional[int] = None  # draft tokens fed to the cache this round
+        self.fed_chain: Optional[list[int]] = None  # after a tree round: the chain tokens fed
 
     @property
     def rollbackable(self) -> bool:
@@ -45,13 +56,21 @@ class ModelDrafter:
         self.processor = processor
         processed = self.state.prefill(prompt_ids[:-1])
         self.pending = list(prompt_ids[len(self.state.ids) :])
-        self.fed_drafts = None
+        self.fed_drafts = self.fed_chain = None
         return processed
 
     def propose(self, gamma: int, history: list[int], key: mx.array) -> Draft:
-        self.fed_drafts = None
         if gamma == 0:
+            self.fed_drafts = self.fed_chain = None
             return Draft.empty()
+        xs, qs, _ = self._chain(gamma, history, key)
+        return Draft(mx.concatenate(xs), self._pad(mx.concatenate(qs)) if qs else None)
+
+    def _chain(self, gamma: int, history: list[int], key: mx.array, ranked: int = 0):
+        """Draft x_1..x_γ (lazy): their tokens [1] each, q_j [1, V] each (sampling only), and
+        with `ranked` > 0 the `ranked` likeliest tokens and their probabilities per step
+        ([1, ranked] each, from q, or at temperature 0 from the penalised softmax)."""
+        self.fed_drafts = self.fed_chain = None
         if len(self.pending) > self.catch_up_after:
             self.state.prefill(self.state.ids + self.pending[:-1])
             self.pending = self.pending[-1:]
@@ -59,6 +78,7 @@ class ModelDrafter:
         keys = None if greedy else mx.random.split(key, gamma)
         xs: list[mx.array] = []
         qs: list[mx.array] = []
+        tops: list[tuple[mx.array, mx.array]] = []
         y = mx.array(self.pending, dtype=mx.uint32)
         for j in range(gamma):
             logits = self.state.forward(y)  # [len(y), V_draft]
@@ -72,27 +92,61 @@ class ModelDrafter:
                 windows = self.processor.windows(history, block, j + 1, first=j)
             if greedy:
                 y = self.processor.greedy(logits, windows)
+                if ranked:
+                    probs = mx.softmax(self.processor.penalize(logits.astype(mx.float32), windows), axis=-1)
             else:
-                q_j = self.processor.distribution(logits, windows)
+                probs = q_j = self.processor.distribution(logits, windows)
                 y = draw(q_j, keys[j])
                 qs.append(q_j)
+            if ranked:
+                tops.append(likeliest(probs, ranked))
             mx.async_eval(y)
             xs.append(y)
         self.fed_drafts = gamma - 1  # x_γ is sampled, not fed
-        q = None
-        if qs:
-            q = mx.concatenate(qs)
-            if q.shape[-1] < self.target_vocab:  # ids the draft cannot produce get q = 0
-                q = mx.pad(q, [(0, 0), (0, self.target_vocab - q.shape[-1])])
-        return Draft(mx.concatenate(xs), q)
+        return xs, qs, tops
+
+    def _pad(self, q: mx.array) -> mx.array:
+        if q.shape[-1] < self.target_vocab:  # ids the draft cannot produce get q = 0
+            q = mx.pad(q, [(0, 0), (0, self.target_vocab - q.shape[-1])])
+        return q
+
+    def propose_tree(self, gamma: int, branches: int, history: list[int], key: mx.array) -> Draft:
+        """The chain `propose` would draft (nodes 0..γ-1), then up to `branches` - 1 sibling
+        leaves where the draft is split, the ones the draft itself rates likeliest to be
+        reached and right first (Π q of the chain above × q of the sibling). One host sync,
+        to shape the tree."""
+        if gamma == 0:
+            self.fed_drafts = self.fed_chain = None
+            return Draft.empty()
+        xs, qs, tops = self._chain(gamma, history, key, ranked=branches)
+        chain = mx.concatenate(xs)
+        top_ids = mx.concatenate([ids for ids, _ in tops])  # [γ, branches]
+        top_q = mx.concatenate([q for _, q in tops])
+        q_chain = mx.concatenate([mx.take(q, x) for q, x in zip(qs, xs)]) if qs else top_q[:, 0]
+        mx.eval(chain, top_ids, top_q, q_chain)
+        x = chain.tolist()
+        self.fed_chain = x[: gamma - 1]
+        leaves = sibling_leaves(x, top_ids.tolist(), top_q.tolist(), q_chain.tolist(), branches,
+                                self.split_below, self.sibling_floor)
+        return with_leaves(chain, leaves, self._pad(mx.concatenate(qs)) if qs else None, forwards=gamma)
 
     def accept(self, committed: list[int]) -> None:
         if self.fed_drafts is None:  # nothing fed this round: the draft just falls behind
             self.pending += committed
             return
         # The cache holds pending + x_1..x_{γ-1}; keep the drafts that were committed, except
-        # the last committed token, which becomes pending like any round's final token.
+        # the last committed token, which becomes pending like any round's final token. After
+        # a tree the committed path may leave the chain at a sibling: keep only the common part.
         keep = min(len(committed) - 1, self.fed_drafts)
+        if self.fed_chain is not None:
+            keep = min(keep, _common_prefix(self.fed_chain, committed))
         self.state.settle(self.pending + committed[:keep])
         self.pending = committed[keep:]
-        self.fed_drafts = None
+        self.fed_drafts = self.fed_chain = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -23,7 +23,9 @@ crops the verify pass's K/V to the new length, so the rejected draft's key at th
 position stays visible, and its sliding mask admits window + 1 keys.
 
 The draft is the argmax at every step, so q is one-hot (Draft.q = None) and the Leviathan
-rule stays exact at any temperature, as for the n-gram drafter.
+rule stays exact at any temperature, as for the n-gram drafter. `propose_tree` adds the
+assistant's next likeliest tokens as sibling leaves where its top-1 probability is split;
+the engine then hands over the hidden states of the tree rows on the accepted path.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.drafters import Draft
+from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model
 
@@ -59,7 +61,8 @@ def shared_kv(layer_caches: list, layers: dict[str, int], window: int) -> dict:
     return out
 
 
-def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, position, gamma: int) -> mx.array:
+def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, position, gamma: int,
+                 ranked: int = 0):
     """γ greedy assistant steps from one position.
 
     Args:
@@ -68,16 +71,23 @@ def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, posit
         token: [1, 1] the last committed token; h: [1, 1, H_target] the target's final
             hidden state at the position before it.
         kv: the target's shared K/V (see `shared_kv`); position: the query's RoPE position.
+        ranked: if > 0, also the `ranked` likeliest ids per step and their probabilities
+            under the assistant's softmax (the full-vocabulary row is built for them).
     Returns:
-        [γ] drafted token ids (lazy).
+        [γ] drafted token ids (lazy); with `ranked`, (those, ids [γ, ranked], probs [γ, ranked]).
     """
-    tokens = []
+    tokens, tops = [], []
     for _ in range(gamma):
         h_d = assistant.hidden(mx.concatenate([embed(token), h], axis=-1), kv, position)
         token = assistant.greedy(h_d)  # [1, 1]
+        if ranked:
+            tops.append(likeliest(mx.softmax(assistant.logits(h_d)[0].astype(mx.float32), axis=-1), ranked))
         h = assistant.post_projection(h_d)
         tokens.append(token)
-    return mx.concatenate(tokens, axis=1)[0]
+    chain = mx.concatenate(tokens, axis=1)[0]
+    if not ranked:
+        return chain
+    return chain, mx.concatenate([ids for ids, _ in tops]), mx.concatenate([p for _, p in tops])
 
 
 class MtpDrafter:
@@ -96,6 +106,7 @@ class MtpDrafter:
     passes_per_token = 1  # assistant forwards per drafted token
     rollbackable = True  # nothing of its own to roll back
     wants_hidden = True  # the engine hands over the target's final hidden states
+    split_below, sibling_floor = 0.8, 0.02  # where `propose_tree` branches (see ModelDrafter)
 
     def __init__(self, assistant, target, *, position: Optional[str] = None):
         inner = target_text_model(target)
@@ -151,6 +162,22 @@ class MtpDrafter:
         position = context - POSITIONS[self.position]
         tokens = draft_greedy(self.model, self.embed, token, self.h, kv, position, gamma)
         return Draft(tokens.astype(mx.uint32))
+
+    def propose_tree(self, gamma: int, branches: int, history: list[int], key=None) -> Draft:
+        """The greedy chain `propose` drafts, plus sibling leaves where the assistant's top-1
+        probability is below `split_below` (`sibling_leaves`): deterministic, so one-hot."""
+        if gamma == 0 or self.h is None:
+            return Draft.empty()
+        layer_caches = self.state.cache
+        kv = shared_kv(layer_caches, self.layers, self.window)
+        position = layer_caches[0].offset - POSITIONS[self.position]
+        chain, ids, probs = draft_greedy(self.model, self.embed, mx.array([[history[-1]]]), self.h, kv, position,
+                                         gamma, ranked=branches)
+        mx.eval(chain, ids, probs)
+        probs = probs.tolist()
+        leaves = sibling_leaves(chain.tolist(), ids.tolist(), probs, [p[0] for p in probs], branches,
+                                self.split_below, self.sibling_floor)
+        return with_leaves(chain.astype(mx.uint32), leaves, None, forwards=gamma)
 
     def accept(self, committed: list[int], target_hidden: Optional[mx.array] = None) -> None:
         """`target_hidden`: the target's final hidden states from the round's pass [γ+1, H],
