@@ -34,7 +34,10 @@ import mlx_spec.cli  # noqa: F401  (what every command imports)
 t1 = time.perf_counter()
 from mlx_spec.models.loader import load_folder, load_tokenizer, resolve_source
 path, _ = resolve_source(None, progress=False)
-model, config = load_folder(path)
+try:
+    model, config = load_folder(path, dtype="float32")  # a float32 copy where there is one
+except TypeError:  # a checkout from before the copy
+    model, config = load_folder(path)
 import mlx.core as mx
 model.set_dtype(mx.float32)
 mx.eval(model.parameters())
