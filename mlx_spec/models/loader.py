@@ -391,7 +391,9 @@ def float32_copy_due(path: Path, dtype: str | None) -> bool:
         return False
     import json
 
-    return "quantization" not in json.loads((path / "config.json").read_text())
+    # The import's record says what it stored (older records say nothing: float16 then).
+    stored = json.loads((path / "mlx_spec_source.json").read_text()).get("dtype", "float16")
+    return stored == "float16" and "quantization" not in json.loads((path / "config.json").read_text())
 
 
 def write_float32_copy(path: Path) -> None:
