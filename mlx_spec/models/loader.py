@@ -412,8 +412,8 @@ def write_float32_copy(path: Path) -> None:
         (scratch / _COPY_DONE).write_text("")
         shutil.rmtree(copy, ignore_errors=True)  # an incomplete copy from an interrupted run
         os.replace(scratch, copy)
-    except OSError as error:
-        warnings.warn(f"could not write a float32 copy of {path} ({error.strerror or error}); "
+    except (OSError, RuntimeError) as error:  # MLX's writer raises RuntimeError
+        warnings.warn(f"could not write a float32 copy of {path} ({getattr(error, 'strerror', None) or error}); "
                       "loads keep casting the float16 weights", stacklevel=3)
     finally:
         if scratch is not None and scratch.exists():
