@@ -3,7 +3,8 @@
 Wraps the engine's calls with timers (no profiler overhead on the rest): the round's
 sync (`mx.eval` in the engine: the device computing the verify pass), building the target's
 forward graph (Python over mlx-lm's layers, before the device starts), and everything
-else the host does in a round (policy, drafter, verdict, commit, stats). The first round
+else the host does in a round (policy, drafter: a draft model's graph building too,
+verdict, commit, stats). The first round
 (it holds the prefill) is left out; rounds at widths other than γ + 1 are kept (they are
 the loop's too).
 
