@@ -8,7 +8,8 @@ Each repetition runs, in fresh processes: `python -c "import mlx_spec.cli"` (imp
 `python -m mlx_spec.cli --help`, and `python -m mlx_spec.cli generate -n 1` (the whole run),
 plus one in-process breakdown (import, weights, tokenizer, calibration read, first token:
 the prefill and first token of `Hello` with the default preset's drafter and γ = auto).
-Medians of wall-clock seconds; checkouts alternate so drift hits both alike.
+Medians of wall-clock seconds (and of the CPU seconds of `generate -n 1`, which a loaded
+machine moves less); checkouts alternate so drift hits both alike.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -34,7 +36,10 @@ import mlx_spec.cli  # noqa: F401  (what every command imports)
 t1 = time.perf_counter()
 from mlx_spec.models.loader import load_folder, load_tokenizer, resolve_source
 path, _ = resolve_source(None, progress=False)
-model, config = load_folder(path)
+try:
+    model, config = load_folder(path, dtype="float32")  # a float32 copy where there is one
+except TypeError:  # a checkout from before the copy
+    model, config = load_folder(path)
 import mlx.core as mx
 model.set_dtype(mx.float32)
 mx.eval(model.parameters())
@@ -60,12 +65,19 @@ print(json.dumps({"import": t1 - t0, "weights": t2 - t1, "tokenizer": t3 - t2,
 """
 
 
-def timed(cmd: list[str], cwd: Path, env: dict) -> float:
+def timed(cmd: list[str], cwd: Path, env: dict, cpu: list | None = None) -> float:
+    """Wall-clock seconds of `cmd`; with `cpu`, its CPU seconds (user + system) are appended
+    there: on a shared machine they move less with the load than the wall clock does."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed in {cwd}:\n{done.stderr}")
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if cpu is not None:
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return wall
 
 
 def main() -> None:
@@ -81,13 +93,13 @@ def main() -> None:
     generate = [sys.executable, "-m", "mlx_spec.cli", "generate", "-n", "1", "Hello"]
     for cwd in checkouts.values():  # first runs: import the model, measure the cost curve
         timed(generate, cwd, env)
-    runs = {name: {"import": [], "help": [], "generate -n 1": []} for name in checkouts}
+    runs = {name: {"import": [], "help": [], "generate -n 1": [], "generate -n 1 cpu": []} for name in checkouts}
     phases = {name: [] for name in checkouts}
     for rep in range(args.repeats):
         for name, cwd in (checkouts.items() if rep % 2 == 0 else reversed(checkouts.items())):
             runs[name]["import"].append(timed([sys.executable, "-c", "import mlx_spec.cli"], cwd, env))
             runs[name]["help"].append(timed([sys.executable, "-m", "mlx_spec.cli", "--help"], cwd, env))
-            runs[name]["generate -n 1"].append(timed(generate, cwd, env))
+            runs[name]["generate -n 1"].append(timed(generate, cwd, env, runs[name]["generate -n 1 cpu"]))
             out = subprocess.run([sys.executable, "-c", PHASES], cwd=cwd, env=env, capture_output=True, text=True)
             phases[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     result = {}

@@ -242,3 +242,89 @@ def test_a_damaged_tokenizer_read_on_the_thread_is_a_one_line_error(tiny_importe
     (folder / "tokenizer.json").write_text('{"model": ')
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer in"):
         load_model(str(folder), progress=False)
+
+
+# ---------------------------------------------------------------------------------------
+# The float32 copy: a warm CPU load without the float16 -> float32 cast
+# ---------------------------------------------------------------------------------------
+
+
+def _cast_by_mlx_lm(folder: Path) -> dict:
+    """The reference: mlx-lm's own load of the float16 folder, cast to float32."""
+    from mlx_lm.utils import load_model
+
+    reference, _ = load_model(folder)
+    reference.set_dtype(mx.float32)
+    return dict(tree_flatten(reference.parameters()))
+
+
+def _assert_same_parameters(model, expected: dict):
+    got = dict(tree_flatten(model.parameters()))
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        assert value.dtype == expected[name].dtype, name
+        assert mx.array_equal(value, expected[name]).item(), name
+
+
+def test_a_float32_cpu_load_writes_a_float32_copy_that_later_loads_read(tiny_gguf_path, tmp_path, monkeypatch):
+    from mlx_spec.models.loader import FLOAT32_COPY, load_model
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    first = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
+    folder = first.path
+    assert (folder / FLOAT32_COPY / "complete").is_file()
+    assert sorted(p.name for p in folder.glob("model*.safetensors")) == ["model.safetensors"]  # float16 kept
+    expected = _cast_by_mlx_lm(folder)
+    _assert_same_parameters(first.model, expected)
+    # Later loads read the copy: float32 straight from the file, before any cast.
+    model, _ = load_folder(folder, dtype="float32")
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+    _assert_same_parameters(model, expected)
+    _assert_same_parameters(load_model(str(tiny_gguf_path), dtype="float32", progress=False).model, expected)
+    # Other dtypes read the float16 files as before.
+    model, _ = load_folder(folder, dtype="bfloat16")
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float16}
+
+
+def test_no_float32_copy_for_other_dtypes_and_an_incomplete_one_is_rewritten(tiny_gguf_path, tmp_path,
+                                                                            monkeypatch):
+    from mlx_spec.models.loader import FLOAT32_COPY, load_model
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    folder = load_model(str(tiny_gguf_path), dtype="bfloat16", progress=False).path
+    assert not (folder / FLOAT32_COPY).exists()
+    # A copy cut short (no "complete"): ignored by the load, then written whole.
+    (folder / FLOAT32_COPY).mkdir()
+    (folder / FLOAT32_COPY / "model.safetensors").write_bytes(b"cut short")
+    loaded = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
+    _assert_same_parameters(loaded.model, _cast_by_mlx_lm(folder))
+    assert (folder / FLOAT32_COPY / "complete").is_file()
+    model, _ = load_folder(folder, dtype="float32")
+    _assert_same_parameters(model, _cast_by_mlx_lm(folder))
+
+
+def test_a_cache_that_cannot_take_the_float32_copy_still_loads(tiny_gguf_path, tmp_path, monkeypatch):
+    from mlx_spec.models import loader
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    folder = loader.load_model(str(tiny_gguf_path), dtype="bfloat16", progress=False).path
+
+    def disk_full(*args, **kwargs):  # what MLX's safetensors writer raises when a write fails
+        raise RuntimeError("[save_safetensors] Failed to write to file")
+
+    monkeypatch.setattr(loader.mx, "save_safetensors", disk_full)
+    with pytest.warns(UserWarning, match="could not write a float32 copy"):
+        loaded = loader.load_model(str(tiny_gguf_path), dtype="float32", progress=False)
+    _assert_same_parameters(loaded.model, _cast_by_mlx_lm(folder))
+    assert not (folder / loader.FLOAT32_COPY).exists() and not list(folder.glob(".tmp-*"))
+
+
+def test_an_import_stored_in_float32_gets_no_second_float32_copy(tiny_gguf_path, tmp_path, monkeypatch):
+    from mlx_spec.models import gguf_import
+    from mlx_spec.models.loader import FLOAT32_COPY, load_model
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    loaded = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
+    assert not (loaded.path / FLOAT32_COPY).exists()
+    assert {v.dtype for _, v in tree_flatten(loaded.model.parameters())} == {mx.float32}
