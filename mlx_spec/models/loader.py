@@ -410,9 +410,13 @@ def write_float32_copy(path: Path) -> None:
                        for name, value in mx.load(str(file)).items()}
             mx.save_safetensors(str(scratch / file.name), weights, metadata={"format": "mlx"})
         (scratch / _COPY_DONE).write_text("")
+        if (copy / _COPY_DONE).is_file():
+            return  # another process's copy landed meanwhile; a reader may be using it
         shutil.rmtree(copy, ignore_errors=True)  # an incomplete copy from an interrupted run
         os.replace(scratch, copy)
     except (OSError, RuntimeError) as error:  # MLX's writer raises RuntimeError
+        if (copy / _COPY_DONE).is_file():
+            return  # lost a race to another process writing the same copy: it is there
         warnings.warn(f"could not write a float32 copy of {path} ({getattr(error, 'strerror', None) or error}); "
                       "loads keep casting the float16 weights", stacklevel=3)
     finally:
