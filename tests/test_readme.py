@@ -85,7 +85,7 @@ def test_example_outputs_are_generated_by_the_script():
     first = examples.code_blocks(README)[0]
     assert first.lines == ['pip install -e ".[demo]" && mlx-spec generate -n 48 '
                            '"Explain speculative decoding in one sentence."']
-    assert '<!-- TEST-COMMAND -->\n```bash\npip install -e ".[test]" && python -m pytest\n```\n<!-- /TEST-COMMAND -->' in README
+    assert '<!-- TEST-COMMAND -->\n```bash\npip install -e ".[test]" && python -m pytest -n 2 --dist loadfile\n```\n<!-- /TEST-COMMAND -->' in README
 
 
 def test_excerpt_values_take_the_fresh_run_written_like_the_old():
