@@ -332,6 +332,19 @@ def test_the_check_catches_a_one_hot_residual_after_a_sampled_child(small_target
 # The cut by the cost curve
 
 
+def taught_policy(verify, draft_step=0.0):
+    """A TreePolicy on the verify curve `verify`, taught that first children are accepted
+    60% of the time and second ones 50%."""
+    policy = TreePolicy(CostCurve(verify, draft_step, 256), max_gamma=4, learn_costs=False)
+    for _ in range(20):
+        policy.observe_tree(TreeShape((-1, -1)), [0])
+        policy.observe_tree(TreeShape((-1, -1)), [1])
+        policy.observe_tree(TreeShape((-1, -1, 0)), [0, 2])
+        policy.observe_tree(TreeShape((-1, -1)), [])
+        policy.observe_tree(TreeShape((-1, -1)), [])
+    return policy
+
+
 def test_the_cut_follows_the_cost_of_width():
     draft = NgramDrafter(min_ngram=1)
     draft.begin(BRANCHING_PROMPT)
@@ -340,15 +353,7 @@ def test_the_cut_follows_the_cost_of_width():
     assert shape.size == 16 and [r for r, p in zip(shape.rank, shape.parents) if p < 0] == [0, 1, 2, 3]
 
     def kept(verify):
-        policy = TreePolicy(CostCurve(verify, 0.0, 256), max_gamma=4, learn_costs=False)
-        # evidence: first children accepted 60% of the time, second ones 50%
-        for _ in range(20):
-            policy.observe_tree(TreeShape((-1, -1)), [0])
-            policy.observe_tree(TreeShape((-1, -1)), [1])
-            policy.observe_tree(TreeShape((-1, -1, 0)), [0, 2])
-            policy.observe_tree(TreeShape((-1, -1)), [])
-            policy.observe_tree(TreeShape((-1, -1)), [])
-        return policy.prune(tree)
+        return taught_policy(verify).prune(tree)
 
     flat = kept([0.01] * 17)
     assert flat.tree is not None and flat.tokens.shape[0] == 16  # width is free: all of it
@@ -372,14 +377,7 @@ def test_the_cut_keeps_the_model_drafter_chain_where_width_is_dear(tiny_target):
         return drafter.propose_tree(4, 4, prompt, mx.random.key(3))
 
     def cut(tree, verify, draft_step):
-        policy = TreePolicy(CostCurve(verify, draft_step, 256), max_gamma=4, learn_costs=False)
-        for _ in range(20):  # first children accepted 60% of the time, second ones 50%
-            policy.observe_tree(TreeShape((-1, -1)), [0])
-            policy.observe_tree(TreeShape((-1, -1)), [1])
-            policy.observe_tree(TreeShape((-1, -1, 0)), [0, 2])
-            policy.observe_tree(TreeShape((-1, -1)), [])
-            policy.observe_tree(TreeShape((-1, -1)), [])
-        return policy.prune(tree)
+        return taught_policy(verify, draft_step).prune(tree)
 
     tree = proposal(SamplingParams())
     assert tree.tree is not None and tree.tree.size > 4 and tree.forwards == 4
