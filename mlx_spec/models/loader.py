@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import shutil
 import sys
@@ -344,7 +345,6 @@ def _load_imported(path: Path, *, lazy: bool, float32: bool = False) -> tuple[nn
     code), without importing `mlx_lm.utils`
     and with it transformers (~1 s of a warm run; `mlx_spec._mlx_lm`)."""
     import importlib
-    import json
 
     config = json.loads((path / "config.json").read_text())
     if gemma4_assistant.is_assistant_config(config):
@@ -389,8 +389,6 @@ def float32_copy_due(path: Path, dtype: str | None) -> bool:
         return False
     if (path / FLOAT32_COPY / _COPY_DONE).is_file():
         return False
-    import json
-
     # The import's record says what it stored (older records say nothing: float16 then).
     stored = json.loads((path / "mlx_spec_source.json").read_text()).get("dtype", "float16")
     return stored == "float16" and "quantization" not in json.loads((path / "config.json").read_text())
