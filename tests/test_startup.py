@@ -40,7 +40,8 @@ builtins.open = io.open = counting_open
 import tokenizers
 for name in ("from_file", "from_str", "from_buffer", "from_pretrained"):
     def counted(*args, _real=getattr(tokenizers.Tokenizer, name), _name=name, **kwargs):
-        parses.append(f"Tokenizer.{_name}")
+        small = _name == "from_str" and len(args[0]) < 4_000_000  # a tokenizer index's small BPE
+        parses.append(f"Tokenizer.{_name}" + (" (small)" if small else ""))
         return _real(*args, **kwargs)
     setattr(tokenizers.Tokenizer, name, staticmethod(counted))
 from mlx_spec.cli import app
@@ -115,18 +116,23 @@ assert mlx_lm.__version__ and callable(mlx_lm.stream_generate)
     run_python("import mlx_spec, mlx_lm; assert callable(mlx_lm.load)")  # attribute first
 
 
-def test_warm_generate_of_a_gguf_import_parses_its_tokenizer_once(tiny_gguf_path, tmp_path):
+# A warm run reads the tokenizer index the first run wrote: no parse of tokenizer.json, only
+# the small BPE that encodes the prompt and the normalizer's one-line tokenizer.
+WARM_PARSES = ["Tokenizer.from_str (small)", "Tokenizer.from_str (small)"]
+
+
+def test_warm_generate_of_a_gguf_import_parses_no_whole_tokenizer(tiny_gguf_path, tmp_path):
     # --raw as the embedded default's preset: a chat template is rendered by transformers.
     probe = warm_generate("-m", str(tiny_gguf_path), "--raw", cache=tmp_path)
     assert probe["heavy"] == []
-    assert probe["parses"] == ["Tokenizer.from_file"]
+    assert probe["parses"] == WARM_PARSES
 
 
 @pytest.mark.slow
-def test_warm_generate_of_the_embedded_model_parses_its_tokenizer_once(gemma270m, mlx_spec_cache):
+def test_warm_generate_of_the_embedded_model_parses_no_whole_tokenizer(gemma270m, mlx_spec_cache):
     probe = warm_generate(cache=mlx_spec_cache)
     assert probe["heavy"] == []
-    assert probe["parses"] == ["Tokenizer.from_file"]
+    assert probe["parses"] == WARM_PARSES
 
 
 # ---------------------------------------------------------------------------------------
@@ -207,15 +213,38 @@ def reference_tokenizer(path: Path, config: dict):
     return tokenizer
 
 
+def check_both_loads(path: Path, config: dict, texts=()):
+    """A folder's first load (tokenizer.json parsed whole, the index written) and a later
+    one (the index: no whole parse) each behave as mlx-lm's own load."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from mlx_spec.models.tokenizer_index import INDEX_DIR, TokenizerIndex
+
+    shutil.rmtree(path / INDEX_DIR, ignore_errors=True)
+    reference = reference_tokenizer(path, config)
+    first = load_tokenizer(path, config)
+    assert isinstance(first._backend, Tokenizer) and (path / INDEX_DIR).is_dir()
+    later = load_tokenizer(path, config)
+    assert isinstance(later._backend, TokenizerIndex)
+    for fast in (first, later):
+        check_same_tokenizer(fast, reference)
+        for text in texts:
+            assert fast.encode(text) == reference.encode(text), text[:80]
+
+
 def test_fast_tokenizer_of_a_gguf_import_matches_mlx_lm(tiny_imported):
-    config = json.loads((tiny_imported / "config.json").read_text())
-    check_same_tokenizer(load_tokenizer(tiny_imported, config), reference_tokenizer(tiny_imported, config))
+    check_both_loads(tiny_imported, json.loads((tiny_imported / "config.json").read_text()))
 
 
 @pytest.mark.slow
 def test_fast_tokenizer_of_the_embedded_model_matches_mlx_lm(gemma270m):
-    path, config = gemma270m.path, gemma270m.config
-    check_same_tokenizer(load_tokenizer(path, config), reference_tokenizer(path, config))
+    from test_tokenizer_index import random_texts
+
+    vocabulary = [gemma270m.tokenizer.convert_ids_to_tokens(i) for i in range(0, 262144, 7)]
+    texts = random_texts(vocabulary, 150) + [(ROOT / "README.md").read_text()[:20000]]
+    check_both_loads(gemma270m.path, gemma270m.config, texts)
 
 
 def test_an_imported_folder_with_another_decoder_loads_with_mlx_lm(tiny_imported, tmp_path):

@@ -12,12 +12,16 @@ folder, loaded on first use. tests/test_startup.py checks both halves against ml
 
 Only folders whose tokenizer is a plain `PreTrainedTokenizerFast` over tokenizer.json with
 a SentencePiece-style decoder qualify (`fast_loadable`); our GGUF import writes them so.
+Where the folder has a tokenizer index (`tokenizer_index`, written on the first load), the
+backend is that index: no whole parse of tokenizer.json at all.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from mlx_spec.models import tokenizer_index
 
 _SPM_DECODER = [  # mlx-lm's _is_spm_decoder_no_space; with a final Strip it is _is_spm_decoder
     {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
@@ -58,13 +62,20 @@ class FastTokenizer:
     """
 
     def __init__(self, path: Path, config: dict, eos_token_ids=None):
-        from tokenizers import Tokenizer
-
         self._full = None
         self._path = Path(path)
         self._config = config
-        self._backend = Tokenizer.from_file(str(self._path / "tokenizer.json"))
-        decoder = json.loads(self._backend.decoder.__getstate__()) if self._backend.decoder else None
+        # The index answers without building the whole BPE (~1.5 s); the first load of a
+        # folder parses tokenizer.json whole and writes the index for the next ones.
+        self._backend = tokenizer_index.open_index(self._path)
+        if self._backend is not None:
+            decoder = self._backend.decoder
+        else:
+            from tokenizers import Tokenizer
+
+            self._backend = Tokenizer.from_file(str(self._path / "tokenizer.json"))
+            decoder = json.loads(self._backend.decoder.__getstate__()) if self._backend.decoder else None
+            tokenizer_index.write(self._path)
         if decoder is None or decoder.get("decoders") not in (_SPM_DECODER, [*_SPM_DECODER, _STRIP]):
             raise NotSentencePiece(f"decoder {decoder}")
         self._trim_space = len(decoder["decoders"]) == 4
