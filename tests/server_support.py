@@ -22,6 +22,20 @@ LONG_PROMPT = "Tell me a story"
 LONG = 4000
 
 
+def server_env(cost_cache) -> dict:
+    """The environment of a test's server: its private cost cache, tracebacks left to the log."""
+    return {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""}
+
+
+def serving(args: list, env: dict | None = None, **kwargs):
+    """A module fixture's body: `yield from serving([...], env)` starts a server, hands it to
+    the tests, stops it and checks that it never printed a traceback."""
+    server = Server(args, env, **kwargs)
+    yield server
+    server.stop()
+    assert "Traceback" not in server.log, server.log
+
+
 class Server:
     def __init__(self, args: list[str], env: dict | None = None, timeout: float = 90):
         command = [sys.executable, "-m", "mlx_spec.cli", "serve", "--port", "0", *map(str, args)]

@@ -10,7 +10,7 @@ from mlx_lm import generate, load
 
 from cli_support import assert_one_line_error, invoke, invoke_json
 from conftest import greedy_reference
-from server_support import Server, assert_openai_error
+from server_support import Server, assert_openai_error, server_env, serving
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, models, cost_cache, private_cost_cache
 pytestmark = pytest.mark.usefixtures("private_cost_cache")
@@ -19,28 +19,21 @@ GAMMA = "2"
 
 
 @pytest.fixture(scope="module")
-def server_env(cost_cache):
-    return {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""}
-
-
-def _serve(args, env):
-    server = Server(args, env)
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+def spec_env(cost_cache):
+    return server_env(cost_cache)
 
 
 @pytest.fixture(scope="module")
-def spec_server(tiny_dirs, server_env):
+def spec_server(tiny_dirs, spec_env):
     """Drafting with the draft model at a fixed γ."""
     target, draft = tiny_dirs
-    yield from _serve(["--model", target, "--draft-model", draft, "--gamma", GAMMA], server_env)
+    yield from serving(["--model", target, "--draft-model", draft, "--gamma", GAMMA], spec_env)
 
 
 @pytest.fixture(scope="module")
-def plain_server(tiny_dirs, server_env):
+def plain_server(tiny_dirs, spec_env):
     target, _ = tiny_dirs
-    yield from _serve(["--model", target, "--drafter", "none"], server_env)
+    yield from serving(["--model", target, "--drafter", "none"], spec_env)
 
 
 @pytest.fixture(scope="module")
@@ -282,9 +275,9 @@ def test_nulls_and_unknown_fields_are_accepted(spec_server, tiny_dirs):
     assert response.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_api_key_and_a_public_host(tiny_dirs, server_env):
+def test_api_key_and_a_public_host(tiny_dirs, spec_env):
     server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", "0.0.0.0",
-                     "--api-key", "sekret"], server_env)
+                     "--api-key", "sekret"], spec_env)
     try:
         assert "warning: listening on 0.0.0.0" in server.log
         assert "add --api-key" not in server.log  # a key is set

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from server_support import Server, assert_openai_error
+from server_support import assert_openai_error, server_env, serving
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
 pytestmark = pytest.mark.usefixtures("private_cost_cache")
@@ -19,11 +19,7 @@ pytestmark = pytest.mark.usefixtures("private_cost_cache")
 @pytest.fixture(scope="module")
 def spec_server(tiny_dirs, cost_cache):
     target, draft = tiny_dirs
-    server = Server(["--model", target, "--draft-model", draft, "--gamma", "3"],
-                    {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+    yield from serving(["--model", target, "--draft-model", draft, "--gamma", "3"], server_env(cost_cache))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
 from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
-from server_support import Server
+from server_support import server_env, serving
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
 pytestmark = pytest.mark.usefixtures("private_cost_cache")
@@ -29,11 +29,7 @@ CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
 @pytest.fixture(scope="module")
 def spec_server(tiny_dirs, cost_cache):
     target, draft = tiny_dirs
-    server = Server(["--model", target, "--draft-model", draft, "--gamma", "2"],
-                    {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+    yield from serving(["--model", target, "--draft-model", draft, "--gamma", "2"], server_env(cost_cache))
 
 
 @pytest.fixture(scope="module")

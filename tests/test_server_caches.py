@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cli_support import assert_usage_error, invoke
 from conftest import greedy_reference
-from server_support import Server
+from server_support import Server, server_env
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
 pytestmark = pytest.mark.usefixtures("private_cost_cache")
@@ -22,7 +22,7 @@ ORIGIN = "http://localhost:3000"
 def _serve(tiny_dirs, cost_cache, *flags):
     target, draft = tiny_dirs
     return Server(["--model", target, "--draft-model", draft, "--gamma", "2", *flags],
-                  {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
+                  server_env(cost_cache))
 
 
 @pytest.fixture(scope="module")

@@ -18,30 +18,25 @@ import openai
 import pytest
 from mlx_lm import generate, load
 
-from server_support import LONG_PROMPT, Server, assert_openai_error, start_long_stream, wait_for
+from server_support import (LONG_PROMPT, Server, assert_openai_error, server_env, serving, start_long_stream,
+                            wait_for)
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
 @pytest.fixture(scope="module")
 def env(cost_cache):
-    return {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""}
+    return server_env(cost_cache)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs, env):
     """Plain decoding, one place in the queue."""
-    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--queue-size", 1], env)
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+    yield from serving(["--model", tiny_dirs[0], "--drafter", "none", "--queue-size", 1], env)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_dirs, env):
-    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--api-key", "sekret"], env)
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+    yield from serving(["--model", tiny_dirs[0], "--drafter", "none", "--api-key", "sekret"], env)
 
 
 @pytest.fixture(scope="module")

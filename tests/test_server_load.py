@@ -9,7 +9,7 @@ import httpx
 import pytest
 from mlx_lm import generate, load
 
-from server_support import Server, assert_openai_error
+from server_support import assert_openai_error, server_env, serving
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
@@ -22,11 +22,8 @@ BOUND_S = 60  # no client may take longer than this
 @pytest.fixture(scope="module")
 def server(tiny_dirs, cost_cache):
     target, draft = tiny_dirs
-    server = Server(["--model", target, "--draft-model", draft, "--gamma", "2",
-                     "--queue-size", QUEUE], {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+    yield from serving(["--model", target, "--draft-model", draft, "--gamma", "2", "--queue-size", QUEUE],
+                       server_env(cost_cache))
 
 
 @pytest.fixture(scope="module")

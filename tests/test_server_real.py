@@ -6,7 +6,7 @@ against mlx-lm's own greedy `generate`."""
 import pytest
 from mlx_lm import generate
 
-from server_support import Server
+from server_support import serving
 
 pytestmark = pytest.mark.slow
 
@@ -17,10 +17,7 @@ PROMPT = "The three most useful habits for a new programmer are"
 def server(gemma270m):
     """The default preset with γ 3. `gemma270m` has imported the GGUF into this session's
     MLX_SPEC_CACHE, which the server process inherits."""
-    server = Server(["--gamma", "3"], timeout=240)
-    yield server
-    server.stop()
-    assert "Traceback" not in server.log, server.log
+    yield from serving(["--gamma", "3"], timeout=240)
 
 
 def mlx_lm_tokenizer(loaded):

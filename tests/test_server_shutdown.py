@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from server_support import LONG, Server, assert_openai_error, start_long_stream, wait_for
+from server_support import LONG, Server, assert_openai_error, server_env, start_long_stream, wait_for
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
@@ -26,7 +26,7 @@ def _events(lines) -> list:
 def test_a_signal_ends_the_stream_with_an_error_and_answers_the_queue_503(sig, tiny_dirs, cost_cache):
     model = tiny_dirs[0]
     server = Server(["--model", model, "--drafter", "none", "--queue-size", 2],
-                    {"MLX_SPEC_CACHE": str(cost_cache), "MLX_SPEC_DEBUG": ""})
+                    server_env(cost_cache))
     queued: dict = {}
 
     def wait_plain():
