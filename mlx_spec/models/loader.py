@@ -144,8 +144,9 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         model, config = load_folder(path, dtype=dtype)
         optional = gemma4_assistant.is_assistant_config(config)
         if not for_chat and gguf_import.is_imported(path) and fast_loadable(path) is not None:
-            # Parsing its tokenizer.json holds the GIL, MLX reading and casting the weights
-            # below does not: with two cores the two overlap (~1 s each for the 270M).
+            # Reading its tokenizer (from its index ~0.1 s; a first load parses tokenizer.json
+            # whole, ~1.5 s for the 270M, holding the GIL) overlaps MLX reading the weights
+            # below, which releases the GIL.
             reading = _InBackground(_read_tokenizer, path, config, optional)
         else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
             reading = None
@@ -169,7 +170,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             for layer in model.layers:
                 mx.eval(layer.parameters())
         mx.eval(model.parameters())
-        if quantize is None and group is None and float32_copy_due(path, dtype):
+        if quantize is None and group is None and float32_copy_due(path, dtype, config):
             write_float32_copy(path)
         if reading is not None:
             tokenizer = _with_turn_ends(reading.result(), config)
@@ -382,16 +383,17 @@ FLOAT32_COPY = "float32"
 _COPY_DONE = "complete"  # written last: a copy without it is ignored (and rewritten)
 
 
-def float32_copy_due(path: Path, dtype: str | None) -> bool:
-    """Whether loading `path` in `dtype` should leave a float32 copy of its weights: a
-    float16 (unquantized) GGUF import, loaded in float32 on a CPU, without a copy yet."""
+def float32_copy_due(path: Path, dtype: str | None, config: dict) -> bool:
+    """Whether loading `path` (whose config.json is `config`) in `dtype` should leave a
+    float32 copy of its weights: a float16 (unquantized) GGUF import, loaded in float32 on
+    a CPU, without a copy yet."""
     if dtype != "float32" or mx.default_device() != mx.cpu or not gguf_import.is_imported(path):
         return False
     if (path / FLOAT32_COPY / _COPY_DONE).is_file():
         return False
     # The import's record says what it stored (older records say nothing: float16 then).
     stored = json.loads((path / "mlx_spec_source.json").read_text()).get("dtype", "float16")
-    return stored == "float16" and "quantization" not in json.loads((path / "config.json").read_text())
+    return stored == "float16" and "quantization" not in config
 
 
 def write_float32_copy(path: Path) -> None:
