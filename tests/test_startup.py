@@ -357,3 +357,59 @@ def test_an_import_stored_in_float32_gets_no_second_float32_copy(tiny_gguf_path,
     loaded = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
     assert not (loaded.path / FLOAT32_COPY).exists()
     assert {v.dtype for _, v in tree_flatten(loaded.model.parameters())} == {mx.float32}
+
+
+# ---------------------------------------------------------------------------------------
+# A chat's start: mlx-lm's tokenizer (the chat templates) loads while the first message is typed
+# ---------------------------------------------------------------------------------------
+
+CHAT_PROBE = r"""
+import builtins, json, sys
+from mlx_spec.models.fast_tokenizer import FastTokenizer
+seen = {}
+real_preload, real_input = FastTokenizer.load_full_in_background, builtins.input
+def preload(self):
+    seen["preload"] = {"full loaded": self._full is not None, "mlx_lm.utils": "mlx_lm.utils" in sys.modules}
+    return real_preload(self)
+def first_input(prompt=""):
+    seen.setdefault("prompt", {"preload started": "preload" in seen})
+    return real_input(prompt)
+FastTokenizer.load_full_in_background, builtins.input = preload, first_input
+from mlx_spec.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as exit:
+    assert not exit.code, exit.code
+print(json.dumps(seen), file=sys.stderr)
+"""
+
+
+def test_chat_of_a_gguf_import_prompts_before_mlx_lm_tokenizer_loads(tiny_gguf_path, tmp_path):
+    command = ["chat", "-m", str(tiny_gguf_path), "-n", "6", "--gamma", "2"]
+    env = {"MLX_SPEC_CACHE": str(tmp_path)}
+    run_python("from mlx_spec.cli import main; main()", *command, env=env, stdin="/quit\n")  # imports
+    done = run_python(CHAT_PROBE, *command, env=env, stdin="Hello there\n/quit\n")
+    seen = json.loads(done.stderr.strip().splitlines()[-1])
+    # Nothing had loaded mlx-lm's tokenizer (transformers) when the prompt was first shown.
+    assert seen == {"preload": {"full loaded": False, "mlx_lm.utils": False}, "prompt": {"preload started": True}}
+    assert "tok/s" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_a_chat_turn_with_the_tokenizer_loaded_later_equals_mlx_lm(tiny_imported):
+    from mlx_lm import load
+
+    from conftest import chat_turn_matches_plain_decoding
+    from mlx_spec.chat import ChatSession
+    from mlx_spec.engine import Engine
+    from mlx_spec.models import load_model
+
+    loaded = load_model(str(tiny_imported), dtype="float32", progress=False, for_chat="later")
+    tokenizer = loaded.tokenizer
+    assert isinstance(tokenizer, FastTokenizer) and tokenizer._full is None
+    tokenizer.load_full_in_background()
+    session = ChatSession(Engine(loaded.model), tokenizer)
+    question = "Why is the sky blue?"
+    chat_turn_matches_plain_decoding(session, loaded.model, question, max_tokens=12)
+    _, reference = load(str(tiny_imported))  # mlx-lm's own tokenizer renders the same prompt
+    expected = reference.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    assert session.cache.target.ids[: len(expected)] == list(expected)

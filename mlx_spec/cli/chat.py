@@ -248,6 +248,11 @@ class ChatRepl:
 
     def _loop(self) -> None:
         self.say("mlx-spec chat: /help for commands, /quit to leave", style="bold")
+        # A GGUF import's fast tokenizer renders no chat template: mlx-lm's loads while the
+        # first message is typed (started just before the prompt, which it would delay).
+        preload = getattr(self.session.tokenizer, "load_full_in_background", None)
+        if preload is not None:
+            preload()
         while True:
             line = self.read_line()
             if line is None:
@@ -300,7 +305,7 @@ def chat(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
-                         draft_on=draft_on, chat=True,
+                         draft_on=draft_on, chat="later",
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params

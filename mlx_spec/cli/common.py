@@ -142,7 +142,7 @@ def setup_models(
     sampling: Optional[dict] = None,
     preset_sampling: bool = True,
     draft_on: Optional[str] = None,
-    chat: Optional[bool] = None,
+    chat: Optional[bool | str] = None,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
@@ -152,9 +152,10 @@ def setup_models(
             preset's sampling defaults apply under them.
         draft_on: under mlx.launch, "root" or "all": where the draft model runs
             (`distributed.load_pair`); the target is sharded across the ranks.
-        chat: --chat/--raw, or True for a command that always chats: with the preset's
-            choice (`use_chat`) it says whether to load the tokenizer that renders chat
-            templates at once (`load_model(for_chat=...)`).
+        chat: --chat/--raw, or True for a command that always chats ("later" for one
+            that renders its first template only once the user has typed): with the
+            preset's choice (`use_chat`) it says whether to load the tokenizer that renders
+            chat templates at once (`load_model(for_chat=...)`).
     """
     from mlx_spec.models import check_source, load_pair
     from mlx_spec.models.loader import check_bits
@@ -177,7 +178,7 @@ def setup_models(
     if chat is None:  # as use_chat decides once the tokenizer is loaded
         chat = getattr(choice.preset, "chat", True) if choice.preset is not None else True
     if chat:
-        kwargs["for_chat"] = True
+        kwargs["for_chat"] = "later" if chat == "later" else True
     draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
     if w.active:  # launched by mlx.launch: the target sharded over the ranks
         pair = distributed.load_pair(w, choice.target, choice.draft, draft_on=draft_on or "root",

@@ -19,6 +19,7 @@ backend is that index: no whole parse of tokenizer.json at all.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from mlx_spec.models import tokenizer_index
@@ -63,6 +64,7 @@ class FastTokenizer:
 
     def __init__(self, path: Path, config: dict, eos_token_ids=None):
         self._full = None
+        self._full_lock = threading.Lock()
         self._path = Path(path)
         self._config = config
         # The index answers without building the whole BPE (~1.5 s); the first load of a
@@ -154,13 +156,30 @@ class FastTokenizer:
 
     @property
     def full(self):
-        """mlx-lm's `TokenizerWrapper` for the same folder (imports transformers: seconds)."""
+        """mlx-lm's `TokenizerWrapper` for the same folder (imports transformers: seconds);
+        waits for a load `load_full_in_background` started."""
         if self._full is None:
-            from mlx_lm.utils import load_tokenizer
+            with self._full_lock:
+                if self._full is None:
+                    from mlx_lm.utils import load_tokenizer
 
-            self._full = load_tokenizer(self._path)
-            self._full.eos_token_ids = self._eos_token_ids
+                    full = load_tokenizer(self._path)
+                    full.eos_token_ids = self._eos_token_ids
+                    self._full = full
         return self._full
+
+    def load_full_in_background(self) -> None:
+        """Start loading `full` on a daemon thread, for a caller that needs it only after
+        waiting on something else (a chat's first message is typed): ~5 s of a chat's
+        start on a 2-core CPU. An error there is raised again by the first use of `full`."""
+        def load():
+            try:
+                self.full
+            except Exception:  # noqa: BLE001  (the next use of `full` tries again and raises it)
+                pass
+
+        if self._full is None:
+            threading.Thread(target=load, name="mlx-lm tokenizer", daemon=True).start()
 
     @property
     def _tokenizer(self):

@@ -109,7 +109,7 @@ def check_bits(bits: int | None, flag: str | None = None) -> None:
 
 def load_model(source: str | None = None, *, dtype: str | None = None,
                quantize: int | None = None, group_size: int = 64,
-               progress: bool = True, group=None, for_chat: bool = False) -> LoadedModel:
+               progress: bool = True, group=None, for_chat: bool | str = False) -> LoadedModel:
     """Load a model and its tokenizer from any supported source.
 
     Args:
@@ -122,8 +122,11 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         progress: show progress bars for downloads and GGUF imports.
         group: an `mx.distributed` group of more than one rank: shard the model over it
             (tensor parallel, `models.sharding`); each rank keeps only its part.
-        for_chat: the caller will render chat templates, which only mlx-lm's tokenizer
-            does: load it at once rather than a GGUF import's `FastTokenizer` first.
+        for_chat: True: the caller will render chat templates at once, which only
+            mlx-lm's tokenizer does: load it now rather than a GGUF import's
+            `FastTokenizer` first. "later": it renders them once a user has typed (an
+            interactive chat): a GGUF import's `FastTokenizer`, which can load mlx-lm's
+            behind the prompt (`FastTokenizer.load_full_in_background`).
     Returns:
         The LoadedModel, parameters evaluated.
     Raises:
@@ -143,14 +146,15 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         display.task(f"loading {source or DEFAULT_SOURCE}").phase()
         model, config = load_folder(path, dtype=dtype)
         optional = gemma4_assistant.is_assistant_config(config)
-        if not for_chat and gguf_import.is_imported(path) and fast_loadable(path) is not None:
+        templates_now = for_chat is True
+        if not templates_now and gguf_import.is_imported(path) and fast_loadable(path) is not None:
             # Reading its tokenizer (from its index ~0.1 s; a first load parses tokenizer.json
             # whole, ~1.5 s for the 270M, holding the GIL) overlaps MLX reading the weights
             # below, which releases the GIL.
             reading = _InBackground(_read_tokenizer, path, config, optional)
         else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
             reading = None
-            tokenizer = _with_turn_ends(_read_tokenizer(path, config, optional, fast=not for_chat), config)
+            tokenizer = _with_turn_ends(_read_tokenizer(path, config, optional, fast=not templates_now), config)
         # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
         # where bfloat16 scales make quantized matmuls ~8x slower).
         model.set_dtype(getattr(mx, dtype))
