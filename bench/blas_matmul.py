@@ -1,0 +1,96 @@
+"""Which matmuls the BLAS under MLX moves: a float32 matmul (the 270M's LM head, 640 ×
+262144) and a 4-bit quantized one (a Gemma 3 12B MLP projection, 3840 × 15360, group 64, as
+the mlx-community checkpoints and `bench/shaped.py` quantize), by rows M (a verify of M
+positions), under the wheel's reference BLAS and the optimised one mlx-spec loads.
+
+Each BLAS runs in its own worker process (it is chosen when mlx.core loads); workers
+alternate. Medians of the repeats after a warm-up.
+
+    python bench/blas_matmul.py --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ROWS = (1, 2, 4, 8)
+SHAPES = {"float32 LM head (640 x 262144)": (640, 262144, None),
+          "4-bit MLP projection (3840 x 15360)": (3840, 15360, 4)}
+
+
+def worker(repeats: int) -> None:
+    import mlx_spec  # noqa: F401  (loads the BLAS named by $MLX_SPEC_BLAS first)
+    import mlx.core as mx
+
+    from mlx_spec import blas
+
+    out = {"blas": blas.describe(), "ms": {}}
+    for name, (d_in, d_out, bits) in SHAPES.items():
+        w = mx.random.normal((d_out, d_in), key=mx.random.key(0)) * 0.02
+        if bits:
+            wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+            mx.eval(wq, scales, biases)
+
+            def forward(x):
+                return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=bits)
+        else:
+            mx.eval(w)
+
+            def forward(x):
+                return x @ w.T
+        out["ms"][name] = {}
+        for rows in ROWS:
+            x = mx.random.normal((rows, d_in), key=mx.random.key(rows))
+            mx.eval(forward(x))  # warm-up
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                mx.eval(forward(x))
+                times.append(time.perf_counter() - start)
+            out["ms"][name][str(rows)] = 1000 * sorted(times)[len(times) // 2]
+    print(json.dumps(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="worker processes per BLAS")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.repeats)
+
+    from common import median, write_results
+
+    results = {"reference": [], "fast": []}
+    for _ in range(args.workers):
+        for name, requested in (("reference", "reference"), ("fast", "auto")):
+            env = {**os.environ, "MLX_SPEC_BLAS": requested}
+            done = subprocess.run([sys.executable, __file__, "--worker", "--repeats", str(args.repeats)],
+                                  env=env, capture_output=True, text=True, check=True)
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    table = {}
+    for name, runs in results.items():
+        table[name] = {"blas": runs[0]["blas"], "ms": {
+            shape: {rows: median([r["ms"][shape][rows] for r in runs]) for rows in runs[0]["ms"][shape]}
+            for shape in runs[0]["ms"]}}
+    for shape in SHAPES:
+        for name in table:
+            ms = table[name]["ms"][shape]
+            print(f"{shape:40s} {table[name]['blas']['name']:>9s}: " + "  ".join(
+                f"M={rows} {ms[rows]:7.1f} ms ({ms[rows] / ms['1']:.2f}x)" for rows in ms))
+    path = write_results("blas_matmul", {"workers": args.workers,
+                                         "repeats": args.repeats, **table})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
