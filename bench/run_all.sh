@@ -6,7 +6,7 @@ cd "$(dirname "$0")"
 py() { echo "+ python $*"; python "$@"; }
 py blas.py --prompts quote long --max-tokens 96 --repeats 2 --workers 2   # ~35 min: the reference BLAS is slow
 py blas_matmul.py --workers 2   # which matmuls the BLAS moves (float32 yes, 4-bit quantized no)
-py loop_efficiency.py --pair gemma270m-ngram --prompt quote --gammas 1 2 3 4 5 6 --max-tokens 96 --repeats 3
+py loop_efficiency.py --pair gemma270m-ngram --prompt quote --gammas 1 2 3 4 5 6 --max-tokens 96 --repeats 5
 py loop_profile.py --pair gemma270m-ngram --prompt quote --gammas 1 3 6 --max-tokens 96 --repeats 2
 py startup.py --repeats 5
 (cd .. && bash bench/exactness.sh)
