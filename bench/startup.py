@@ -5,8 +5,8 @@ import and cost curve are cached (issue 10: the README said later runs "load in 
     python bench/startup.py --repeats 5 --before ../old-main # and another checkout, interleaved
 
 Each repetition runs, in fresh processes: `python -c "import mlx_spec.cli"` (imports),
-`python -m mlx_spec.cli --help`, and `python -m mlx_spec.cli generate -n 1` (the whole run),
-plus one in-process breakdown (import, weights, tokenizer, calibration read, first token:
+`python -m mlx_spec.cli --help`, `python -m mlx_spec.cli generate -n 1` (the whole run) and
+`python -m mlx_spec.cli chat` with stdin at its end (so it leaves at its first prompt), plus one in-process breakdown (import, weights, tokenizer, calibration read, first token:
 the prefill and first token of `Hello` with the default preset's drafter and γ = auto).
 Medians of wall-clock seconds (and of the CPU seconds of `generate -n 1`, which a loaded
 machine moves less); checkouts alternate so drift hits both alike.
@@ -70,7 +70,7 @@ def timed(cmd: list[str], cwd: Path, env: dict, cpu: list | None = None) -> floa
     there: on a shared machine they move less with the load than the wall clock does."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed in {cwd}:\n{done.stderr}")
     wall = time.perf_counter() - start
@@ -93,13 +93,16 @@ def main() -> None:
     generate = [sys.executable, "-m", "mlx_spec.cli", "generate", "-n", "1", "Hello"]
     for cwd in checkouts.values():  # first runs: import the model, measure the cost curve
         timed(generate, cwd, env)
-    runs = {name: {"import": [], "help": [], "generate -n 1": [], "generate -n 1 cpu": []} for name in checkouts}
+    chat = [sys.executable, "-m", "mlx_spec.cli", "chat"]  # stdin at EOF: it leaves at its first prompt
+    runs = {name: {"import": [], "help": [], "generate -n 1": [], "generate -n 1 cpu": [], "chat to its prompt": []}
+            for name in checkouts}
     phases = {name: [] for name in checkouts}
     for rep in range(args.repeats):
         for name, cwd in (checkouts.items() if rep % 2 == 0 else reversed(checkouts.items())):
             runs[name]["import"].append(timed([sys.executable, "-c", "import mlx_spec.cli"], cwd, env))
             runs[name]["help"].append(timed([sys.executable, "-m", "mlx_spec.cli", "--help"], cwd, env))
             runs[name]["generate -n 1"].append(timed(generate, cwd, env, runs[name]["generate -n 1 cpu"]))
+            runs[name]["chat to its prompt"].append(timed(chat, cwd, env))
             out = subprocess.run([sys.executable, "-c", PHASES], cwd=cwd, env=env, capture_output=True, text=True)
             phases[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     result = {}
