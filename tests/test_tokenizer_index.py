@@ -172,6 +172,7 @@ def test_a_damaged_index_is_not_used(folder, tmp_path, damage):
     ("model.ignore_merges", True),
     ("added id", None),  # an added token whose id is not its vocabulary entry
     ("added beyond", None),  # one after the vocabulary, not numbered as `tokenizers` would
+    ("unknown merge", None),  # a merge making a token the vocabulary lacks: no index, no error
 ])
 def test_tokenizers_the_argument_does_not_cover_get_no_index(folder, tmp_path, change):
     data = json.loads((folder / "tokenizer.json").read_text())
@@ -180,6 +181,8 @@ def test_tokenizers_the_argument_does_not_cover_get_no_index(folder, tmp_path, c
         data["added_tokens"][-2]["id"] = data["added_tokens"][0]["id"]
     elif key == "added beyond":
         data["added_tokens"][-1]["id"] += 1
+    elif key == "unknown merge":
+        data["model"]["merges"].append(["<td>", "<td>"])
     elif key.startswith("model."):
         data["model"][key.split(".", 1)[1]] = value
     else:

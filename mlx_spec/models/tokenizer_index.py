@@ -13,8 +13,8 @@ beside tokenizer.json the first time a folder's tokenizer is parsed whole.
 Only tokenizers where that argument holds get an index (`_indexable`): a plain BPE, a
 normalizer that replaces single characters (or none), pre-tokenizers that only split, and
 added tokens that are vocabulary entries with the same ids or numbered after them (else
-`tokenizers` would number them differently in a small model). Texts over `WHOLE_TEXT_CHARS` are encoded by the whole tokenizer,
-parsed once when first needed.
+`tokenizers` would number them differently in a small model). Texts over
+`WHOLE_TEXT_CHARS` are encoded by the whole tokenizer, parsed once when first needed.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _indexable(data: dict) -> bool:
 def write(folder: Path) -> bool:
     """Write the index of `folder`'s tokenizer.json, into a temporary folder renamed into
     place. Returns whether there is one now; a tokenizer it does not fit gets none, and a
-    folder that cannot take it (read-only, disk full) keeps parsing whole, after a warning."""
+    folder that cannot take it (read-only, disk full) keeps parsing whole, after a warning.
+    Never raises: a tokenizer.json it cannot read as expected just gets no index."""
     source = folder / "tokenizer.json"
     index = folder / INDEX_DIR
     scratch = None
@@ -135,6 +136,8 @@ def write(folder: Path) -> bool:
             return True  # lost a race to another process writing the same index
         warnings.warn(f"could not write a tokenizer index in {folder} ({error.strerror or error}); "
                       "its tokenizer keeps being parsed whole (~1 s)", stacklevel=3)
+        return False
+    except (KeyError, ValueError, TypeError, AttributeError):  # not the BPE layout _indexable expects
         return False
     finally:
         if scratch is not None and scratch.exists():
