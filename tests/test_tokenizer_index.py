@@ -8,6 +8,7 @@ token, as a SentencePiece conversion such as Gemma's writes).
 """
 
 import json
+import os
 import random
 import warnings
 from pathlib import Path
@@ -202,7 +203,7 @@ def test_a_folder_that_cannot_take_an_index_warns_and_leaves_nothing(folder, tmp
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tokenizer_index.os, "replace", disk_full)
+    monkeypatch.setattr(os, "replace", disk_full)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert not tokenizer_index.write(copy)

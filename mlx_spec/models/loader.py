@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.errors import ModelLoadError, UsageError
-from mlx_spec.models import gemma4_assistant, gguf_import, hub, stores
+from mlx_spec.models import derived, gemma4_assistant, gguf_import, hub, stores
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
 from mlx_spec.models.gguf_header import read_gguf_header
@@ -406,26 +406,21 @@ def write_float32_copy(path: Path) -> None:
     sees a whole copy or none. A cache that cannot take it (disk full, read-only) keeps
     loading with the cast, after one warning."""
     copy = path / FLOAT32_COPY
-    scratch = None
-    try:
-        scratch = Path(tempfile.mkdtemp(prefix=".tmp-float32-", dir=path))
+
+    def fill(scratch: Path) -> None:
         for file in sorted(path.glob("model*.safetensors")):
             weights = {name: value.astype(mx.float32) if mx.issubdtype(value.dtype, mx.floating) else value
                        for name, value in mx.load(str(file)).items()}
             mx.save_safetensors(str(scratch / file.name), weights, metadata={"format": "mlx"})
         (scratch / _COPY_DONE).write_text("")
-        if (copy / _COPY_DONE).is_file():
-            return  # another process's copy landed meanwhile; a reader may be using it
-        shutil.rmtree(copy, ignore_errors=True)  # an incomplete copy from an interrupted run
-        os.replace(scratch, copy)
+
+    try:
+        derived.publish(copy, fill, landed=(copy / _COPY_DONE).is_file)
     except (OSError, RuntimeError) as error:  # MLX's writer raises RuntimeError
         if (copy / _COPY_DONE).is_file():
             return  # lost a race to another process writing the same copy: it is there
         warnings.warn(f"could not write a float32 copy of {path} ({getattr(error, 'strerror', None) or error}); "
                       "loads keep casting the float16 weights", stacklevel=3)
-    finally:
-        if scratch is not None and scratch.exists():
-            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> TokenizerWrapper | None:

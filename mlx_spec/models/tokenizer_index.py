@@ -20,12 +20,11 @@ added tokens that are vocabulary entries with the same ids or numbered after the
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from array import array
 from pathlib import Path
+
+from mlx_spec.models import derived
 
 INDEX_DIR = "tokenizer-index-v1"
 _META = "meta.json"  # written last: an index without it is ignored (and rewritten)
@@ -85,7 +84,6 @@ def write(folder: Path) -> bool:
     Never raises: a tokenizer.json it cannot read as expected just gets no index."""
     source = folder / "tokenizer.json"
     index = folder / INDEX_DIR
-    scratch = None
     try:
         stamp = _source_stamp(source)
         data = json.loads(source.read_text(encoding="utf-8"))
@@ -117,19 +115,19 @@ def write(folder: Path) -> bool:
             always[model["unk_token"]] = model["vocab"][model["unk_token"]]
         shell = {**data, "model": {**model, "vocab": always, "merges": []}}
 
-        scratch = Path(tempfile.mkdtemp(prefix=".tmp-tokenizer-index-", dir=folder))
-        (scratch / "tokens.txt").write_bytes(_SEPARATOR.join(tokens).encode("utf-8"))
-        for name, values in (("merges", merges), ("by_result", by_result), ("starts", starts)):
-            with open(scratch / f"{name}.i32", "wb") as f:
-                values.tofile(f)
-        (scratch / "shell.json").write_text(json.dumps(shell, ensure_ascii=False), encoding="utf-8")
         meta = {"source": stamp, "longest_token": max(map(len, tokens), default=0), "vocab_size": len(tokens),
                 "itemsize": array("i").itemsize}
-        (scratch / _META).write_text(json.dumps(meta))
-        if open_index(folder) is not None:
-            return True  # another process's index landed meanwhile; a reader may be using it
-        shutil.rmtree(index, ignore_errors=True)  # a stale, incomplete or damaged one
-        os.replace(scratch, index)
+
+        def fill(scratch: Path) -> None:
+            (scratch / "tokens.txt").write_bytes(_SEPARATOR.join(tokens).encode("utf-8"))
+            for name, values in (("merges", merges), ("by_result", by_result), ("starts", starts)):
+                with open(scratch / f"{name}.i32", "wb") as f:
+                    values.tofile(f)
+            (scratch / "shell.json").write_text(json.dumps(shell, ensure_ascii=False), encoding="utf-8")
+            (scratch / _META).write_text(json.dumps(meta))
+
+        # a stale, incomplete or damaged index is replaced; a good one that landed meanwhile kept
+        derived.publish(index, fill, landed=lambda: open_index(folder) is not None)
         return True
     except OSError as error:
         if (index / _META).is_file():
@@ -139,9 +137,6 @@ def write(folder: Path) -> bool:
         return False
     except (KeyError, ValueError, TypeError, AttributeError):  # not the BPE layout _indexable expects
         return False
-    finally:
-        if scratch is not None and scratch.exists():
-            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _fresh(index: Path, source: Path) -> bool:
