@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,19 +82,14 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from common import median, write_results
+    from common import blas_worker, median, write_results
 
     results = {b: [] for b in args.blas}
     for w in range(args.workers):
         for b in (args.blas if w % 2 == 0 else args.blas[::-1]):
-            env = {**os.environ, "MLX_SPEC_BLAS": b}
-            cmd = [sys.executable, __file__, "--worker", "--prompts", *args.prompts,
-                   "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
             t0 = time.perf_counter()
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"worker {b} failed:\n{done.stderr[-3000:]}")
-            results[b].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            results[b].append(blas_worker(__file__, b, "--prompts", *args.prompts, "--max-tokens", str(args.max_tokens),
+                                          "--repeats", str(args.repeats)))
             print(f"worker {w + 1}/{args.workers} BLAS {b}: {time.perf_counter() - t0:.0f} s "
                   f"({results[b][-1]['blas']['name']})", flush=True)
 

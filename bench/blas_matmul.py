@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,15 +66,12 @@ def main() -> None:
     if args.worker:
         return worker(args.repeats)
 
-    from common import median, write_results
+    from common import blas_worker, median, write_results
 
     results = {"reference": [], "fast": []}
     for _ in range(args.workers):
         for name, requested in (("reference", "reference"), ("fast", "auto")):
-            env = {**os.environ, "MLX_SPEC_BLAS": requested}
-            done = subprocess.run([sys.executable, __file__, "--worker", "--repeats", str(args.repeats)],
-                                  env=env, capture_output=True, text=True, check=True)
-            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            results[name].append(blas_worker(__file__, requested, "--repeats", str(args.repeats)))
     table = {}
     for name, runs in results.items():
         table[name] = {"blas": runs[0]["blas"], "ms": {

@@ -4,8 +4,11 @@ build offline, and JSON output (a table for people, one JSON document for script
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +51,17 @@ def environment() -> dict:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def blas_worker(script: str, blas_name: str, *args: str) -> dict:
+    """Run `script --worker *args` in a fresh process under the BLAS $MLX_SPEC_BLAS names
+    (chosen when mlx.core loads, so each BLAS needs its own process); its last stdout line,
+    as JSON."""
+    env = {**os.environ, "MLX_SPEC_BLAS": blas_name}
+    done = subprocess.run([sys.executable, script, "--worker", *args], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"worker {blas_name} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def write_results(name: str, payload: dict) -> Path:
