@@ -32,7 +32,7 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
-from mlx_spec.verify import (TreeVerdict, Verdict, verify_greedy, verify_sampled, verify_tree_greedy,
+from mlx_spec.verify import (Verdict, verify_greedy, verify_sampled, verify_tree_greedy,
                              verify_tree_sampled)
 
 
@@ -237,39 +237,31 @@ class Engine:
         acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
         [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
         the host (a queued round's input), for the repetition penalty."""
-        if draft.tree is not None:
-            verdict, logits, hidden = self._verify_tree(cache, block, draft, history, processor, key)
-            return verdict, hidden, None if logprobs is None else _log_softmax(logits)
-        if self.wants_hidden:
-            logits, hidden = cache.target.forward(block, hidden=True)
-        else:
-            logits, hidden = cache.target.forward(block), None
-        windows = None
-        if processor.params.penalized:
-            lead = 0 if unseen is None else unseen.shape[0]
-            after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
-            windows = processor.windows(history, after, lead + block.shape[0], first=lead)
-        if processor.params.greedy:
-            verdict = verify_greedy(draft.tokens, processor.greedy(logits, windows))
-        else:
-            verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
-        if self.agree is not None:
-            verdict = self.agree(verdict)
-        return verdict, hidden, None if logprobs is None else _log_softmax(logits)
-
-    def _verify_tree(self, cache, block, draft, history, processor, key) -> tuple:
-        """Step 3 for a draft tree: one pass over its flattened block, then its rule; returns
-        (`TreeVerdict`, the pass's logits, its hidden states per block row or None)."""
-        hidden = None
+        # one target pass over the block (a tree's flattened, under its tree masks)
         if self.wants_hidden:
             logits, hidden = cache.target.forward(block, hidden=True, tree=draft.tree)
         else:
-            logits = cache.target.forward(block, tree=draft.tree)
-        windows = processor.tree_windows(history, draft.tokens, draft.tree)
-        if processor.params.greedy:
-            return verify_tree_greedy(draft.tokens, draft.tree, processor.greedy(logits, windows)), logits, hidden
-        p = processor.distribution(logits, windows)
-        return verify_tree_sampled(draft.tokens, draft.tree, p, key, draft.q), logits, hidden
+            logits, hidden = cache.target.forward(block, tree=draft.tree), None
+        if draft.tree is not None:
+            windows = processor.tree_windows(history, draft.tokens, draft.tree)
+            if processor.params.greedy:
+                verdict = verify_tree_greedy(draft.tokens, draft.tree, processor.greedy(logits, windows))
+            else:
+                p = processor.distribution(logits, windows)
+                verdict = verify_tree_sampled(draft.tokens, draft.tree, p, key, draft.q)
+        else:
+            windows = None
+            if processor.params.penalized:
+                lead = 0 if unseen is None else unseen.shape[0]
+                after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
+                windows = processor.windows(history, after, lead + block.shape[0], first=lead)
+            if processor.params.greedy:
+                verdict = verify_greedy(draft.tokens, processor.greedy(logits, windows))
+            else:
+                verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
+            if self.agree is not None:
+                verdict = self.agree(verdict)
+        return verdict, hidden, None if logprobs is None else _log_softmax(logits)
 
     def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
                 drafting: bool, hidden: Optional[mx.array], rows: list[int]):
