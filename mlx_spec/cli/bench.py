@@ -270,12 +270,13 @@ def _print_table(result: SweepResult, setup) -> None:
                       "count × latency at the round's width, not counting waits for a slower rank)", style="bold")
     for prompt, n_tokens in result.prompts.items():
         rows = [s for s in result.summaries if s.prompt == prompt]
+        by_rank = any(s.acceptance_by_rank for s in rows)  # a tree ran: acceptance by sibling rank too
         speed = table(f"prompt {prompt!r} ({n_tokens} tokens) · decode speed, warm medians",
                       ["setting", "tok/s", "spread", "cold", "speedup", "Thm 3.8", "cost model",
                        "prefill s", "GB/s"])
         accept = table(f"prompt {prompt!r} · acceptance and identity",
                        ["setting", "α̂", "by position", "accepted len", "mean γ", "md5 of tokens"]
-                       + (["by rank"] if any(s.acceptance_by_rank for s in rows) else []))
+                       + (["by rank"] if by_rank else []))
         for s in rows:
             is_base = s.setting == BASELINE
             label = f"[bold]{s.setting}[/bold]" + (" ★" if s.setting == result.recommendation else "")
@@ -295,7 +296,7 @@ def _print_table(result: SweepResult, setup) -> None:
                            f"{s.acceptance_rate:.3f}" if drafted else "—",
                            _fmt_positions(s.acceptance_by_position) if drafted else "—",
                            f"{s.mean_accepted_length:.2f}", f"{s.mean_gamma:.2f}", identity,
-                           *([_fmt_positions(s.acceptance_by_rank)] if any(r.acceptance_by_rank for r in rows) else []))
+                           *([_fmt_positions(s.acceptance_by_rank)] if by_rank else []))
         console.print(speed)
         console.print(accept)
         if tp or compared:
