@@ -152,27 +152,26 @@ class MtpDrafter:
         self.h_at = held
         return 0
 
-    def propose(self, gamma: int, history: list[int], key=None) -> Draft:
-        if gamma == 0 or self.h is None:
-            return Draft.empty()
+    def _draft(self, gamma: int, history: list[int], ranked: int = 0):
+        """`draft_greedy` from the last committed token (`ranked`: as there)."""
         layer_caches = self.state.cache
         context = layer_caches[0].offset  # tokens the target has seen: all but history[-1]
         kv = shared_kv(layer_caches, self.layers, self.window)
         token = mx.array([[history[-1]]])
         position = context - POSITIONS[self.position]
-        tokens = draft_greedy(self.model, self.embed, token, self.h, kv, position, gamma)
-        return Draft(tokens.astype(mx.uint32))
+        return draft_greedy(self.model, self.embed, token, self.h, kv, position, gamma, ranked=ranked)
+
+    def propose(self, gamma: int, history: list[int], key=None) -> Draft:
+        if gamma == 0 or self.h is None:
+            return Draft.empty()
+        return Draft(self._draft(gamma, history).astype(mx.uint32))
 
     def propose_tree(self, gamma: int, branches: int, history: list[int], key=None) -> Draft:
         """The greedy chain `propose` drafts, plus sibling leaves where the assistant's top-1
         probability is below `split_below` (`sibling_leaves`): deterministic, so one-hot."""
         if gamma == 0 or self.h is None:
             return Draft.empty()
-        layer_caches = self.state.cache
-        kv = shared_kv(layer_caches, self.layers, self.window)
-        position = layer_caches[0].offset - POSITIONS[self.position]
-        chain, ids, probs = draft_greedy(self.model, self.embed, mx.array([[history[-1]]]), self.h, kv, position,
-                                         gamma, ranked=branches)
+        chain, ids, probs = self._draft(gamma, history, ranked=branches)
         mx.eval(chain, ids, probs)
         probs = probs.tolist()
         leaves = sibling_leaves(chain.tolist(), ids.tolist(), probs, [p[0] for p in probs], branches,
