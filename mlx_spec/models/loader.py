@@ -31,6 +31,7 @@ import mlx.nn as nn
 
 from mlx_spec.errors import ModelLoadError, UsageError
 from mlx_spec.models import derived, gemma4_assistant, gguf_import, hub, stores
+from mlx_spec.models.arrays import evaluate_all
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.fast_tokenizer import FastTokenizer, NotSentencePiece, fast_loadable
 from mlx_spec.models.gguf_header import read_gguf_header
@@ -173,7 +174,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             # tensors once its shard is cut, so a rank never holds the whole model at once.
             for layer in model.layers:
                 mx.eval(layer.parameters())
-        mx.eval(model.parameters())
+        evaluate_all(model)
         if quantize is None and group is None and float32_copy_due(path, dtype, config):
             write_float32_copy(path)
         if reading is not None:
@@ -374,7 +375,7 @@ def _load_imported(path: Path, *, lazy: bool, float32: bool = False) -> tuple[nn
     model.eval()
     model.load_weights(list(weights.items()), strict=True)
     if not lazy:
-        mx.eval(model.parameters())
+        evaluate_all(model)
     return model, config
 
 

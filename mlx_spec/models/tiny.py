@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import gemma3_text
 
+from mlx_spec.models.arrays import evaluate_all
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -68,7 +69,7 @@ def tiny_gemma3(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **ove
     model.model.norm.weight = mx.full(model.model.norm.weight.shape, logit_scale - 1.0)
     model.set_dtype(dtype)
     model.config = config
-    mx.eval(model.parameters())
+    evaluate_all(model)
     return model
 
 
@@ -89,7 +90,7 @@ def perturbed_copy(model, noise: float = 0.05, seed: int = 1):
         noisy[name] = p + noise * scale.astype(p.dtype) * eps
     copy.load_weights(list(noisy.items()))
     copy.config = config
-    mx.eval(copy.parameters())
+    evaluate_all(copy)
     return copy
 
 

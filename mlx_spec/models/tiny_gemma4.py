@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
+from mlx_spec.models.arrays import evaluate_all
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE
 from mlx_spec.models.tiny import TINY_VOCAB, byte_tokenizer_json
 
@@ -78,7 +79,7 @@ def tiny_gemma4(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **ove
     model.model.norm.weight = mx.full(model.model.norm.weight.shape, logit_scale)
     model.set_dtype(dtype)
     model.config = config
-    mx.eval(model.parameters())
+    evaluate_all(model)
     return model
 
 
