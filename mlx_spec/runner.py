@@ -173,13 +173,19 @@ def gamma_policy(
     refresh: bool = False,
     progress: Optional[Callable[[int, int], None]] = None,
     name: str = "--gamma",
+    reproducible: bool = False,
 ) -> GammaPolicy:
     """`FixedGamma(n)` for a whole number, `AutoGamma` from the measured cost curve for
     "auto" (measured once per pair and machine, then read from the cache), `tree_policy` for
-    "tree". `name`: the flag or command that set γ, for error messages."""
+    "tree". `name`: the flag or command that set γ, for error messages.
+
+    `reproducible` (a seeded sample): γ follows the cached cost curve and the acceptance
+    seen, never the clock. Learning from round times would make each run's γ choices, and
+    with them how each round splits the seed's key, depend on how busy the machine was."""
     gamma = parse_gamma(gamma, name=name, limit=engine.max_gamma)
     if gamma == TREE:
-        return tree_policy(engine, context=context, refresh=refresh, progress=progress)
+        return tree_policy(engine, context=context, refresh=refresh, progress=progress,
+                           reproducible=reproducible)
     if gamma != "auto":
         return FixedGamma(gamma)
     if engine.drafter is None:
@@ -190,17 +196,24 @@ def gamma_policy(
         engine.target, draft_model, max_width=max_gamma + 1,
         context=context_bucket(context), refresh=refresh, progress=progress,
     )
+    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible))
+
+
+def _learn_costs(reproducible: bool) -> bool:
+    """Whether auto γ may learn from measured round times. Not for a seeded sample, and not
+    across ranks: every rank must choose the same γ, and local round times could part them,
+    so there the (rank 0's, broadcast) calibration is taken as given."""
     from mlx_spec.distributed import world
 
-    # Across ranks every rank must choose the same γ: learning from local round times could
-    # part them, so there the (rank 0's, broadcast) calibration is taken as given.
-    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=not world().active)
+    return not (reproducible or world().active)
 
 
 def tree_policy(engine: Engine, *, context: int = 256, refresh: bool = False,
-                progress: Optional[Callable[[int, int], None]] = None) -> GammaPolicy:
+                progress: Optional[Callable[[int, int], None]] = None,
+                reproducible: bool = False) -> GammaPolicy:
     """`TreePolicy` from the cost curve measured up to a tree's width (`TREE_NODES` + 1
-    rows). With a drafter that cannot branch it draws chains, as auto γ does."""
+    rows). With a drafter that cannot branch it draws chains, as auto γ does.
+    `reproducible`: as for `gamma_policy`."""
     if engine.drafter is None:
         return FixedGamma(0)
     draft_model = getattr(engine.drafter, "model", None)
@@ -208,4 +221,4 @@ def tree_policy(engine: Engine, *, context: int = 256, refresh: bool = False,
     costs = load_or_measure(engine.target, draft_model, max_width=nodes + 1, context=context_bucket(context),
                             refresh=refresh, progress=progress)
     return TreePolicy(costs, max_gamma=min(MAX_AUTO_GAMMA, engine.max_gamma), branches=TREE_BRANCHES,
-                      max_nodes=nodes)
+                      max_nodes=nodes, learn_costs=_learn_costs(reproducible))

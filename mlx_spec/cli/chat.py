@@ -145,7 +145,8 @@ class ChatRepl:
         if self.engine.drafter is None and gamma != "0":
             raise MlxSpecError("drafting is off (--drafter none): only /gamma 0 applies")
         context = max(len(self.session.ids), 1)
-        self.policy = calibrate_gamma(self.engine, gamma, context, name=name)
+        self.policy = calibrate_gamma(self.engine, gamma, context, name=name,
+                                      reproducible=self.params.seed is not None)
         self.gamma = gamma if self.engine.drafter is not None else "0"
         self.views = ViewMaker(self.engine, self.policy, self.gamma)
 

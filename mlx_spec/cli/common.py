@@ -95,7 +95,8 @@ RepPenaltyOpt = Annotated[Optional[float], typer.Option(
     help="Penalty for recently seen tokens (1 = off).")]
 SeedOpt = Annotated[Optional[int], typer.Option(
     "--seed", "-s", rich_help_panel=SAMPLING, metavar="0..2^64-1",
-    help="PRNG seed; the same seed reproduces a sampled run.")]
+    help="PRNG seed; the same seed reproduces a sampled run (γ auto then learns nothing "
+         "from round times, which vary with load).")]
 MaxTokensOpt = Annotated[int, typer.Option(
     "--max-tokens", "-n", rich_help_panel=SAMPLING, min=1, help="Most tokens to generate.")]
 StopOpt = Annotated[Optional[list[str]], typer.Option(
@@ -270,8 +271,10 @@ def warn_replaced(replaced: int, what: str) -> None:
               file=sys.stderr)
 
 
-def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma"):
-    """The γ policy; 'auto' may first measure the cost curve (seconds, with progress)."""
+def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma",
+                    reproducible: bool = False):
+    """The γ policy; 'auto' may first measure the cost curve (seconds, with progress).
+    `reproducible`: a seeded sample (see `runner.gamma_policy`)."""
     with StderrProgress() as progress:
-        return gamma_policy(gamma, engine, context=context, name=name,
+        return gamma_policy(gamma, engine, context=context, name=name, reproducible=reproducible,
                             progress=progress.task("calibrating the cost curve for γ = auto"))

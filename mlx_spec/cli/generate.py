@@ -82,7 +82,7 @@ def generate(
     prompt_ids = encode_prompt(tokenizer, text, chat)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
-    policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids))
+    policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids), reproducible=params.seed is not None)
     views = ViewMaker(engine, policy, gamma_mode)
     stats = Stats()
 

@@ -105,8 +105,9 @@ class Worker:
         engine: the `Engine`; its `make_prompt_cache` makes each cached conversation's caches.
         tokenizer: mlx-lm's `TokenizerWrapper` (only this thread uses its detokenizer).
         gamma: "auto" or a whole number as text; "auto" builds a fresh `AutoGamma` per
-            request from the cached cost curve, exactly as `mlx-spec generate` does, so a
-            seeded request draws the same tokens as the same command would.
+            request from the cached cost curve, exactly as `mlx-spec generate` does, and a
+            seeded one learns nothing from the clock, so a seeded request draws the same
+            tokens as the same command would, however busy the machine.
         queue_size: requests that may wait while one generates; more get `Busy`.
         cache_budget: bytes of KV the cached conversations may hold; None: half of the
             device memory left once the models are loaded.
@@ -223,7 +224,8 @@ class Worker:
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
             prefilled[0] = total
 
-        policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids))
+        policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids),
+                              reproducible=job.params.seed is not None)
         responses = stream_generate(
             self.engine, self.tokenizer, job.prompt_ids, job.params, gamma=policy,
             max_tokens=job.max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
