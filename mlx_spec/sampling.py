@@ -125,8 +125,12 @@ class LogitProcessor:
         return mx.put_along_axis(scratch, index, seen, axis=-1)[:, :V]
 
     def greedy(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
-        """Argmax tokens [rows] of logits [rows, V]."""
-        return mx.argmax(self.penalize(logits, windows), axis=-1)
+        """Argmax tokens [rows] of logits [rows, V], taken as mlx-lm's `generate_step` takes
+        it: of the log-probs, logits − logsumexp, in the logits' dtype. Two logits that
+        differ by less than a rounding step there tie, and both argmaxes then pick the
+        lower id; an argmax of the raw logits would pick the larger of the two."""
+        logits = self.penalize(logits, windows)
+        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
     def distribution(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
         """Probabilities [rows, V] (float32) of logits [rows, V] after all processing."""

@@ -8,7 +8,8 @@ The procedure a careful user follows by hand, automated:
   4. medians of warm runs; speedup = median decode tok/s / the baseline's
   5. at temperature 0, md5 of the generated token ids must equal the baseline's: exactness;
      where they differ, the target's top-2 logit gap there tells a numerical near-tie (a GPU's
-     multi-row and one-row kernels round differently) from a real mismatch
+     multi-row and one-row kernels round differently, as MKL's do on 4+ rows) from a real
+     mismatch; the baseline's near-ties are counted, as the places a difference may come
   6. the Theorem 3.8 prediction, speedup = (1 − α^(γ+1)) / ((1 − α)(γc + 1)), from measured
      α̂ and c, next to the measured speedup; and the cost-model prediction that uses the
      measured verify curve and per-position acceptance instead of c and one α
@@ -70,14 +71,36 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def logit_gaps(model, ids: Sequence[int], start: int, params: SamplingParams,
+               chunk: int = 64) -> list[tuple[float, float]]:
+    """(gap, tolerance) after each prefix ids[:p], p = start..len(ids): the target's top-1 −
+    top-2 logit there (penalized as the engine's greedy choice is), and the `NEAR_TIE`
+    tolerance for its dtype at that size. One cached pass over `ids`, `chunk` rows at a
+    time (plain mlx-lm caches; a chunk's logits are chunk × V floats)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = list(ids)
+    if not 1 <= start <= len(ids):
+        raise ValueError("start must be within 1..len(ids)")
+    cache, processor, gaps = make_prompt_cache(model), LogitProcessor(params), []
+    for first in range(0, start - 1, chunk):  # the context before the first prefix scored
+        model(mx.array(ids[first:min(first + chunk, start - 1)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    for first in range(start - 1, len(ids), chunk):
+        block = ids[first:first + chunk]  # row r scores what follows ids[:first + r + 1]
+        logits = model(mx.array(block)[None], cache=cache)[0]
+        windows = processor.windows(ids[:first + 1], mx.array(block[1:] or [0]), len(block))
+        top = mx.topk(processor.penalize(logits, windows).astype(mx.float32), 2, axis=-1)
+        tolerance = NEAR_TIE.get(logits.dtype, 1e-4)
+        for pair in top.tolist():
+            high, low = max(pair), min(pair)
+            gaps.append((high - low, tolerance * max(1.0, abs(high))))
+    return gaps
+
+
 def logit_gap(model, ids: Sequence[int], params: SamplingParams) -> tuple[float, float]:
-    """(gap, tolerance): the target's top-1 − top-2 logit after `ids` (processed as the
-    engine's greedy choice is), and the `NEAR_TIE` tolerance for its dtype at that size."""
-    logits = model(mx.array(list(ids))[None])[0, -1:]
-    processor = LogitProcessor(params)
-    logits = processor.penalize(logits, processor.windows(list(ids), None, 1))[0]
-    high, low = sorted(mx.topk(logits.astype(mx.float32), 2).tolist(), reverse=True)
-    return high - low, NEAR_TIE.get(logits.dtype, 1e-4) * max(1.0, abs(high))
+    """(gap, tolerance) after all of `ids` (see `logit_gaps`)."""
+    return logit_gaps(model, ids, len(ids), params)[-1]
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,6 +213,9 @@ class SweepResult:
     max_tokens: int
     warm_runs: int
     comm: Optional[CommProfile] = None  # across ranks: the target's all-reduces
+    # T = 0: per prompt, the baseline tokens chosen where the target's top-2 logits tie to
+    # rounding (`NEAR_TIE`): the only places an exact setting may legitimately differ
+    baseline_near_ties: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def identity_checked(self) -> bool:
@@ -219,6 +245,7 @@ class SweepResult:
             "identity_checked": self.identity_checked,
             "ok": self.ok,
             "mismatches": [m.as_dict() for m in self.mismatches],
+            "baseline_near_ties": self.baseline_near_ties,
             "recommendation": {"setting": self.recommendation, "speedup": self.recommended_speedup},
             "costs": {**asdict(self.costs), "c": self.costs.c},
             "tensor_parallel": asdict(self.comm) if self.comm else None,
@@ -305,7 +332,7 @@ def run_sweep(
     if progress:
         progress(done, total, "done")
 
-    mismatches = _check_identity(runs, spec.target, prompts, params) if params.greedy else []
+    mismatches, near_ties = _check_identity(runs, spec.target, prompts, params) if params.greedy else ([], {})
     summaries = [
         _summarize([r for r in runs if r.prompt == name and r.setting == setting_label(g)], costs, params)
         for name in prompts for g in settings
@@ -317,7 +344,8 @@ def run_sweep(
     _fill_speedups(summaries)
     recommendation, speedup = recommend(summaries)
     return SweepResult(summaries, runs, mismatches, recommendation, speedup, costs, params,
-                       {k: len(v) for k, v in prompts.items()}, drafter_name, max_tokens, warm_runs, comm)
+                       {k: len(v) for k, v in prompts.items()}, drafter_name, max_tokens, warm_runs, comm,
+                       near_ties)
 
 
 def _fill_comm(summary: SettingSummary, warm: list[Run], comm: CommProfile, broadcasts: bool) -> None:
@@ -344,11 +372,15 @@ def _one_run(engine: Engine, ids, params, policy, max_tokens, prompt, label, gam
                forecast=getattr(policy, "forecast_speedup", None))
 
 
-def _check_identity(runs: list[Run], target, prompts: dict[str, list[int]], params) -> list[Mismatch]:
+def _check_identity(runs: list[Run], target, prompts: dict[str, list[int]],
+                    params) -> tuple[list[Mismatch], dict[str, list[int]]]:
     """Every run's tokens against the baseline's cold run on the same prompt; where they
-    first differ, how close the target's top-2 logits are on the baseline's context."""
+    first differ, how close the target's top-2 logits are on the baseline's context.
+    Also, per prompt, the positions of the baseline's tokens chosen at a numerical
+    near-tie: where any setting could differ while both are right to rounding."""
     reference = {r.prompt: r for r in runs if r.setting == BASELINE and r.cold}
-    gaps: dict[tuple[str, int], tuple[float, float]] = {}
+    gaps = {name: logit_gaps(target, prompts[name] + ref.tokens, len(prompts[name]), params)
+            for name, ref in reference.items()}
     mismatches = []
     for r in runs:
         ref = reference[r.prompt]
@@ -357,13 +389,12 @@ def _check_identity(runs: list[Run], target, prompts: dict[str, list[int]], para
         r.mismatch_at = first_difference(r.tokens, ref.tokens)
         if r.mismatch_at is None:
             continue
-        where = (r.prompt, r.mismatch_at)
-        if where not in gaps:
-            gaps[where] = logit_gap(target, prompts[r.prompt] + ref.tokens[: r.mismatch_at], params)
-        mismatch = Mismatch(r.prompt, r.setting, r.rep, r.mismatch_at, *gaps[where])
+        mismatch = Mismatch(r.prompt, r.setting, r.rep, r.mismatch_at, *gaps[r.prompt][r.mismatch_at])
         r.near_tie = mismatch.near_tie
         mismatches.append(mismatch)
-    return mismatches
+    near_ties = {name: [i for i, (gap, tolerance) in enumerate(g[:len(reference[name].tokens)]) if gap <= tolerance]
+                 for name, g in gaps.items()}
+    return mismatches, near_ties
 
 
 def _summarize(runs: list[Run], costs: CostCurve, params: SamplingParams) -> SettingSummary:

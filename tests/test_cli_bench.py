@@ -274,6 +274,13 @@ def test_a_difference_at_a_near_tie_is_reported_apart_from_a_mismatch(tiny_dirs,
     assert "IDENTITY CHECK FAILED" not in result.stderr
     g2 = out["settings"][1]
     assert g2["identical"] is False and g2["near_tie"] is True
+    # Drafting off chose A, tied with B, at each of these places, and nowhere else tied.
+    (ties,) = out["baseline_near_ties"].values()
+    assert ties == [i for i, t in enumerate(plain) if t == a]
+    table = invoke(["bench", "-m", twin, "-d", twin, *FAST, "--gamma", "2"])
+    count = len(ties)
+    assert (f"drafting off chose {count} token{'s' if count != 1 else ''} at a numerical near-tie"
+            in " ".join(table.stdout.split()))  # Rich wraps long lines
 
 
 def test_theorem_3_8_takes_alpha_per_reached_position():

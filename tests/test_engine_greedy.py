@@ -2,10 +2,12 @@
 target (mlx-lm's generate_step), for every γ and drafter, across the sliding window."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_repetition_penalty
 
 from conftest import greedy_reference
@@ -176,3 +178,42 @@ def test_ids_the_draft_lacks_never_reach_it(tiny_target, penalty):
     assert tokens == reference
     assert 0 <= draft.largest < width
     assert stats.drafted > 0
+
+
+class TieModel(nn.Module):
+    """Logits that tie only once they are log-probs: after token t, id a = t mod 32 has
+    logit 0 and id b = 32 + (5t mod 32) a logit a rounding step above it, the rest −10.
+    Raw, b is the argmax; as logits − logsumexp (mlx-lm's greedy) the two are equal, and
+    argmax takes the lower id, a."""
+
+    vocab, step = 64, 2e-8
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [None]
+
+    def make_cache(self):
+        return [KVCache()]
+
+    def row(self, t: int) -> list[float]:
+        row = [-10.0] * self.vocab
+        row[t % 32], row[32 + (5 * t) % 32] = 0.0, self.step
+        return row
+
+    def __call__(self, inputs, cache=None):
+        ids = inputs.astype(mx.float32)[:, None, :, None]
+        cache[0].update_and_fetch(ids, ids)  # the engine's rollback trims it
+        return mx.array([[self.row(t) for t in inputs[0].tolist()]])
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_greedy_breaks_ties_as_mlx_lm_does(gamma):
+    model = TieModel()
+    logits = mx.array(model.row(7))
+    assert mx.argmax(logits).item() == 32 + 35 % 32  # raw: b
+    assert mx.argmax(logits - mx.logsumexp(logits, keepdims=True)).item() == 7  # log-probs tie: a
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    reference = greedy_reference(model, prompt, 24)
+    tokens, stats = run(Engine(model, NgramDrafter()), prompt, gamma, 24)
+    assert tokens == reference == [2] * 24  # a = 2 mod 32 follows 2 every time
+    assert gamma == 0 or stats.drafted > 0

@@ -315,7 +315,10 @@ def _print_table(result: SweepResult, setup) -> None:
         verdict = ("[red]OUTPUT MISMATCH[/red]" if not result.ok else
                    "token-identical to drafting off except at numerical near-ties (see stderr)"
                    if result.near_ties else "all outputs token-identical to drafting off")
-        console.print(f"identity (md5 of token ids, T = 0): {verdict}")
+        ties = sum(map(len, result.baseline_near_ties.values()))
+        console.print(f"identity (md5 of token ids, T = 0): {verdict}; drafting off chose {ties} "
+                      f"token{'s' if ties != 1 else ''} at a numerical near-tie, where an exact setting "
+                      "may differ")
     else:
         console.print(f"T = {params.temperature:g}: sampled outputs differ by design; no identity check")
     console.print(f"[bold]{recommendation_text(result)}[/bold]")
