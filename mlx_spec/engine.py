@@ -119,8 +119,9 @@ class Engine:
             stats: a `Stats` to update in place (a fresh one if None).
             prefill_progress: called with (done, total) prompt tokens during prefill.
             logprobs: if set, each `Round` carries the target's log-probs of its tokens and
-                this many top alternatives (raw logits, before sampling's processing, as
-                plain decoding would report them).
+                this many top alternatives: of its logits after the repetition penalty,
+                before temperature and truncation, as mlx-lm's `generate_step` reports them
+                (so at temperature 0 the chosen token is the likeliest one shown).
         Yields:
             `Round`s; the last has a finish_reason.
         """
@@ -261,7 +262,7 @@ class Engine:
                 verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
             if self.agree is not None:
                 verdict = self.agree(verdict)
-        return verdict, hidden, None if logprobs is None else _log_softmax(logits)
+        return verdict, hidden, None if logprobs is None else _log_softmax(processor.penalize(logits, windows))
 
     def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
                 drafting: bool, hidden: Optional[mx.array], rows: list[int]):
@@ -297,7 +298,8 @@ class Engine:
 
 
 def _log_softmax(logits: mx.array) -> mx.array:
-    """The target's log-probs, before temperature or top-p: what plain decoding reports."""
+    """The target's log-probs of (repetition-penalized) logits, before temperature, top-k,
+    top-p or min-p: what mlx-lm's `generate_step` reports, after its logits processors."""
     scores = logits.astype(mx.float32)
     return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 

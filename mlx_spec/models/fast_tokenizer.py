@@ -191,6 +191,52 @@ class FastTokenizer:
         return getattr(self.full, name)
 
 
+def token_bytes_reader(tokenizer):
+    """id -> the bytes a token stands for, as the tokenizer's streaming detokenizer joins
+    them (OpenAI's log-prob `bytes`): a SentencePiece byte-fallback token (`<0xE2>`) is one
+    byte, and a byte-level BPE piece one byte per character, where decoding the token alone
+    gives U+FFFD. Ids the tokenizer lacks stand for no bytes."""
+    kind = type(tokenizer.detokenizer).__name__  # mlx-lm's choice, made from the decoder
+
+    def piece(token: int) -> str | None:
+        try:
+            return tokenizer.convert_ids_to_tokens([token])[0]
+        except (IndexError, OverflowError, TypeError):
+            return None
+
+    if "SPM" in kind:  # mlx-lm's SPMStreamingDetokenizer, our _SPMDetokenizer
+        def read(token: int) -> bytes:
+            text = piece(token)
+            if text is None:
+                return b""
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                return bytes([int(text[3:5], 16)])
+            return text.replace("\u2581", " ").encode("utf-8")
+    elif "BPE" in kind:  # GPT-2's byte-level alphabet: one character per byte
+        alphabet = _byte_level_alphabet()
+
+        def read(token: int) -> bytes:
+            text = piece(token)
+            if text is None:
+                return b""
+            return bytes(alphabet[c] for c in text) if all(c in alphabet for c in text) else text.encode("utf-8")
+    else:
+        def read(token: int) -> bytes:
+            try:
+                return tokenizer.decode([token]).encode("utf-8")
+            except Exception:  # noqa: BLE001  (an id the tokenizer lacks)
+                return b""
+    return read
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table, inverted: printable bytes stand for themselves, the
+    rest for characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
 class _SPMDetokenizer:
     """mlx-lm's `SPMStreamingDetokenizer`, reading each token's bytes from the backend when
     it arrives instead of building a 262k-entry table first (~0.4 s)."""

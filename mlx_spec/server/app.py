@@ -25,6 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mlx_spec.models.fast_tokenizer import token_bytes_reader
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
 from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
@@ -89,6 +90,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
     token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: decode_token(tokenizer, t))
+    token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
     # One thread: the tokenizer is not shared between request threads, only with the worker.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
 
@@ -249,7 +251,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                                    "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason,
                                    usage_of(job, event), {**extra_base, **statistics(event)})
         if job.logprobs is not None:
-            answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, token_text)
+            answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, token_text, token_bytes=token_bytes)
         if calls:
             answer["choices"][0]["message"].update(content=text or None, tool_calls=calls)
         return answer
@@ -271,7 +273,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             if text or scored:
                 chunk = chunk_object(chat, rid, name, created, text=text)
                 if job.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, token_text, offset)
+                    chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, token_text, offset,
+                                                                      token_bytes=token_bytes)
                 yield sse(chunk)
             for call in (p for p in parts if isinstance(p, Call)):
                 chunk = chunk_object(chat, rid, name, created)

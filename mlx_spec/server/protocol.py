@@ -382,15 +382,17 @@ def usage_chunk(chat: bool, rid: str, model: str, created: int, usage_: dict, ex
             "mlx_spec": extra}
 
 
-def logprobs_object(chat: bool, scored: list, token_text, offset: Optional[list] = None) -> dict:
+def logprobs_object(chat: bool, scored: list, token_text, offset: Optional[list] = None,
+                    token_bytes=None) -> dict:
     """Log-probs of answer tokens in OpenAI's shape: chat's `{"content": [...]}` or the
     completions API's parallel lists. `scored`: (id, log-prob, [(id, log-prob)...]) per
-    token; `token_text`: id -> text; `offset`: [characters of answer text before these
-    tokens], advanced in place (completions' text_offset across streamed chunks)."""
+    token; `token_text`: id -> text; `token_bytes`: id -> the bytes it stands for (chat's
+    `bytes`: a byte token's own byte, not the UTF-8 of the U+FFFD its text shows);
+    `offset`: [characters of answer text before these tokens], advanced in place
+    (completions' text_offset across streamed chunks)."""
     if chat:
         def entry(t, lp):
-            text = token_text(t)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            return {"token": token_text(t), "logprob": lp, "bytes": list(token_bytes(t))}
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                             for t, lp, top in scored]}
     offset = offset if offset is not None else [0]
@@ -400,8 +402,17 @@ def logprobs_object(chat: bool, scored: list, token_text, offset: Optional[list]
         offsets.append(offset[0])
         offset[0] += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in scored],
-            "top_logprobs": [{token_text(a): b for a, b in top} for _, _, top in scored],
+            "top_logprobs": [_by_text(top, token_text) for _, _, top in scored],
             "text_offset": offsets}
+
+
+def _by_text(top: list, token_text) -> dict:
+    """Completions' top log-probs, keyed by token text: where two ids show the same text
+    (byte tokens of split characters all show U+FFFD), the likelier keeps the key."""
+    out: dict = {}
+    for token, logprob in top:  # likeliest first
+        out.setdefault(token_text(token), logprob)
+    return out
 
 
 def sse(obj) -> bytes:
