@@ -185,6 +185,26 @@ def test_a_tokenizer_json_replaced_keeping_size_and_mtime_makes_the_index_stale(
     assert isinstance(rewritten._backend, TokenizerIndex) and rewritten.encode(text) == whole.encode(text).ids
 
 
+def test_a_merge_of_byte_fallback_tokens_gets_no_index(folder, tmp_path):
+    # "€" is no vocabulary entry: the BPE spells it in byte-fallback tokens <0xE2><0x82><0xAC>,
+    # then merges the first two. The token made ("<0xE2><0x82>") is no substring of the text,
+    # so a small BPE would lack that merge.
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    assert "€" not in vocab
+    vocab["<0xE2><0x82>"] = len(vocab)
+    data["added_tokens"][-1]["id"] = len(vocab)  # BEYOND stays numbered after the vocabulary
+    data["model"]["merges"].append(["<0xE2>", "<0x82>"])
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = ["5 €", "€€ and € <bos>", "naïve café €"]
+    assert all(vocab["<0xE2><0x82>"] in whole.encode(text).ids for text in texts)  # the merge applies
+    assert not tokenizer_index.write(tmp_path)
+    assert not (tmp_path / INDEX_DIR).exists() and open_index(tmp_path) is None
+    for text in texts:
+        assert _fast(tmp_path).encode(text) == whole.encode(text).ids, text
+
+
 @pytest.mark.parametrize("damage", ["truncated", "no meta", "bad meta"])
 def test_a_damaged_index_is_not_used(folder, tmp_path, damage):
     copy = tmp_path / "copy"

@@ -11,11 +11,11 @@ encoding. The index (token strings and merges as int32 arrays, ~60 ms to read) i
 beside tokenizer.json the first time a folder's tokenizer is parsed whole.
 
 Only tokenizers where that argument holds get an index (`_indexable`): a plain BPE, a
-normalizer that replaces single characters (or none), pre-tokenizers that only split, and
+normalizer that replaces single characters (or none), pre-tokenizers that only split,
 added tokens that are vocabulary entries with the same ids or numbered after them (else
-`tokenizers` would number them differently in a small model). An index is used while
-tokenizer.json keeps the size, mtime, inode and ctime it had when the index was written
-(`_source_stamp`). Texts over
+`tokenizers` would number them differently in a small model), and no merge joining a
+byte-fallback token (checked in `write`). An index is used while tokenizer.json keeps the
+size, mtime, inode and ctime it had when the index was written (`_source_stamp`). Texts over
 `WHOLE_TEXT_CHARS` are encoded by the whole tokenizer, parsed once when first needed.
 """
 
@@ -103,9 +103,14 @@ def write(folder: Path) -> bool:
         for token, token_id in model["vocab"].items():
             tokens[token_id] = token
         tokens += [added["content"] for added in data["added_tokens"] if added["content"] not in model["vocab"]]
+        byte_tokens = {t: i for i, t in enumerate(tokens) if len(t) == 6 and t.startswith("<0x") and t.endswith(">")}
         merges = array("i")
         for merge in model["merges"]:
             left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+            # A byte-fallback token stands for a byte of the text, not for its own spelling:
+            # a merge joining one makes a token ("<0xE2><0x82>") no substring of the text.
+            if left in byte_tokens or right in byte_tokens:
+                return False
             merges.extend((model["vocab"][left], model["vocab"][right], model["vocab"][left + right]))
         # The merges' ranks grouped by the token they make: `starts[t]:starts[t + 1]` of
         # `by_result` are the ranks of the merges making token t.
@@ -119,7 +124,7 @@ def write(folder: Path) -> bool:
         # The small models always hold the added tokens (so `tokenizers` keeps their ids),
         # the byte-fallback tokens and the unknown token.
         always = {added["content"]: added["id"] for added in data["added_tokens"]}
-        always.update({t: i for i, t in enumerate(tokens) if len(t) == 6 and t.startswith("<0x") and t.endswith(">")})
+        always.update(byte_tokens)
         if model.get("unk_token") is not None:
             always[model["unk_token"]] = model["vocab"][model["unk_token"]]
         shell = {**data, "model": {**model, "vocab": always, "merges": []}}
