@@ -12,14 +12,17 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
+from tokenizers import Tokenizer
 
 import mlx_spec.models.gguf_import as gguf_import
 from conftest import greedy_reference
 from mlx_spec.models import load_model, load_pair
 from mlx_spec.models.gemma4_assistant import last_kv_layers
 from mlx_spec.models.tiny_gemma4 import WINDOW, save_hf_checkpoints
+from mlx_spec.models.tokenizer_index import TokenizerIndex
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
+from test_tokenizer_index import random_texts
 
 DATA = Path(__file__).parent / "data"
 PROMPT = [2] + [(7 * i) % 250 + 6 for i in range(40)]  # longer than the 16-token window
@@ -98,6 +101,25 @@ def test_tokenizer_equals_the_hf_tokenizer(hf, cache):
     messages = [{"role": "user", "content": "hi"}]
     assert imported.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
         reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_tokenizer_index_of_the_import_encodes_as_the_whole_tokenizer(cache):
+    """The import's tokenizer.json (Gemma 4's layout) gets an index on its first load, and a
+    warm load's index encodes as `tokenizers` does with the whole file: turn tokens, text
+    around them, byte fallback, non-ASCII."""
+    folder = load_model(str(gguf_file("12b")), progress=False).path  # parsed whole, the index written
+    warm = load_model(str(gguf_file("12b")), progress=False).tokenizer
+    assert isinstance(warm._backend, TokenizerIndex)
+    whole = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    added = [t["content"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]]
+    assert {"<|turn>", "<turn|>"} <= set(added)  # the tiny vocabulary has no tool-call tokens
+    vocab = [whole.id_to_token(i) for i in range(whole.get_vocab_size(with_added_tokens=False))]
+    texts = TEXTS + random_texts(vocab, 200, added=added) + [
+        "<|turn>system\nnaïve café Straße 日本語 🤗 €<turn|>\n<|turn>model\n", "<|turn><turn|><bos><eos><mask>",
+        "<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>", " the  hat\t\r\n<turn|>the"]
+    for text in texts:
+        assert warm.encode(text) == whole.encode(text).ids, text
+        assert warm.encode(text, add_special_tokens=False) == whole.encode(text, add_special_tokens=False).ids
 
 
 def target_kv_and_hidden(target, prompt):

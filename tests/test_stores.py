@@ -10,9 +10,10 @@ import pytest
 import mlx_spec.models.gguf_import as gguf_import
 from cli_support import assert_one_line_error, invoke, invoke_json
 from conftest import greedy_reference
+from mlx_spec.errors import ModelLoadError
 from mlx_spec.models import load_model
 from mlx_spec.models.ollama import parse_ollama_name
-from mlx_spec.models.stores import drafting_defaults
+from mlx_spec.models.stores import drafting_defaults, locate
 from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
 from store_support import write_header_only_gguf, write_ollama_model
 from test_models_gguf import TINY_GGUF_CONFIG, write_tiny_gguf
@@ -157,6 +158,53 @@ def test_lmstudio_mlx_folder_and_gguf_file(env, tiny_pair, tiny_target):
     write_header_only_gguf(other / "Llama-3.2-1B-Q4_K_M.gguf", "llama")
     result = invoke(["generate", "hi", "-m", "lmstudio:bartowski/Llama-3.2-1B-GGUF", "-n", "4"])
     assert_one_line_error(result, "lmstudio:bartowski/Llama-3.2-1B-GGUF", "GGUF of architecture 'llama'")
+
+
+# ---------------------------------------------------------------------------------------
+# Names that do not stay inside the store
+# ---------------------------------------------------------------------------------------
+
+# Refused before today's change too (this documents them): "..", ".", empty parts, absolute
+# paths (an empty first part). Refused since: backslashes, and for LM Studio a trailing or
+# leading "/" (once stripped, so lmstudio:/pub/model/ loaded pub/model).
+BAD_NAMES = [
+    "ollama:", "ollama::12b", "ollama:tiny:", "ollama:..", "ollama:.", "ollama:../tiny", "ollama:library/../tiny",
+    "ollama:tiny:..", "ollama:tiny/", "ollama:/tiny", "ollama:/library/tiny:q8", "ollama:a/b/c/tiny",
+    "ollama:..\\tiny", "ollama:tiny:q8\\..",
+    "lmstudio:", "lmstudio:pub", "lmstudio:pub//model", "lmstudio:pub/model/", "lmstudio:/pub/model",
+    "lmstudio:../model", "lmstudio:pub/..", "lmstudio:pub/./model", "lmstudio:pub/model/../x.gguf",
+    "lmstudio:pub\\model", "lmstudio:pub/model\\..", "lmstudio:pub/model/..\\x.gguf",
+]
+
+
+@pytest.mark.parametrize("source", BAD_NAMES)
+def test_a_store_name_that_leaves_the_store_is_refused_in_one_line(env, tmp_path, source):
+    # Models where a lenient reading of each name lands (tiny:q8, pub/model/x.gguf).
+    gguf = write_header_only_gguf(tmp_path / "x.gguf", "gemma3")
+    write_ollama_model(env["ollama"], "tiny", "q8", model=gguf)
+    (env["lmstudio"] / "pub" / "model").mkdir(parents=True)
+    (env["lmstudio"] / "pub" / "model" / "x.gguf").write_bytes(gguf.read_bytes())
+    store = "an Ollama" if source.startswith("ollama:") else "an LM Studio"
+    result = invoke(["generate", "hi", "-m", source, "-n", "4"])
+    assert_one_line_error(result, f"'{source}' is not {store} model name")
+    with pytest.raises(ModelLoadError, match=f"is not {store} model name") as error:
+        load_model(source, progress=False)
+    assert "\n" not in str(error.value)
+
+
+def test_lmstudio_file_part_must_be_a_gguf_file(env, tmp_path):
+    folder = env["lmstudio"] / "pub" / "tiny-GGUF"
+    folder.mkdir(parents=True)
+    write_header_only_gguf(folder / "tiny-Q8_0.gguf", "gemma3")
+    (folder / "tiny-Q8_0.bin").write_bytes((folder / "tiny-Q8_0.gguf").read_bytes())  # a GGUF by content only
+    (folder / "README.md").write_text("# tiny")
+    assert locate("lmstudio:pub/tiny-GGUF/tiny-Q8_0.gguf").path == folder / "tiny-Q8_0.gguf"
+    for file in ("tiny-Q8_0.bin", "README.md"):
+        source = f"lmstudio:pub/tiny-GGUF/{file}"
+        with pytest.raises(ModelLoadError, match=f"names {file}, which is not a .gguf file"):
+            locate(source)
+        result = invoke(["generate", "hi", "-m", source, "-n", "4"])
+        assert_one_line_error(result, f"'{source}' names {file}, which is not a .gguf file")
 
 
 # ---------------------------------------------------------------------------------------

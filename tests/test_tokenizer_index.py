@@ -10,6 +10,7 @@ token, as a SentencePiece conversion such as Gemma's writes).
 import json
 import os
 import random
+import shutil
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from mlx_spec.models import tokenizer_index
+from mlx_spec.models.fast_tokenizer import FastTokenizer
 from mlx_spec.models.tokenizer_index import INDEX_DIR, TokenizerIndex, open_index
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,9 +84,11 @@ def _character(rnd: random.Random) -> str:
             return chr(code)
 
 
-def random_texts(tokens: list[str], count: int, seed: int = 0) -> list[str]:
+def random_texts(tokens: list[str], count: int, seed: int = 0, added: list[str] | None = None) -> list[str]:
     """Runs of vocabulary pieces (with ▁ as spaces), stray characters, whitespace runs and
-    added tokens: text where many merges compete, and byte fallback."""
+    added tokens (`added`, else this module's): text where many merges compete, and byte
+    fallback."""
+    added = added or SPECIALS + ADDED + [BEYOND]
     rnd = random.Random(seed)
     texts = []
     for _ in range(count):
@@ -96,7 +100,7 @@ def random_texts(tokens: list[str], count: int, seed: int = 0) -> list[str]:
             elif r < 0.75:
                 parts.append(_character(rnd))
             elif r < 0.8:
-                parts.append(rnd.choice(SPECIALS + ADDED + [BEYOND]))
+                parts.append(rnd.choice(added))
             else:
                 parts.append(rnd.choice([" ", "  ", "   ", "\n", "\n\n", "\t", "\r\n", ".", ",", "▁"]))
         texts.append("".join(parts))
@@ -132,8 +136,6 @@ def test_a_text_over_the_limit_is_encoded_by_the_whole_tokenizer(folder, monkeyp
 
 
 def test_a_changed_tokenizer_json_makes_the_index_stale(folder, tmp_path):
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     tokenizer_index.write(copy)
@@ -148,10 +150,63 @@ def test_a_changed_tokenizer_json_makes_the_index_stale(folder, tmp_path):
     assert open_index(copy).encode(text).ids == whole.encode(text).ids
 
 
+def _fast(folder: Path) -> FastTokenizer:
+    """The tokenizer a GGUF import's folder loads with: the index where it is fresh, else
+    tokenizer.json parsed whole (and the index written)."""
+    return FastTokenizer(folder, {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>"})
+
+
+@pytest.mark.parametrize("how", ["cp -p", "rsync -t"])
+def test_a_tokenizer_json_replaced_keeping_size_and_mtime_makes_the_index_stale(folder, tmp_path, how):
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    source = copy / "tokenizer.json"
+    assert tokenizer_index.write(copy) and open_index(copy) is not None
+    data = json.loads(source.read_text())
+    data["model"]["merges"].reverse()  # another BPE, as many bytes long
+    replacement = json.dumps(data, ensure_ascii=False).encode()
+    before = source.stat()
+    assert len(replacement) == before.st_size and replacement != source.read_bytes()
+    if how == "cp -p":  # rewritten in place (the same inode), its times set back
+        source.write_bytes(replacement)
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    else:  # a new file with the old times, renamed over it
+        scratch = tmp_path / "scratch.json"
+        scratch.write_bytes(replacement)
+        os.utime(scratch, ns=(before.st_atime_ns, before.st_mtime_ns))
+        os.replace(scratch, source)
+    assert (source.stat().st_size, source.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    whole = Tokenizer.from_file(str(source))
+    text = _corpus()[0][:3000]
+    assert TokenizerIndex(copy).encode(text).ids != whole.encode(text).ids  # what the old index says
+    assert open_index(copy) is None
+    assert _fast(copy).encode(text) == whole.encode(text).ids  # parsed whole, the index rewritten
+    rewritten = _fast(copy)
+    assert isinstance(rewritten._backend, TokenizerIndex) and rewritten.encode(text) == whole.encode(text).ids
+
+
+def test_a_merge_of_byte_fallback_tokens_gets_no_index(folder, tmp_path):
+    # "€" is no vocabulary entry: the BPE spells it in byte-fallback tokens <0xE2><0x82><0xAC>,
+    # then merges the first two. The token made ("<0xE2><0x82>") is no substring of the text,
+    # so a small BPE would lack that merge.
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    assert "€" not in vocab
+    vocab["<0xE2><0x82>"] = len(vocab)
+    data["added_tokens"][-1]["id"] = len(vocab)  # BEYOND stays numbered after the vocabulary
+    data["model"]["merges"].append(["<0xE2>", "<0x82>"])
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    texts = ["5 €", "€€ and € <bos>", "naïve café €"]
+    assert all(vocab["<0xE2><0x82>"] in whole.encode(text).ids for text in texts)  # the merge applies
+    assert not tokenizer_index.write(tmp_path)
+    assert not (tmp_path / INDEX_DIR).exists() and open_index(tmp_path) is None
+    for text in texts:
+        assert _fast(tmp_path).encode(text) == whole.encode(text).ids, text
+
+
 @pytest.mark.parametrize("damage", ["truncated", "no meta", "bad meta"])
 def test_a_damaged_index_is_not_used(folder, tmp_path, damage):
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     tokenizer_index.write(copy)
@@ -194,8 +249,6 @@ def test_tokenizers_the_argument_does_not_cover_get_no_index(folder, tmp_path, c
 
 
 def test_a_folder_that_cannot_take_an_index_warns_and_leaves_nothing(folder, tmp_path, monkeypatch):
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     shutil.rmtree(copy / INDEX_DIR, ignore_errors=True)

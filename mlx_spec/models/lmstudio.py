@@ -40,12 +40,18 @@ def find(name: str) -> LMStudioModel:
     """LM Studio's PUBLISHER/MODEL (an MLX folder or one GGUF file), or PUBLISHER/MODEL/FILE.gguf.
 
     Raises:
-        ModelLoadError: not found, several GGUF files and none named, or neither format.
+        ModelLoadError: not a name inside the folder, a named file that is not a .gguf,
+            not found, several GGUF files and none named, or neither format.
     """
-    parts = name.strip("/").split("/")
-    if len(parts) not in (2, 3) or any(p in ("", ".", "..") for p in parts):
+    parts = name.split("/")
+    # Each part names a folder or file inside the models folder: none may be empty (an
+    # absolute path, a trailing /), "." or "..", nor hold a backslash.
+    if len(parts) not in (2, 3) or any(p in ("", ".", "..") or "\\" in p for p in parts):
         raise ModelLoadError(f"'{PREFIX}{name}' is not an LM Studio model name "
-                             "(PUBLISHER/MODEL, e.g. lmstudio:lmstudio-community/gemma-3-270m-it-GGUF)")
+                             "(PUBLISHER/MODEL[/FILE.gguf], e.g. lmstudio:lmstudio-community/gemma-3-270m-it-GGUF)")
+    if len(parts) == 3 and not parts[2].lower().endswith(".gguf"):
+        raise ModelLoadError(f"'{PREFIX}{name}' names {parts[2]}, which is not a .gguf file; "
+                             "the part after PUBLISHER/MODEL/ names one of its GGUF files")
     folders = roots()
     for root in folders:
         folder = root / parts[0] / parts[1]

@@ -111,7 +111,9 @@ def parse_ollama_name(name: str) -> tuple[str, str, str, str]:
     if rest.rfind(":") > rest.rfind("/"):
         rest, tag = rest.rsplit(":", 1)
     parts = rest.split("/")
-    if not rest or len(parts) > 3 or not all(parts) or not tag or any(p in (".", "..") for p in parts + [tag]):
+    # Each part names a folder under manifests/: none may be empty, "." or "..", nor hold a
+    # backslash (Ollama's own names allow none of these).
+    if len(parts) > 3 or any(p in ("", ".", "..") or "\\" in p for p in parts + [tag]):
         raise ModelLoadError(f"'{PREFIX}{name}' is not an Ollama model name (NAME[:TAG], "
                              "e.g. ollama:gemma4:12b)")
     parts = [_HOST, _NAMESPACE][: 3 - len(parts)] + parts
