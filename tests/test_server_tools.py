@@ -22,6 +22,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+BODY = CALL.removeprefix("<|tool_call>")  # what a model writes after a forced call's start marker
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -132,26 +133,40 @@ def test_a_malformed_call_is_text(output, served, tokenizer):
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
-def test_tool_choice(served, tokenizer):
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_tool_choice(streamed, served, tokenizer):
+    """Forcing ends the prompt with the start marker, so the model writes only the call's body
+    (BODY); were the marker missing, those words would be text, as with "none"."""
     server, model = served
     client = server.client()
     start = tokenizer.encode("<|tool_call>", add_special_tokens=False)
-    # required: the prompt ends with the start marker, so the answer is a call
-    say(served, tokenizer, CALL)
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    say(served, tokenizer, BODY)
+
+    def ask(tools, tool_choice):
+        """(content, [(name, arguments)], finish_reason) of one answer."""
+        request = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice)
+        if not streamed:
+            choice = client.chat.completions.create(**request).choices[0]
+            calls = choice.message.tool_calls or []
+            return (choice.message.content, [(c.function.name, json.loads(c.function.arguments)) for c in calls],
+                    choice.finish_reason)
+        chunks = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        return ("".join(c.choices[0].delta.content or "" for c in chunks) or None,
+                [(d.function.name, json.loads(d.function.arguments)) for d in deltas], chunks[-1].choices[0].finish_reason)
+
+    weather = [("get_weather", {"city": "Paris", "days": 3})]
+    assert ask([WEATHER, TIME], "required") == (None, weather, "tool_calls")
     prompt = rendered(tokenizer, ASK, [WEATHER, TIME]) + start
     assert model.seen[: len(prompt)] == prompt
-    assert answer.choices[0].message.tool_calls[0].function.name == "get_weather"
     # a named function: only it is shown to the model
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[TIME, WEATHER],
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert ask([TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}}) == (None, weather, "tool_calls")
     prompt = rendered(tokenizer, ASK, [WEATHER]) + start
-    assert model.seen[: len(prompt)] == prompt and answer.choices[0].finish_reason == "tool_calls"
+    assert model.seen[: len(prompt)] == prompt
     # none: no tools in the prompt, and the answer is text whatever it says
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none")
+    assert ask([WEATHER], "none") == (BODY, [], "stop")
     prompt = rendered(tokenizer, ASK)
     assert model.seen[: len(prompt)] == prompt
-    assert answer.choices[0].message.content == CALL and answer.choices[0].finish_reason == "stop"
 
 
 def test_bad_tool_requests(served):
