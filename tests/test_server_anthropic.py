@@ -201,3 +201,29 @@ def test_tool_choice_forces_a_call(streamed, scripted, tokenizer):
         assert scripted.model.seen[: len(prompt)] == prompt
     free = answer({"type": "auto"})
     assert [(b.type, b.text) for b in free.content] == [("text", BODY)] and free.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("where, value", [
+    ("input", '{"days": ' + "1" * 5000 + "}"),  # past Python's limit for int("...")
+    ("input", "[" * 100_000 + "]" * 100_000),
+    ("input", '{"days": NaN}'),
+    ("input", '{"city": "\\ud800"}'),
+    ("input_schema", '{"type": "object", "maximum": ' + "1" * 5000 + "}"),
+], ids=["long-integer", "deep", "nan", "lone-surrogate", "schema-long-integer"])
+def test_malformed_tool_input_or_schema_is_a_400(where, value, scripted):
+    """Issue 32: a tool_use block's input (or a tool's input_schema) that is not strict JSON is
+    a 400 in Anthropic's shape, not a 500."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                   "input": "@input"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]}]
+    body = json.dumps({"model": MODEL, "max_tokens": 5, "messages": messages,
+                       "tools": [{**WEATHER, "input_schema": "@input_schema"}]})
+    for name, good in {"input": "{}", "input_schema": json.dumps(WEATHER["input_schema"])}.items():
+        body = body.replace(f'"@{name}"', value if name == where else good)
+    response = httpx.post(scripted.base.removesuffix("/v1") + "/v1/messages", content=body, timeout=30,
+                          headers={"x-api-key": "sekret", "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    data = response.json()
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error", data
+    assert "\n" not in data["error"]["message"] and "Traceback" not in response.text

@@ -1,4 +1,5 @@
-"""Tool calling through the official `openai` client against a live server (issue 19, item 1).
+"""Tool calling through the official `openai` client (raw HTTP where the bytes matter) against a
+live server (issue 19, item 1; issue 32 and issue 33, items 9 and 10).
 
 The model is `scripted.ScriptedModel`, whose greedy answer is a script the test sets, so a
 call (well-formed or not) is certain to come; the tokenizer is mlx-lm's, with a Gemma-4-shaped
@@ -214,6 +215,37 @@ def test_bad_tool_requests(served):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]
     assert_openai_error(post({"messages": bad_args}), 400, "messages[1].tool_calls[0].function.arguments", "JSON")
     assert_openai_error(post({"messages": ASK + [{"role": "tool", "content": "x"}]}), 400, "tool_call_id")
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python recurses
+LONG = "1" * 5000  # past Python's limit for int("...")
+
+
+@pytest.mark.parametrize("arguments", [
+    DEEP, '{"a": ' * 100 + "1" + "}" * 100, '{"days": %s}' % LONG, '{"days": NaN}', '{"days": -Infinity}',
+    '{"city": "\\ud800"}',
+], ids=["deeper-than-python", "deeper-than-64", "long-integer", "nan", "-infinity", "lone-surrogate"])
+def test_malformed_arguments_in_the_history_are_a_400(arguments, served):
+    """Issue 32: an assistant's earlier call whose arguments are not strict JSON is the
+    client's mistake (a 400 naming the field), not a 500."""
+    history = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    response = httpx.post(served[0].base + "/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": history, "tools": [WEATHER]})
+    error = assert_openai_error(response, 400, "messages[1].tool_calls[0].function.arguments")
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_long_integer_in_the_body_is_a_400(served):
+    """Issue 32: json.loads raises ValueError past Python's int digits limit, here in a tool's
+    parameters (a JSON number of any length is valid JSON, but not one this server reads)."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "maximum": 0}}}}}
+    body = json.dumps({"model": MODEL, "messages": ASK, "tools": [tool]}).replace('"maximum": 0', '"maximum": ' + LONG)
+    response = httpx.post(served[0].base + "/chat/completions", content=body, timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert_openai_error(response, 400, "the request body", "digits")
 
 
 # -- issue 33, item 9: arguments are strict JSON, or the call is text ----------------------

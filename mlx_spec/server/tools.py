@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from mlx_spec.server.protocol import ApiError, ChatRequest, Message
+from mlx_spec.server.protocol import ApiError, ChatRequest, Message, parse_json
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,7 @@ def template_call(call_id: str, name: str, arguments: dict) -> dict:
 
 
 def _arguments(text: str, where: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ApiError(400, f"{where}: not valid JSON ({error.msg})", param=where) from None
+    value = parse_json(text, where)  # as strict as a body: no NaN, depth, long integers
     if not isinstance(value, dict):
         raise ApiError(400, f"{where}: must be a JSON object", param=where)
     return value
