@@ -217,6 +217,9 @@ def test_bad_tool_requests(served):
     assert_openai_error(post({"messages": ASK + [{"role": "tool", "content": "x"}]}), 400, "tool_call_id")
 
 
+# -- issue 32: JSON the client sends inside a string is read as strictly as the body --------
+
+
 DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python recurses
 LONG = "1" * 5000  # past Python's limit for int("...")
 
