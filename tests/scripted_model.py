@@ -1,7 +1,9 @@
 """A scripted stand-in for a target model, for tests that need a known answer (a tool call)
 from a real server: its greedy output after the chat template's `<|turn>model\n` opener is
-`script`, token by token, then <turn|>. Everything else on the path (mlx-lm's tokenizer and
-template, the engine, its caches and rollback, the HTTP server) is the real one.
+`script`, token by token, then <turn|>. A prompt that goes on past the opener (a forced call's
+start marker) is continued as a model would: the script follows it, it is not restarted.
+Everything else on the path (mlx-lm's tokenizer and template, the engine, its caches and
+rollback, the HTTP server) is the real one.
 
 The model keeps the token ids it has seen in a plain mlx-lm `KVCache` (as keys [1, 1, L, 1]),
 so the engine's prefix reuse and rollback work on it exactly as on a transformer.
@@ -64,13 +66,22 @@ class ScriptedModel(nn.Module):
         keys, _ = cache[0].update_and_fetch(ids, ids)
         history = [int(v) for v in keys[0, 0, :, 0].tolist()]
         self.seen = history
-        n = inputs.shape[1]
-        rows = []
-        for i in range(len(history) - n, len(history)):
-            turns = [j for j in range(i + 1) if history[j] == TURN_ID]
-            m = i - turns[-1] - OPENER if turns else -1
-            rows.append(self.script[m] if 0 <= m < len(self.script) else END_OF_TURN_ID)
+        rows = self.answer(history)[len(history) - inputs.shape[1]:]
         return 30.0 * mx.eye(VOCAB)[mx.array(rows)][None]
+
+    def answer(self, history: list[int]) -> list[int]:
+        """The token the model writes after each position of `history`."""
+        out, turn, written = [], None, 0  # written: script tokens the answer holds so far
+        for p, token in enumerate(history):
+            if token == TURN_ID:
+                turn, written = p, 0
+            elif turn is not None and p > turn + OPENER and written < len(self.script):
+                # The script's next token (the model's own, or the prompt's saying the same)
+                # advances the answer; any other is prompt, which the script follows.
+                written = written + 1 if token == self.script[written] else 0
+            answering = turn is not None and p >= turn + OPENER and written < len(self.script)
+            out.append(self.script[written] if answering else END_OF_TURN_ID)
+        return out
 
 
 def save_tokenizer(path: Path, chat_template: str = TOOL_TEMPLATE) -> Path:

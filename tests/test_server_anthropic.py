@@ -24,6 +24,9 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 GREEDY = {"temperature": 0}  # this SDK has no sampling arguments; the API takes them
 CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+BODY = CALL.removeprefix("<|tool_call>")  # what a model writes after a forced call's start marker
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
+                                           "description": WEATHER["description"]}}]  # WEATHER as templates take it
 
 
 @pytest.fixture(scope="module")
@@ -160,25 +163,67 @@ def test_a_tool_round_trip(streamed, scripted, tokenizer):
     say(scripted, tokenizer, "It is sunny.")
     second = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=turn)
     assert second.content[0].text == "It is sunny." and second.stop_reason == "end_turn"
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
-                                               "description": WEATHER["description"]}}]
     expected = ask + [
         {"role": "assistant", "content": "Checking.", "tool_calls": [
             {"id": use.id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": use.id, "name": "get_weather", "content": "Sunny"}]
-    prompt = list(tokenizer.apply_chat_template(expected, tools=tools, add_generation_prompt=True))
+    prompt = list(tokenizer.apply_chat_template(expected, tools=TOOLS, add_generation_prompt=True))
     assert scripted.model.seen[: len(prompt)] == prompt
-    # tool_choice "any" forces a call; "tool" names it
-    say(scripted, tokenizer, CALL)
-    forced = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
-                                    tool_choice={"type": "any"})
-    assert [b.type for b in forced.content] == ["tool_use"] and forced.stop_reason == "tool_use"
-    named = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
-                                   tool_choice={"type": "tool", "name": "get_weather"})
-    assert json.dumps(named.content[0].input) == '{"city": "Paris"}'
     say(scripted, tokenizer, CALL + CALL.replace("Paris", "Rome"))
     both = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask)
     assert [b.input["city"] for b in both.content] == ["Paris", "Rome"]
     one = client.messages.create(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask,
                                  tool_choice={"type": "auto", "disable_parallel_tool_use": True})
     assert [b.input["city"] for b in one.content] == ["Paris"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_forces_a_call(streamed, scripted, tokenizer):
+    """"any" and a named tool end the prompt with the start marker, so the model writes only
+    the call's body (BODY); were the marker missing, those words would be text, as with "auto"."""
+    client = client_for(scripted.base, "sekret")
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    say(scripted, tokenizer, BODY)
+
+    def answer(tool_choice):
+        request = dict(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask, tool_choice=tool_choice)
+        if not streamed:
+            return client.messages.create(**request)
+        with client.messages.stream(**request) as stream:
+            return stream.get_final_message()
+
+    for tool_choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        forced = answer(tool_choice)
+        assert [b.type for b in forced.content] == ["tool_use"] and forced.stop_reason == "tool_use"
+        assert (forced.content[0].name, forced.content[0].input) == ("get_weather", {"city": "Paris"})
+        prompt = list(tokenizer.apply_chat_template(ask, tools=TOOLS, add_generation_prompt=True))
+        prompt += tokenizer.encode("<|tool_call>", add_special_tokens=False)
+        assert scripted.model.seen[: len(prompt)] == prompt
+    free = answer({"type": "auto"})
+    assert [(b.type, b.text) for b in free.content] == [("text", BODY)] and free.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("where, value", [
+    ("input", '{"days": ' + "1" * 5000 + "}"),  # past Python's limit for int("...")
+    ("input", "[" * 100_000 + "]" * 100_000),
+    ("input", '{"days": NaN}'),
+    ("input", '{"city": "\\ud800"}'),
+    ("input_schema", '{"type": "object", "maximum": ' + "1" * 5000 + "}"),
+], ids=["long-integer", "deep", "nan", "lone-surrogate", "schema-long-integer"])
+def test_malformed_tool_input_or_schema_is_a_400(where, value, scripted):
+    """Issue 32: a tool_use block's input (or a tool's input_schema) that is not strict JSON is
+    a 400 in Anthropic's shape, not a 500."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                   "input": "@input"}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]}]
+    body = json.dumps({"model": MODEL, "max_tokens": 5, "messages": messages,
+                       "tools": [{**WEATHER, "input_schema": "@input_schema"}]})
+    for name, good in {"input": "{}", "input_schema": json.dumps(WEATHER["input_schema"])}.items():
+        body = body.replace(f'"@{name}"', value if name == where else good)
+    response = httpx.post(scripted.base.removesuffix("/v1") + "/v1/messages", content=body, timeout=30,
+                          headers={"x-api-key": "sekret", "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    data = response.json()
+    assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error", data
+    assert "\n" not in data["error"]["message"] and "Traceback" not in response.text

@@ -1,18 +1,21 @@
-"""Tool calling through the official `openai` client against a live server (issue 19, item 1).
+"""Tool calling through the official `openai` client (raw HTTP where the bytes matter) against a
+live server (issue 19, item 1; issue 32 and issue 33, items 9 and 10).
 
 The model is `scripted.ScriptedModel`, whose greedy answer is a script the test sets, so a
 call (well-formed or not) is certain to come; the tokenizer is mlx-lm's, with a Gemma-4-shaped
-template that renders tools, from which mlx-lm infers its `gemma4` tool parser. The chat
-template, the parser, the engine and the HTTP path are the real ones."""
+template that renders tools, from which mlx-lm infers its `gemma4` tool parser (and, with the
+markers swapped, its Gemma 3 `function_gemma` and its `pythonic` parsers). The chat template,
+the parser, the engine and the HTTP path are the real ones."""
 
 import json
 
+import httpx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
-from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
+from scripted_model import EOS_ID, END_OF_TURN_ID, TOOL_TEMPLATE, InProcessServer, ScriptedModel, save_tokenizer
 from server_support import assert_openai_error
 
 MODEL = "scripted"
@@ -22,6 +25,7 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+BODY = CALL.removeprefix("<|tool_call>")  # what a model writes after a forced call's start marker
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -31,13 +35,36 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(path, eos_token_ids=[EOS_ID, END_OF_TURN_ID])
 
 
-@pytest.fixture(scope="module")
-def served(tokenizer):
+def start(tokenizer) -> tuple[InProcessServer, ScriptedModel]:
     model = ScriptedModel()
     engine = Engine(model, None, eos_ids=[EOS_ID, END_OF_TURN_ID], context_length=4096)
-    server = InProcessServer(create_app(engine, tokenizer, ServerOptions(model_name=MODEL, gamma="0")))
+    return InProcessServer(create_app(engine, tokenizer, ServerOptions(model_name=MODEL, gamma="0"))), model
+
+
+@pytest.fixture(scope="module")
+def served(tokenizer):
+    server, model = start(tokenizer)
     yield server, model
     server.stop()
+
+
+MARKERS = {"gemma3": ("<start_function_call>", "<end_function_call>"),  # FunctionGemma's
+           "pythonic": ("<|tool_call_start|>", "<|tool_call_end|>")}  # its parser evaluates Python literals
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory, served, tokenizer):
+    """(server, model, tokenizer) for each call format: Gemma 4's, and those of `MARKERS`."""
+    out = {"gemma4": (*served, tokenizer)}
+    for name, (begin, end) in MARKERS.items():
+        template = TOOL_TEMPLATE.replace("<|tool_call>", begin).replace("<tool_call|>", end)
+        other = load_tokenizer(save_tokenizer(tmp_path_factory.mktemp(name), template),
+                               eos_token_ids=[EOS_ID, END_OF_TURN_ID])
+        assert (other.tool_call_start, other.tool_call_end) == (begin, end)
+        out[name] = (*start(other), other)
+    yield out
+    for name in MARKERS:
+        out[name][0].stop()
 
 
 def say(served, tokenizer, text):
@@ -132,26 +159,40 @@ def test_a_malformed_call_is_text(output, served, tokenizer):
     assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
 
 
-def test_tool_choice(served, tokenizer):
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_tool_choice(streamed, served, tokenizer):
+    """Forcing ends the prompt with the start marker, so the model writes only the call's body
+    (BODY); were the marker missing, those words would be text, as with "none"."""
     server, model = served
     client = server.client()
     start = tokenizer.encode("<|tool_call>", add_special_tokens=False)
-    # required: the prompt ends with the start marker, so the answer is a call
-    say(served, tokenizer, CALL)
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required")
+    say(served, tokenizer, BODY)
+
+    def ask(tools, tool_choice):
+        """(content, [(name, arguments)], finish_reason) of one answer."""
+        request = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice)
+        if not streamed:
+            choice = client.chat.completions.create(**request).choices[0]
+            calls = choice.message.tool_calls or []
+            return (choice.message.content, [(c.function.name, json.loads(c.function.arguments)) for c in calls],
+                    choice.finish_reason)
+        chunks = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        return ("".join(c.choices[0].delta.content or "" for c in chunks) or None,
+                [(d.function.name, json.loads(d.function.arguments)) for d in deltas], chunks[-1].choices[0].finish_reason)
+
+    weather = [("get_weather", {"city": "Paris", "days": 3})]
+    assert ask([WEATHER, TIME], "required") == (None, weather, "tool_calls")
     prompt = rendered(tokenizer, ASK, [WEATHER, TIME]) + start
     assert model.seen[: len(prompt)] == prompt
-    assert answer.choices[0].message.tool_calls[0].function.name == "get_weather"
     # a named function: only it is shown to the model
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[TIME, WEATHER],
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert ask([TIME, WEATHER], {"type": "function", "function": {"name": "get_weather"}}) == (None, weather, "tool_calls")
     prompt = rendered(tokenizer, ASK, [WEATHER]) + start
-    assert model.seen[: len(prompt)] == prompt and answer.choices[0].finish_reason == "tool_calls"
+    assert model.seen[: len(prompt)] == prompt
     # none: no tools in the prompt, and the answer is text whatever it says
-    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none")
+    assert ask([WEATHER], "none") == (BODY, [], "stop")
     prompt = rendered(tokenizer, ASK)
     assert model.seen[: len(prompt)] == prompt
-    assert answer.choices[0].message.content == CALL and answer.choices[0].finish_reason == "stop"
 
 
 def test_bad_tool_requests(served):
@@ -174,3 +215,116 @@ def test_bad_tool_requests(served):
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]
     assert_openai_error(post({"messages": bad_args}), 400, "messages[1].tool_calls[0].function.arguments", "JSON")
     assert_openai_error(post({"messages": ASK + [{"role": "tool", "content": "x"}]}), 400, "tool_call_id")
+
+
+# -- issue 32: JSON the client sends inside a string is read as strictly as the body --------
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python recurses
+LONG = "1" * 5000  # past Python's limit for int("...")
+
+
+@pytest.mark.parametrize("arguments", [
+    DEEP, '{"a": ' * 100 + "1" + "}" * 100, '{"days": %s}' % LONG, '{"days": NaN}', '{"days": -Infinity}',
+    '{"city": "\\ud800"}',
+], ids=["deeper-than-python", "deeper-than-64", "long-integer", "nan", "-infinity", "lone-surrogate"])
+def test_malformed_arguments_in_the_history_are_a_400(arguments, served):
+    """Issue 32: an assistant's earlier call whose arguments are not strict JSON is the
+    client's mistake (a 400 naming the field), not a 500."""
+    history = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
+    response = httpx.post(served[0].base + "/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": history, "tools": [WEATHER]})
+    error = assert_openai_error(response, 400, "messages[1].tool_calls[0].function.arguments")
+    assert error["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_long_integer_in_the_body_is_a_400(served):
+    """Issue 32: json.loads raises ValueError past Python's int digits limit, here in a tool's
+    parameters (a JSON number of any length is valid JSON, but not one this server reads)."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "maximum": 0}}}}}
+    body = json.dumps({"model": MODEL, "messages": ASK, "tools": [tool]}).replace('"maximum": 0', '"maximum": ' + LONG)
+    response = httpx.post(served[0].base + "/chat/completions", content=body, timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert_openai_error(response, 400, "the request body", "digits")
+
+
+# -- issue 33, item 9: arguments are strict JSON, or the call is text ----------------------
+
+
+def strict(text: str):
+    """`text` read by a strict JSON parser: no NaN or Infinity, and valid Unicode."""
+    def refuse(name):
+        raise ValueError(f"{name} is not strict JSON")
+
+    value = json.loads(text, parse_constant=refuse)
+    json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate fails here
+    return value
+
+
+def raw_answer(server, api: str, streamed: bool) -> tuple[str, list]:
+    """(text, [(name, arguments)]) of one answer to ASK with WEATHER offered, on `api`'s route
+    ("openai" or "anthropic"), every JSON value of the raw body (and of each call's
+    arguments) read by `strict`."""
+    tools = [WEATHER] if api == "openai" else [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    route = "/chat/completions" if api == "openai" else "/messages"
+    response = httpx.post(server.base + route, timeout=60, json={
+        "model": MODEL, "messages": ASK, "tools": tools, "max_tokens": 200, "stream": streamed})
+    assert response.status_code == 200, response.text
+    if not streamed:
+        answer = strict(response.text)
+        if api == "openai":
+            message = answer["choices"][0]["message"]
+            return (message["content"] or "", [(c["function"]["name"], strict(c["function"]["arguments"]))
+                                               for c in message.get("tool_calls") or []])
+        return ("".join(b["text"] for b in answer["content"] if b["type"] == "text"),
+                [(b["name"], b["input"]) for b in answer["content"] if b["type"] == "tool_use"])
+    lines = response.text.splitlines()
+    events = [strict(line.removeprefix("data: ")) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    if api == "openai":
+        assert response.text.endswith("data: [DONE]\n\n"), response.text  # not cut short
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        return ("".join(d.get("content") or "" for d in deltas),
+                [(c["function"]["name"], strict(c["function"]["arguments"])) for d in deltas for c in d.get("tool_calls", [])])
+    assert events[-1]["type"] == "message_stop", response.text
+    blocks = {e["index"]: e["content_block"] for e in events if e["type"] == "content_block_start"}
+    deltas = [e for e in events if e["type"] == "content_block_delta"]
+    text = "".join(e["delta"]["text"] for e in deltas if e["delta"]["type"] == "text_delta")
+    calls = [(b["name"], strict("".join(e["delta"]["partial_json"] for e in deltas if e["index"] == i)))
+             for i, b in blocks.items() if b["type"] == "tool_use"]
+    return text, calls
+
+
+def answers(formats, name: str, output: str) -> dict:
+    """{(api, streamed): raw_answer} with the `name` format's model answering `output`."""
+    server, model, tokenizer = formats[name]
+    model.script = list(tokenizer.encode(output, add_special_tokens=False))
+    return {(api, streamed): raw_answer(server, api, streamed)
+            for api in ("openai", "anthropic") for streamed in (False, True)}
+
+
+@pytest.mark.parametrize("name, output", [
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:NaN}<tool_call|>'),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:-Infinity}<tool_call|>'),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:1e999}<tool_call|>'),
+    ("gemma4", '<|tool_call>call:get_weather{city:"\\ud800"}<tool_call|>'),
+    ("gemma3", "<start_function_call>call:get_weather{city:<escape>Paris<escape>,days:Infinity}<end_function_call>"),
+    ("gemma3", "<start_function_call>call:get_weather{city:<escape>Paris<escape>,days:NaN}<end_function_call>"),
+    ("pythonic", '<|tool_call_start|>[get_weather(city="Paris", days={1, 2})]<|tool_call_end|>'),
+    ("pythonic", '<|tool_call_start|>[get_weather(city=b"Paris")]<|tool_call_end|>'),
+    ("pythonic", '<|tool_call_start|>[get_weather(city="Paris", days=3j)]<|tool_call_end|>'),
+    ("pythonic", '<|tool_call_start|>[get_weather(city="Paris", days={(1, 2): 3})]<|tool_call_end|>'),
+], ids=["nan", "-infinity", "overflow", "lone-surrogate", "gemma3-infinity", "gemma3-nan",
+        "set", "bytes", "complex", "tuple-key"])
+def test_arguments_without_a_strict_json_form_make_the_call_text(name, output, formats):
+    for route, answer in answers(formats, name, output).items():
+        assert answer == (output, []), route
+
+
+def test_arguments_are_written_as_strict_json(formats):
+    output = '<|tool_call_start|>[get_weather(city="Paris", days=(1, 2), hours={9: "am"})]<|tool_call_end|>'
+    arguments = {"city": "Paris", "days": [1, 2], "hours": {"9": "am"}}
+    for route, answer in answers(formats, "pythonic", output).items():
+        assert answer == ("", [("get_weather", arguments)]), route

@@ -3,11 +3,12 @@
 Requests are checked here before they reach the device (the Host, key, content type and
 size were checked before, in `guards`): the body must be UTF-8 JSON, nested at most
 `MAX_JSON_DEPTH` deep, whose strings are valid Unicode (a lone surrogate such as "\\ud800"
-cannot be tokenized); known fields must have the right types, and sampling values go
-through `SamplingParams`. Fields that would change the answer's meaning and that we do not
-implement (`logit_bias`, `echo`, a JSON `response_format`, ...) are refused; other unknown
-fields are ignored, as clients send many we have no use for. Every failure becomes an
-`ApiError`, which the app turns into OpenAI's error shape
+cannot be tokenized) and whose integers Python can read (`parse_json`, which also reads the
+JSON that a call's `arguments` string holds); known fields must have the right types, and
+sampling values go through `SamplingParams`. Fields that would change the answer's meaning
+and that we do not implement (`logit_bias`, `echo`, a JSON `response_format`, ...) are
+refused; other unknown fields are ignored, as clients send many we have no use for. Every
+failure becomes an `ApiError`, which the app turns into OpenAI's error shape
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 import uuid
 from dataclasses import replace
@@ -262,44 +264,52 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
 
 
 def load_json(raw: bytes):
-    """The JSON value of a body: UTF-8, standard JSON (no NaN or Infinity), at most
-    `MAX_JSON_DEPTH` deep, and valid Unicode throughout."""
+    """The JSON value of a body: UTF-8, then `parse_json`."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {error.start})") from None
+    return parse_json(text)
+
+
+def parse_json(text: str, where: Optional[str] = None):
+    """The value of strict JSON `text`: no NaN or Infinity, no integer past Python's digit
+    limit, at most `MAX_JSON_DEPTH` deep, and valid Unicode throughout. `where` names the
+    field whose string holds the text (OpenAI's call arguments); None: the request body."""
+    subject = where or "the request body"
+
+    def refuse(reason: str):
+        raise ApiError(400, f"{subject} {reason}", param=where)
+
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = json.loads(text, parse_constant=lambda name: refuse(f"is not valid JSON: {name} "
+                                                                   "is not a JSON number"))
     except json.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error.msg} "
-                            f"(line {error.lineno}, column {error.colno})") from None
-    except RecursionError:
-        data = None  # deeper than Python recurses: surely past MAX_JSON_DEPTH
-    _check_values(data)
+        refuse(f"is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})")
+    except ValueError:  # int("...") past sys.get_int_max_str_digits(), which json.loads calls
+        refuse(f"holds an integer of more than {sys.get_int_max_str_digits()} digits")
+    except RecursionError:  # deeper than Python recurses: surely past MAX_JSON_DEPTH
+        refuse(f"is nested deeper than {MAX_JSON_DEPTH} levels")
+    _check_values(data, refuse, where)
     return data
 
 
-def _refuse_constant(name: str):
-    raise ApiError(400, f"the request body is not valid JSON: {name} is not a JSON number")
-
-
-def _check_values(data) -> None:
-    """Depth and Unicode, walked with a stack: a recursive walk would fail where it matters."""
-    if data is None:
-        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+def _check_values(data, refuse, where: Optional[str]) -> None:
+    """Depth and Unicode, walked with a stack: a recursive walk would fail where it matters.
+    Surrogates are reported at their path in the body, or at `where`."""
     stack = [(data, "", 1)]
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):
-            _check_unicode(value, path)
+            _check_unicode(value, where or path)
             continue
         if not isinstance(value, (dict, list)):
             continue
         if depth > MAX_JSON_DEPTH:
-            raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
+            refuse(f"is nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(value, dict):
             for key in value:
-                _check_unicode(key, path)
+                _check_unicode(key, where or path)
             children = [(item, f"{path}.{key}" if path else str(key), depth + 1)
                         for key, item in value.items()]
         else:

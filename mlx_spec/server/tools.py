@@ -7,8 +7,9 @@ markers and a `tool_parser`), inferred from the chat template. A template with n
 3's) cannot take tools, and a request that sends them is refused, as mlx-lm's server and
 Ollama refuse them for such models. `tool_choice` "required" or a named function is kept by
 ending the prompt with the start marker, so the model's first words are a call (a named
-function is the only tool the template shows). Whatever fails to parse, or names a function
-that was not offered, is the model's text: it is returned as content, never as an error.
+function is the only tool the template shows). Whatever fails to parse, names a function
+that was not offered, or has arguments with no strict JSON form (NaN, a set), is the model's
+text: it is returned as content, never as an error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from mlx_spec.server.protocol import ApiError, ChatRequest, Message
+from mlx_spec.server.protocol import ApiError, ChatRequest, Message, parse_json
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,7 @@ def template_call(call_id: str, name: str, arguments: dict) -> dict:
 
 
 def _arguments(text: str, where: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ApiError(400, f"{where}: not valid JSON ({error.msg})", param=where) from None
+    value = parse_json(text, where)  # as strict as a body: no NaN, depth, long integers
     if not isinstance(value, dict):
         raise ApiError(400, f"{where}: must be a JSON object", param=where)
     return value
@@ -138,7 +136,7 @@ def new_call_id(prefix: str = "call") -> str:
 @dataclass
 class Call:
     name: str
-    arguments: dict
+    arguments: dict  # as strict JSON reads it back, so writing it cannot fail
     id: str
 
 
@@ -150,8 +148,9 @@ class CallSplitter:
 
     Text that could still be the start of a start marker is held back until it cannot;
     from a start marker to its end marker the text is a call, handed to mlx-lm's parser
-    when the end marker arrives (or the answer ends). A call that does not parse, or names
-    a function that was not offered, comes out as the text it was.
+    when the end marker arrives (or the answer ends). A call that does not parse, names a
+    function that was not offered, or has arguments with no strict JSON form, comes out as
+    the text it was.
     """
 
     def __init__(self, plan: ToolPlan):
@@ -197,7 +196,7 @@ class CallSplitter:
         try:
             parsed = self.syntax.parse(body, self.plan.tools)
             calls = parsed if isinstance(parsed, list) else [parsed]
-            events = [Call(c["name"], c["arguments"], new_call_id()) for c in calls]
+            events = [Call(c["name"], _strict_json(c["arguments"]), new_call_id()) for c in calls]
             if not events or any(not isinstance(c.arguments, dict) or c.name not in self.plan.names
                                  for c in events):
                 raise ValueError("not a call to an offered function")
@@ -207,6 +206,13 @@ class CallSplitter:
             events = events[: max(0, 1 - self.calls)]
         self.calls += len(events)
         return events
+
+
+def _strict_json(value):
+    """`value` as strict JSON reads it back (tuples as arrays, keys as strings). The parsers'
+    `json.loads` and `ast.literal_eval` also give NaN, Infinity, sets, bytes, complex numbers
+    and lone surrogates, which have no such form: ValueError or TypeError."""
+    return json.loads(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
