@@ -335,13 +335,9 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
     w = world or this_world()
     path = cache_path()
     key = cost_key(target, draft, max_width, context, w.size)
-    table, entry = {}, None
+    entry = None
     if w.is_root:
-        try:
-            table = json.loads(path.read_text())
-        except (OSError, ValueError):
-            table = {}
-        entry = table.get(key)
+        entry = _read_table(path).get(key)
         fresh = entry and time.time() - entry.get("measured_at", 0) < STALE_AFTER_DAYS * 86400
         forced = refresh or (_recalibrate and key not in _measured_here)
         entry = entry if (fresh and not forced) else None
@@ -350,14 +346,33 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
         return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"])
     curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress, world=w)
     _measured_here.add(key)
-    if not w.is_root:
-        return curve
-    table[key] = {**asdict(curve), "measured_at": time.time()}
+    if w.is_root:
+        store_curve(path, key, {**asdict(curve), "measured_at": time.time()})
+    return curve
+
+
+def _read_table(path: Path) -> dict:
+    """The cached curves by key; a missing or damaged file holds none."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def store_curve(path: Path, key: str, entry: dict) -> None:
+    """Add one curve to the table at `path`. Processes calibrating at once (a server and a
+    `generate`, or two pairs) each read, change and write the whole table: under a lock,
+    and read again inside it, so none writes back a table without another's curve."""
+    from filelock import FileLock, Timeout
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs a re-measurement next time
-    return curve
+        with FileLock(str(path.with_suffix(".lock")), timeout=30):
+            table = _read_table(path)
+            table[key] = entry
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(table, indent=1))
+            tmp.replace(path)
+    except (OSError, Timeout):
+        pass  # a read-only cache, or a stuck lock, only costs a re-measurement next time
