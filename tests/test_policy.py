@@ -47,12 +47,18 @@ def test_high_acceptance_and_flat_costs_draft_long():
 
 
 def test_moderate_acceptance_picks_the_hand_computed_optimum():
-    # a = 0.6 on FLAT: E/T = 1.0, 1.50, 1.72, 1.80, 1.80(γ=4: 2.306/1.28), 1.77, 1.71
-    policy = trained(FLAT, [0.6] * 6)
-    rates = [policy.rate(g) for g in range(7)]
-    assert max(range(7), key=rates.__getitem__) == policy.best()
-    assert policy.best() in (3, 4)
-    assert all(abs(a - 0.6) < 0.1 for a in policy.acceptance())
+    """Every position accepted exactly half the time it is reached: 64 rounds of γ = 6 that
+    accept 0, 1, .., 6 tokens 32, 16, 8, 4, 2, 1, 1 times. On FLAT (a verify of γ+1 rows
+    1 + 0.02γ, a draft step 0.05) E/T = (2 − 0.5^γ) / (1 + 0.07γ) for γ ≥ 1:
+    1.00, 1.402, 1.535, 1.550, 1.514, 1.458, 1.397, so γ = 3."""
+    policy = AutoGamma(FLAT, prior_weight=0.01, decay=1.0, learn_costs=False)
+    for accepted, times in enumerate([32, 16, 8, 4, 2, 1, 1]):
+        for _ in range(times):
+            policy.observe(6, accepted)
+    assert policy.acceptance() == pytest.approx([0.5] * 6, abs=0.005)
+    by_hand = [1.0, 1.402, 1.535, 1.550, 1.514, 1.458, 1.397]
+    assert [policy.rate(g) for g in range(7)] == pytest.approx(by_hand, abs=0.01)
+    assert policy.best() == 3
 
 
 def test_falling_acceptance_stops_early():
