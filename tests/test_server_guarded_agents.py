@@ -21,7 +21,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
 from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
-from server_support import assert_openai_error, wait_for
+from server_support import anthropic_error, assert_openai_error, wait_for
 
 MODEL = "scripted"
 KEY = "sekret"
@@ -84,14 +84,6 @@ def claude(server, key=KEY, **kwargs):
 
 def say(server, tokenizer, text):
     server.model.script = list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
-    assert response.status_code == status, (response.status_code, response.text)
-    body = response.json()
-    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
-    assert body["error"]["type"] == kind and "\n" not in body["error"]["message"], body
-    return body["error"]["message"]
 
 
 def declare_a_huge_body(server, path: str) -> tuple[int, dict]:

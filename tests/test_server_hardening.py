@@ -18,8 +18,8 @@ import openai
 import pytest
 from mlx_lm import generate, load
 
-from server_support import (LONG_PROMPT, Server, assert_openai_error, server_env, serving, start_long_stream,
-                            wait_for)
+from server_support import (LONG_PROMPT, Server, anthropic_error, assert_openai_error, server_env, serving,
+                            start_long_stream, wait_for)
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
@@ -104,6 +104,17 @@ def test_deeply_nested_json_is_a_400(server, tiny_dirs, depth):
         assert_openai_error(server.post("/completions", body), 400, "nested deeper than 64")
     ok = server.client().completions.create(model=tiny_dirs[0], prompt="hi", max_tokens=2)
     assert ok.choices and server.health()["failed"] == 0
+
+
+@pytest.mark.parametrize("body,kind", [(b"null", "null"), (b"12", "a number"), (b'"hi"', "a string"),
+                                       (b"[]", "a list"), (b"true", "true")])
+def test_a_body_that_is_not_an_object_is_a_400_in_the_routes_shape(server, body, kind):
+    """Issue 33, item 17: `null` was told it was nested deeper than 64 levels."""
+    said = f"the request body must be a JSON object, not {kind}"
+    for path in ("/completions", "/chat/completions"):
+        assert assert_openai_error(server.post(path, body), 400, said)["message"] == said
+    for path in ("/messages", "/messages/count_tokens"):
+        assert anthropic_error(server.post(path, body), 400, "invalid_request_error") == said
 
 
 # -- 3. the API key: bytes, and an unusable key refused at start-up -----------------------

@@ -252,7 +252,7 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     """A request model from a raw body, or an `ApiError` that says what is wrong."""
     data = load_json(raw)
     if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise ApiError(400, f"the request body must be a JSON object, not {_json_kind(data)}")
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -273,10 +273,17 @@ def load_json(raw: bytes):
     except json.JSONDecodeError as error:
         raise ApiError(400, f"the request body is not valid JSON: {error.msg} "
                             f"(line {error.lineno}, column {error.colno})") from None
-    except RecursionError:
-        data = None  # deeper than Python recurses: surely past MAX_JSON_DEPTH
+    except RecursionError:  # deeper than Python recurses: surely past MAX_JSON_DEPTH
+        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     _check_values(data)
     return data
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in a few words ("a list", "null")."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return {str: "a string", list: "a list"}.get(type(value), "a number")
 
 
 def _refuse_constant(name: str):
@@ -285,8 +292,6 @@ def _refuse_constant(name: str):
 
 def _check_values(data) -> None:
     """Depth and Unicode, walked with a stack: a recursive walk would fail where it matters."""
-    if data is None:
-        raise ApiError(400, f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
     stack = [(data, "", 1)]
     while stack:
         value, path, depth = stack.pop()
