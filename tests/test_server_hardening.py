@@ -136,6 +136,19 @@ def test_a_non_ascii_bearer_token_is_a_401(keyed_server, tiny_dirs):
     assert keyed.completions.create(model=tiny_dirs[0], prompt="hi", max_tokens=2).choices
 
 
+def test_options_needs_the_key_like_any_other_method(keyed_server):
+    """Issue 33, item 11: OPTIONS skipped the key on every path. CORS preflights never reach
+    the guards (CORSMiddleware answers them, tests/test_server_guarded_agents.py)."""
+    for path in ("/v1/models", "/v1/chat/completions", "/metrics", "/elsewhere"):
+        assert_openai_error(httpx.options(keyed_server.url + path), 401, "API key")
+        assert_openai_error(httpx.options(keyed_server.url + path, headers={
+            "Origin": "http://attacker.example", "Access-Control-Request-Method": "POST"}), 401)
+        keyed = httpx.options(keyed_server.url + path, headers={"x-api-key": "sekret"})
+        assert_openai_error(keyed, 404 if path == "/elsewhere" else 405)  # no route answers OPTIONS
+    messages = httpx.options(keyed_server.url + "/v1/messages")
+    anthropic_error(messages, 401, "authentication_error")
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_an_unusable_api_key_is_refused_at_start(tiny_dirs, env, how):
     # (an empty MLX_SPEC_API_KEY counts as unset, as Click reads empty variables)
