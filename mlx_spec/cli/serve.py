@@ -14,6 +14,7 @@ import ipaddress
 import re
 import socket
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -50,6 +51,11 @@ def serve(
         help="Host header names to answer besides localhost and loopback addresses (which "
              "are always answered), comma-separated; '*' answers any. Default: loopback "
              "only, against DNS rebinding by web pages; with a non-loopback --host, any.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", rich_help_panel=SERVER, metavar="NAME",
+        help="The model's name in /v1/models, /health and answers; requests must name it (or "
+             "the preset). Default: --model as given, which /health (open without a key) "
+             "shows only by its last part when it is a local path.")] = None,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", rich_help_panel=SERVER, min=1,
         help="Requests that may wait while one generates; more are answered 503 with "
@@ -107,6 +113,8 @@ def serve(
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise UsageError(f"unknown --log-level {log_level!r}: use warning, info or debug")
     check_api_key(api_key)
+    if served_model_name is not None and not served_model_name.strip():
+        raise UsageError("--served-model-name needs a name")
     for origin in cors_origin or ():
         if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
             raise UsageError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
@@ -125,9 +133,11 @@ def serve(
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
     preset_name = getattr(setup.preset, "name", None)
+    served = served_model_name.strip() if served_model_name else setup.target
     options = ServerOptions(
-        model_name=setup.target,
-        aliases=(preset_name,) if preset_name and preset_name != setup.target else (),
+        model_name=served,
+        aliases=(preset_name,) if preset_name and preset_name != served else (),
+        public_name=served if served_model_name else _public_name(served),
         gamma=gamma_mode,
         defaults=params,
         max_tokens=max_tokens,
@@ -135,7 +145,6 @@ def serve(
         queue_size=queue_size,
         api_key=api_key,
         allowed_hosts=served_hosts,
-        info=setup.models,
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
     )
@@ -177,6 +186,13 @@ def _served_hosts(allowed: Optional[str], bound: str) -> Optional[tuple[str, ...
             raise UsageError("--allowed-hosts needs at least one name (or '*')")
         return names
     return () if _loopback(bound) else None
+
+
+def _public_name(model: str) -> str:
+    """What /health, which needs no key, calls the model: a local path's last part only
+    (the rest tells a stranger about this machine's folders), else the name as given."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model
 
 
 def _bind(host: str, port: int, keyed: bool) -> socket.socket:

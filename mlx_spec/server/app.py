@@ -17,7 +17,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -46,8 +46,12 @@ class ServerOptions:
     """What the server serves and how.
 
     Attributes:
-        model_name: the id in `/v1/models`; requests must name it (or an alias).
-        aliases: other names accepted in a request's "model" field (e.g. the preset).
+        model_name: the served name: the first id in `/v1/models` and the "model" of every
+            answer; requests must name it (or an alias).
+        aliases: other names accepted in a request's "model" field (e.g. the preset), listed
+            after it in `/v1/models`.
+        public_name: the name /health shows, as it needs no key (None: model_name); the
+            CLI passes a local model path's last part only.
         gamma: "auto" or a whole number as text.
         defaults: sampling values for fields a request leaves out.
         max_tokens: completion length when a request gives none.
@@ -56,7 +60,6 @@ class ServerOptions:
         api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
             "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
         allowed_hosts: Host names served besides loopback ones; None serves any.
-        info: what /health reports about the loaded models (target, draft, preset).
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
         cors_origins: origins whose browser pages may call the API (none by default).
@@ -71,7 +74,7 @@ class ServerOptions:
     queue_size: int = 8
     api_key: Optional[str] = None
     allowed_hosts: Optional[tuple[str, ...]] = ()
-    info: dict = field(default_factory=dict)
+    public_name: Optional[str] = None
     cache_budget: Optional[int] = None
     cors_origins: tuple[str, ...] = ()
 
@@ -139,7 +142,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": options.model_name, "models": options.info,
+        return {"status": "ok", "model": options.public_name or options.model_name,
                 "drafter": drafter, "gamma": gamma_mode, **worker.health()}
 
     @app.get("/metrics")
@@ -149,9 +152,10 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": options.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "mlx-spec"}
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "mlx-spec"}
+            for name in (options.model_name, *options.aliases)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
