@@ -298,14 +298,84 @@ def test_rebinding_host_names_are_refused(server, tiny_dirs):
         assert httpx.get(server.url + "/health", headers={"Host": host}).status_code == 200, host
 
 
-def test_allowed_hosts_adds_names(tiny_dirs, env):
-    server = Server(["--model", tiny_dirs[0], "--drafter", "none",
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def _this_machine() -> list[str]:
+    """Names and addresses other machines reach this one by: its host names, what they
+    resolve to, and the address it sends from by default (a UDP connect sends nothing)."""
+    names = [socket.gethostname(), socket.getfqdn()]
+    for name in list(names):
+        names += [info[4][0] for info in socket.getaddrinfo(name, None)]
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as udp:
+                udp.connect((probe, 9))
+                names.append(udp.getsockname()[0])
+        except OSError:
+            pass
+    return names
+
+
+def _status(server, host: str, address: str) -> int:
+    """GET /health over a connection to `address` with `Host: host`."""
+    url = f"http://{address}:{_port(server)}/health"
+    return httpx.get(url, headers={"Host": host}, timeout=10).status_code
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::"])
+def test_a_public_host_answers_this_machines_names_only(tiny_dirs, env, bind):
+    """Issue 33, item 7: with --host 0.0.0.0 the Host check was off, so a page that rebinds
+    its name to this machine's address could drive the model from the user's browser."""
+    if bind == "::" and not _ipv6():
+        pytest.skip("no IPv6 on this machine")
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", bind], env)
+    try:
+        port, loopback = _port(server), "127.0.0.1" if bind == "0.0.0.0" else "[::1]"
+        shown = bind if bind == "0.0.0.0" else f"[{bind}]"
+        served = [f"{shown}:{port}", "localhost", f"127.0.0.1:{port}", f"[::1]:{port}",
+                  f"{socket.gethostname().upper()}:{port}"]
+        served += [f"[{name}]" if ":" in name else name for name in _this_machine()]
+        for host in served:
+            assert _status(server, host, loopback) == 200, host
+        for host in ["attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io",
+                     f"{socket.gethostname()}.attacker.example"]:
+            response = httpx.get(f"http://{loopback}:{port}/health", headers={"Host": host}, timeout=10)
+            assert_openai_error(response, 403, "is not served here", "--allowed-hosts")
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0"])
+def test_allowed_hosts_adds_names(tiny_dirs, env, bind):
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", bind,
                      "--allowed-hosts", "models.example.test, other.example.test"], env)
     try:
         port = _port(server)
-        for host, status in [(f"models.example.test:{port}", 200), ("other.example.test", 200),
-                             ("localhost", 200), ("attacker.example", 403)]:
-            assert httpx.get(server.url + "/health", headers={"Host": host}).status_code == status
+        cases = [(f"models.example.test:{port}", 200), ("other.example.test", 200),
+                 ("localhost", 200), ("attacker.example", 403)]
+        if bind == "0.0.0.0":  # this machine's own names are still answered
+            cases.append((socket.gethostname(), 200))
+        for host, status in cases:
+            assert _status(server, host, "127.0.0.1") == status, host
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log
+
+
+def test_allowed_hosts_star_turns_the_check_off(tiny_dirs, env):
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", "0.0.0.0",
+                     "--allowed-hosts", "*"], env)
+    try:
+        for host in ["attacker.example", "127.0.0.1.nip.io:80"]:
+            assert _status(server, host, "127.0.0.1") == 200, host
     finally:
         server.stop()
     assert "Traceback" not in server.log
