@@ -50,6 +50,23 @@ class SlowScriptedModel(ScriptedModel):
         return super().__call__(inputs, cache)
 
 
+class HeldTokenizer:
+    """The tokenizer, but rendering a conversation that says "hold" waits until `release`
+    is set: the tokenizer thread stays busy for as long as a test needs."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.holding, self.release = tokenizer, threading.Event(), threading.Event()
+
+    def apply_chat_template(self, messages, **kwargs):
+        if any(m["content"] == "hold" for m in messages):
+            self.holding.set()
+            self.release.wait(60)
+        return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
 def tokenizer_for(path, template=None):
     folder = save_tokenizer(path) if template is None else save_tokenizer(path, template)
     return load_tokenizer(folder, eos_token_ids=[EOS_ID, END_OF_TURN_ID])
@@ -208,6 +225,48 @@ def test_messages_that_cannot_fit_are_refused_before_tokenizing(keyed):
             call()
         assert "the request's text alone needs at least" in error.value.body["error"]["message"]
         assert time.monotonic() - began < 10  # a loose bound: the machine is shared
+
+
+def test_prompts_tokenizing_at_once_are_bounded_count_tokens_too(tokenizer):
+    """Issue 33, item 8: prompts waited for the tokenizer thread in an unbounded queue, and
+    count_tokens never met a bound: a burst of large prompts queued seconds of work. At most
+    --queue-size prompts tokenize or wait to; the next gets 503 with Retry-After at once."""
+    held = HeldTokenizer(tokenizer)
+    server = start(held, queue_size=2)
+    try:
+        counts: dict = {}
+
+        def count(i, content):
+            counts[i] = claude(server).messages.count_tokens(
+                model=MODEL, messages=[{"role": "user", "content": content}]).input_tokens
+
+        holding = threading.Thread(target=count, args=(0, "hold"))
+        holding.start()
+        assert held.holding.wait(10)  # the tokenizer thread is busy with it
+        waiting = threading.Thread(target=count, args=(1, "hi"))
+        waiting.start()
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=10).json()["tokenizing"] == 2, 10,
+                 "two prompts tokenizing")
+        with pytest.raises(anthropic.InternalServerError) as error:  # 503, not a wait
+            claude(server, timeout=5).messages.count_tokens(model=MODEL, messages=HI)
+        assert error.value.status_code == 503 and error.value.body["error"]["type"] == "overloaded_error"
+        assert int(error.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(anthropic.InternalServerError) as error:
+            claude(server, timeout=5).messages.create(model=MODEL, max_tokens=5, messages=HI)
+        assert error.value.body["error"]["type"] == "overloaded_error"
+        with pytest.raises(openai.InternalServerError) as error:
+            server.client().with_options(timeout=5).chat.completions.create(model=MODEL, messages=HI)
+        assert error.value.status_code == 503 and error.value.body["code"] == "server_busy"
+        assert int(error.value.response.headers["retry-after"]) >= 1
+        held.release.set()
+        holding.join(30)
+        waiting.join(30)
+        hi = len(tokenizer.apply_chat_template(HI, add_generation_prompt=True))
+        assert counts[1] == hi and counts[0] > 0
+        assert claude(server).messages.count_tokens(model=MODEL, messages=HI).input_tokens == hi
+    finally:
+        held.release.set()
+        server.stop()
 
 
 def test_a_system_prompt_the_template_leaves_out_is_refused(tmp_path):

@@ -91,6 +91,47 @@ def test_a_queued_client_that_leaves_frees_its_place(server, tiny_dirs):
     assert server.wait_idle(30)["cancelled"] >= 2  # the leaver and the long stream
 
 
+def test_a_full_queue_refuses_before_tokenizing(server, tiny_dirs):
+    """Issue 33, item 8: prompts were tokenized before the queue-full check. Here each
+    request is one only tokenizing could refuse (a prompt whose characters fit the context
+    but whose tokens do not; a system turn the template leaves out): while the queue is
+    full they get 503 with Retry-After, not their 400, so none was tokenized."""
+    model = tiny_dirs[0]
+    huge = "x" * 60_000  # 60,000 tokens for this tokenizer, under the 4,096 × 15 bytes bound
+    refused = [("/completions", {"model": model, "prompt": huge, "max_tokens": 2}),
+               ("/chat/completions", {"model": model, "max_tokens": 2,
+                                      "messages": [{"role": "system", "content": "Be brief."}]}),
+               ("/messages", {"model": model, "max_tokens": 2,
+                              "messages": [{"role": "user", "content": huge}]})]
+    server.wait_idle(30)
+    client, running, _ = start_long_stream(server, model)
+    answer = {}
+    try:
+        waiter = threading.Thread(target=lambda: answer.update(result=server.client().completions.create(
+            model=model, prompt="Hello", max_tokens=2)))
+        waiter.start()
+        wait_for(lambda: server.health()["queued"] == 1, 5, "queued")  # the queue (1) is full
+        for path, body in refused:
+            response = server.post(path, body)
+            if path == "/messages":
+                assert "busy" in anthropic_error(response, 503, "overloaded_error")
+            else:
+                assert assert_openai_error(response, 503, "busy")["code"] == "server_busy"
+            assert int(response.headers["retry-after"]) >= 1
+        # counting tokens queues nothing: answered while the queue is full
+        count = server.post("/messages/count_tokens", {"model": model, "messages": [
+            {"role": "user", "content": huge}]})
+        assert count.status_code == 200 and count.json()["input_tokens"] > 60_000
+    finally:
+        running.close()
+        client.close()
+    waiter.join(60)
+    assert answer["result"].choices
+    server.wait_idle(30)
+    for path, body in refused:  # with room, each is tokenized and gets its own answer
+        assert server.post(path, body).status_code == 400
+
+
 # -- 2. deeply nested JSON ----------------------------------------------------------------
 
 

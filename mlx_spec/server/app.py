@@ -7,7 +7,9 @@ size), inside CORSMiddleware when `--cors-origin` is given. Handlers run on the 
 request, tokenize the prompt (on a tokenizer thread, so a big prompt does not stall other
 clients, and before queueing, so errors such as a prompt over the context are answered at
 once), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
-Retry-After; a client that goes away cancels its job.
+Retry-After, checked before tokenizing too; so is a prompt that finds `queue_size`
+prompts already tokenizing or waiting to (count_tokens' included), so a burst of big
+prompts cannot line up more tokenizer work than that. A client that goes away cancels its job.
 """
 
 from __future__ import annotations
@@ -116,8 +118,35 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
     app.add_middleware(CountResponses, metrics=worker.metrics)
 
-    async def off_loop(function, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
+    tokenizing_now = 0  # prompts on or waiting for the tokenizer thread (event loop only)
+
+    async def tokenized(function, *args, queued: bool = True):
+        """`function(*args)` on the tokenizer thread, or a 503 first: if the prompt is for
+        the queue (`queued`) and it is full, or if `queue_size` prompts are tokenizing
+        already (the executor's own queue has no bound)."""
+        nonlocal tokenizing_now
+        if queued:
+            try:
+                worker.check_room()
+            except (Busy, ShuttingDown) as error:
+                raise refusal(error) from None
+        if tokenizing_now >= options.queue_size:
+            raise busy(f"{tokenizing_now} prompts being tokenized", retry_after=1)
+        tokenizing_now += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
+        finally:
+            tokenizing_now -= 1
+
+    def busy(why: str, retry_after: int) -> ApiError:
+        return ApiError(503, f"the server is busy ({why}); retry later", type="server_error",
+                        code="server_busy", headers={"Retry-After": str(retry_after)})
+
+    def refusal(error: Exception) -> ApiError:
+        """The 503 for the worker's `Busy` or `ShuttingDown`."""
+        if isinstance(error, ShuttingDown):
+            return ApiError(503, SHUTTING_DOWN.message, type="server_error", code="shutting_down")
+        return busy(f"{options.queue_size} requests waiting", error.retry_after)
 
     # -- errors in OpenAI's shape (Anthropic's under its path) ---------------------------
 
@@ -143,7 +172,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": options.public_name or options.model_name,
-                "drafter": drafter, "gamma": gamma_mode, **worker.health()}
+                "drafter": drafter, "gamma": gamma_mode, "tokenizing": tokenizing_now,
+                **worker.health()}
 
     @app.get("/metrics")
     async def metrics():
@@ -172,18 +202,18 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
-            ids = list(await off_loop(tokenizer.encode, prompt))
+            ids = list(await tokenized(tokenizer.encode, prompt))
         else:
             ids = list(prompt)
             if any(not 0 <= t < vocab_size for t in ids):
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
         return await serve(request, body, ids, chat=False)
 
-    async def chat_ids(messages: list[dict], plan: ToolPlan) -> list[int]:
+    async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True) -> list[int]:
         """The conversation's prompt ids, tokenized off the event loop once its text could
-        fit the context."""
+        fit the context (and, `queued`, once the queue has room: see `tokenized`)."""
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        return await off_loop(chat_prompt, tokenizer, messages, plan)
+        return await tokenized(chat_prompt, tokenizer, messages, plan, queued=queued)
 
     def check_length(characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -207,13 +237,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                   logprobs=body.logprob_count())
         try:
             worker.submit(job)
-        except ShuttingDown:
-            raise ApiError(503, SHUTTING_DOWN.message, type="server_error",
-                           code="shutting_down") from None
-        except Busy as busy:
-            raise ApiError(503, f"the server is busy ({options.queue_size} requests waiting); "
-                                "retry later", type="server_error", code="server_busy",
-                           headers={"Retry-After": str(busy.retry_after)}) from None
+        except (Busy, ShuttingDown) as error:
+            raise refusal(error) from None
         return job
 
     async def collect(job: Job, request: Request) -> tuple[list[Piece], Done]:
