@@ -227,43 +227,48 @@ def test_messages_that_cannot_fit_are_refused_before_tokenizing(keyed):
         assert time.monotonic() - began < 10  # a loose bound: the machine is shared
 
 
-def test_prompts_tokenizing_at_once_are_bounded_count_tokens_too(tokenizer):
-    """Issue 33, item 8: prompts waited for the tokenizer thread in an unbounded queue, and
-    count_tokens never met a bound: a burst of large prompts queued seconds of work. At most
-    --queue-size prompts tokenize or wait to; the next gets 503 with Retry-After at once."""
+def test_prompts_being_tokenized_hold_their_place_and_count_tokens_is_bounded(tokenizer):
+    """Issue 33, item 8: prompts waited for the tokenizer thread in an unbounded queue,
+    before the queue-full check, and count_tokens met no bound: a burst of large prompts
+    lined up seconds of work. A prompt being tokenized now holds its place in the queue,
+    and count_tokens waits only while fewer than --queue-size prompts tokenize; the next
+    request gets 503 with Retry-After at once, in its API's shape."""
     held = HeldTokenizer(tokenizer)
     server = start(held, queue_size=2)
     try:
-        counts: dict = {}
+        say(server, tokenizer, "Fine")
+        answers: dict = {}
 
-        def count(i, content):
-            counts[i] = claude(server).messages.count_tokens(
-                model=MODEL, messages=[{"role": "user", "content": content}]).input_tokens
+        def ask(i, content):
+            answers[i] = claude(server).messages.create(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": content}])
 
-        holding = threading.Thread(target=count, args=(0, "hold"))
+        holding = threading.Thread(target=ask, args=(0, "hold"))
         holding.start()
         assert held.holding.wait(10)  # the tokenizer thread is busy with it
-        waiting = threading.Thread(target=count, args=(1, "hi"))
+        waiting = threading.Thread(target=ask, args=(1, "hi"))
         waiting.start()
         wait_for(lambda: httpx.get(server.url + "/health", timeout=10).json()["tokenizing"] == 2, 10,
                  "two prompts tokenizing")
-        with pytest.raises(anthropic.InternalServerError) as error:  # 503, not a wait
-            claude(server, timeout=5).messages.count_tokens(model=MODEL, messages=HI)
-        assert error.value.status_code == 503 and error.value.body["error"]["type"] == "overloaded_error"
-        assert int(error.value.response.headers["retry-after"]) >= 1
-        with pytest.raises(anthropic.InternalServerError) as error:
-            claude(server, timeout=5).messages.create(model=MODEL, max_tokens=5, messages=HI)
-        assert error.value.body["error"]["type"] == "overloaded_error"
-        with pytest.raises(openai.InternalServerError) as error:
+        assert server.worker.health()["queued"] == 0  # they hold the queue's two places
+        with pytest.raises(openai.InternalServerError) as error:  # 503, not a wait
             server.client().with_options(timeout=5).chat.completions.create(model=MODEL, messages=HI)
         assert error.value.status_code == 503 and error.value.body["code"] == "server_busy"
         assert int(error.value.response.headers["retry-after"]) >= 1
+        for call in (lambda c: c.messages.create(model=MODEL, max_tokens=5, messages=HI),
+                     lambda c: c.messages.count_tokens(model=MODEL, messages=HI)):
+            with pytest.raises(anthropic.InternalServerError) as error:
+                call(claude(server, timeout=5))
+            assert error.value.status_code == 503
+            assert error.value.body["error"]["type"] == "overloaded_error"
+            assert int(error.value.response.headers["retry-after"]) >= 1
         held.release.set()
         holding.join(30)
         waiting.join(30)
+        assert answers[0].content[0].text == answers[1].content[0].text == "Fine"
         hi = len(tokenizer.apply_chat_template(HI, add_generation_prompt=True))
-        assert counts[1] == hi and counts[0] > 0
         assert claude(server).messages.count_tokens(model=MODEL, messages=HI).input_tokens == hi
+        assert server.worker.health()["refused"] == 2  # the generations, not the count
     finally:
         held.release.set()
         server.stop()

@@ -118,6 +118,9 @@ def test_a_full_queue_refuses_before_tokenizing(server, tiny_dirs):
             else:
                 assert assert_openai_error(response, 503, "busy")["code"] == "server_busy"
             assert int(response.headers["retry-after"]) >= 1
+        # what is wrong without tokens still gets its 400 first
+        assert_openai_error(server.post("/completions", {"model": model, "prompt": huge, "top_p": 7}),
+                            400, "top-p")
         # counting tokens queues nothing: answered while the queue is full
         count = server.post("/messages/count_tokens", {"model": model, "messages": [
             {"role": "user", "content": huge}]})

@@ -60,8 +60,8 @@ def serve(
              "shows only by its last part when it is a local path.")] = None,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", rich_help_panel=SERVER, min=1,
-        help="Requests that may wait while one generates, and prompts that may tokenize at "
-             "once; more are answered 503 with Retry-After (before tokenizing).")] = 8,
+        help="Requests that may wait (or be tokenized) while one generates; more are "
+             "answered 503 with Retry-After, before tokenizing.")] = 8,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", "-n", rich_help_panel=SERVER, min=1,
         help="Completion tokens when a request does not say (always within the context).")] = 512,

@@ -230,7 +230,7 @@ def event(kind: str, data: dict) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-def add_routes(app, *, options, syntax, check_model, chat_ids, submit, collect, cancel,
+def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect, cancel,
                usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
     (`chat_ids(messages, plan, queued)` -> prompt ids, off the event loop, refused while
@@ -240,7 +240,7 @@ def add_routes(app, *, options, syntax, check_model, chat_ids, submit, collect, 
 
     async def prompt_of(raw: bytes, model: type, queued: bool) -> tuple:
         body = parse_body(raw, model)
-        check_model(body)
+        check_request(body, queued)
         body.refuse_unsupported()
         plan = tool_plan(body, syntax)
         return body, plan, await chat_ids(template_messages(body), plan, queued)

@@ -7,9 +7,10 @@ size), inside CORSMiddleware when `--cors-origin` is given. Handlers run on the 
 request, tokenize the prompt (on a tokenizer thread, so a big prompt does not stall other
 clients, and before queueing, so errors such as a prompt over the context are answered at
 once), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
-Retry-After, checked before tokenizing too; so is a prompt that finds `queue_size`
-prompts already tokenizing or waiting to (count_tokens' included), so a burst of big
-prompts cannot line up more tokenizer work than that. A client that goes away cancels its job.
+Retry-After, checked before tokenizing: a prompt being tokenized holds its place in the
+queue, and count_tokens' prompts wait for the tokenizer only while fewer than
+`queue_size` do, so a burst of big prompts cannot line up more tokenizer work than the
+queue takes. A client that goes away cancels its job.
 """
 
 from __future__ import annotations
@@ -118,25 +119,29 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
     app.add_middleware(CountResponses, metrics=worker.metrics)
 
-    tokenizing_now = 0  # prompts on or waiting for the tokenizer thread (event loop only)
+    # Prompts on or waiting for the tokenizer thread, and how many of them are for the
+    # queue (changed on the event loop only).
+    tokenizing_now = tokenizing_queued = 0
 
     async def tokenized(function, *args, queued: bool = True):
-        """`function(*args)` on the tokenizer thread, or a 503 first: if the prompt is for
-        the queue (`queued`) and it is full, or if `queue_size` prompts are tokenizing
-        already (the executor's own queue has no bound)."""
-        nonlocal tokenizing_now
+        """`function(*args)` on the tokenizer thread, or a 503 first, so the tokenizer's
+        backlog stays bounded (the executor's own queue has none). A prompt for the queue
+        (`queued`) holds its place there from now on: refused if the queue, with the prompts
+        tokenizing for it, is full. Another (count_tokens') is refused once `queue_size`
+        prompts are tokenizing."""
+        nonlocal tokenizing_now, tokenizing_queued
         if queued:
             try:
-                worker.check_room()
+                worker.check_room(coming=tokenizing_queued)
             except (Busy, ShuttingDown) as error:
                 raise refusal(error) from None
-        if tokenizing_now >= options.queue_size:
+        elif tokenizing_now >= options.queue_size:
             raise busy(f"{tokenizing_now} prompts being tokenized", retry_after=1)
-        tokenizing_now += 1
+        tokenizing_now, tokenizing_queued = tokenizing_now + 1, tokenizing_queued + queued
         try:
             return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
         finally:
-            tokenizing_now -= 1
+            tokenizing_now, tokenizing_queued = tokenizing_now - 1, tokenizing_queued - queued
 
     def busy(why: str, retry_after: int) -> ApiError:
         return ApiError(503, f"the server is busy ({why}); retry later", type="server_error",
@@ -190,7 +195,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(await request.body(), ChatRequest)
-        check_model(body)
+        check_request(body)
         plan = openai_plan(body, syntax)
         messages = template_messages(body.messages)
         return await serve(request, body, await chat_ids(messages, plan), chat=True, plan=plan)
@@ -198,7 +203,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_body(await request.body(), CompletionRequest)
-        check_model(body)
+        check_request(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
@@ -224,10 +229,17 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                                 f"the request's text alone needs at least {at_least}",
                            param=param, code="context_length_exceeded")
 
-    def check_model(body) -> None:
+    def check_request(body, queued: bool = True) -> None:
+        """The checks that need no tokens, so a wrong request gets its 400 before any 503
+        and any tokenizing: the model's name and, for a generation (`queued`), its sampling
+        values, stop strings and log-probs (`submit` reads them again: it is cheap)."""
         if body.model != options.model_name and body.model not in options.aliases:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{options.model_name!r}", param="model", code="model_not_found")
+        if queued:
+            body.sampling(options.defaults)
+            body.stops()
+            body.logprob_count()
 
     def submit(body, prompt_ids: list[int], param: str) -> Job:
         """Queue a generation for `body` (its sampling fields, stops and budget checked)."""
@@ -284,7 +296,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return answer
 
     anthropic.add_routes(
-        app, options=options, syntax=syntax, check_model=check_model, chat_ids=chat_ids,
+        app, options=options, syntax=syntax, check_request=check_request, chat_ids=chat_ids,
         submit=submit, collect=collect, cancel=worker.cancel, usage_counts=token_counts,
         extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 
