@@ -6,6 +6,14 @@ positions), under the wheel's reference BLAS and the optimised one mlx-spec load
 Each BLAS runs in its own worker process (it is chosen when mlx.core loads); workers
 alternate. Medians of the repeats after a warm-up.
 
+Also recorded, for the figures README quotes:
+- how far row 0 of an M-row float32 product is from the 1-row product of the same row
+  (MKL picks other kernels for more rows, so a verify can round a logit differently from
+  a decode step; `row_difference`);
+- the LM head's 1-row time under the optimised BLAS on 1 and on every core's worth of
+  threads, on an idle machine and beside a process that keeps one core busy (what the
+  default thread count rests on; `threads`).
+
     python bench/blas_matmul.py --workers 2
 """
 
@@ -24,14 +32,14 @@ SHAPES = {"float32 LM head (640 x 262144)": (640, 262144, None),
           "4-bit MLP projection (3840 x 15360)": (3840, 15360, 4)}
 
 
-def worker(repeats: int) -> None:
+def worker(repeats: int, head_only: bool = False) -> None:
     import mlx_spec  # noqa: F401  (loads the BLAS named by $MLX_SPEC_BLAS first)
     import mlx.core as mx
 
     from mlx_spec import blas
 
-    out = {"blas": blas.describe(), "ms": {}}
-    for name, (d_in, d_out, bits) in SHAPES.items():
+    out = {"blas": blas.describe(), "ms": {}, "row_difference": {}}
+    for name, (d_in, d_out, bits) in list(SHAPES.items())[: 1 if head_only else None]:
         w = mx.random.normal((d_out, d_in), key=mx.random.key(0)) * 0.02
         if bits:
             wq, scales, biases = mx.quantize(w, group_size=64, bits=bits)
@@ -45,8 +53,12 @@ def worker(repeats: int) -> None:
             def forward(x):
                 return x @ w.T
         out["ms"][name] = {}
-        for rows in ROWS:
+        for rows in ROWS[: 1 if head_only else None]:
             x = mx.random.normal((rows, d_in), key=mx.random.key(rows))
+            if not bits:  # row 0 alone against row 0 of the M-row product
+                alone, together = forward(x[:1]), forward(x)[:1]
+                gap = mx.max(mx.abs(alone - together)).item()
+                out["row_difference"][str(rows)] = {"max_abs": gap, "relative": gap / mx.max(mx.abs(alone)).item()}
             mx.eval(forward(x))  # warm-up
             times = []
             for _ in range(repeats):
@@ -62,11 +74,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes per BLAS")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--head-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.repeats)
+        return worker(args.repeats, args.head_only)
 
-    from common import blas_worker, median, write_results
+    import os
+    import subprocess
+
+    from common import blas_worker, median, quiet_machine, write_results
+
+    before = quiet_machine()
 
     results = {"reference": [], "fast": []}
     for _ in range(args.workers):
@@ -76,14 +94,35 @@ def main() -> None:
     for name, runs in results.items():
         table[name] = {"blas": runs[0]["blas"], "ms": {
             shape: {rows: median([r["ms"][shape][rows] for r in runs]) for rows in runs[0]["ms"][shape]}
-            for shape in runs[0]["ms"]}}
+            for shape in runs[0]["ms"]}, "row_difference": {
+            rows: {k: median([r["row_difference"][rows][k] for r in runs]) for k in ("max_abs", "relative")}
+            for rows in runs[0]["row_difference"]}}
+    head = next(iter(SHAPES))
+    threads = {}
+    for busy in (False, True):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+        try:
+            for count in sorted({1, os.cpu_count() or 1}):
+                runs = [blas_worker(__file__, "auto", "--repeats", str(args.repeats), "--head-only",
+                                    env={"MLX_SPEC_BLAS_THREADS": str(count)}) for _ in range(args.workers)]
+                threads[f"{count} thread{'s' * (count > 1)}, {'one core busy' if busy else 'idle'}"] = {
+                    "blas_threads": runs[0]["blas"]["threads"], "ms": median([r["ms"][head]["1"] for r in runs])}
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
     for shape in SHAPES:
         for name in table:
             ms = table[name]["ms"][shape]
             print(f"{shape:40s} {table[name]['blas']['name']:>9s}: " + "  ".join(
                 f"M={rows} {ms[rows]:7.1f} ms ({ms[rows] / ms['1']:.2f}x)" for rows in ms))
-    path = write_results("blas_matmul", {"workers": args.workers,
-                                         "repeats": args.repeats, **table})
+    for name in table:
+        print(f"row 0 of M rows vs alone, {table[name]['blas']['name']}: " + "  ".join(
+            f"M={rows} {d['max_abs']:.1e} ({d['relative']:.1e} rel.)" for rows, d in table[name]["row_difference"].items()))
+    print("LM head, 1 row: " + "  ".join(f"{k} {v['ms']:.0f} ms" for k, v in threads.items()))
+    path = write_results("blas_matmul", {"workers": args.workers, "repeats": args.repeats,
+                                         "other_processes_cores_before": before, **table,
+                                         "threads": threads})
     print(f"wrote {path}")
 
 

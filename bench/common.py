@@ -53,11 +53,56 @@ def environment() -> dict:
     }
 
 
-def blas_worker(script: str, blas_name: str, *args: str) -> dict:
+# A run is quiet when the machine's other processes used less than this many cores on
+# average while it ran: a 2-thread llama.cpp loses most of its speed to one busy core.
+QUIET_OTHER_CORES = 0.15
+
+
+class OtherLoad:
+    """How much CPU the machine's other processes use while this one runs, in cores: the
+    machine's busy time (/proc/stat) minus this process's own CPU time (all its threads,
+    and waited-for children), over wall-clock time. The load average cannot tell: it
+    counts the benchmark's own threads too. None where /proc/stat is missing (macOS)."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now():
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
+
+    def cores(self):
+        """Others' mean cores since this was made (or since `restart`)."""
+        now = self._now()
+        if now is None or self.start is None or now[0] <= self.start[0]:
+            return None
+        wall, busy, own = (a - b for a, b in zip(now, self.start))
+        return max(0.0, (busy - own) / wall)
+
+    def restart(self) -> None:
+        self.start = self._now()
+
+
+def quiet_machine(seconds: float = 3.0):
+    """Others' mean cores over `seconds` of this process sleeping (None where unknown)."""
+    load = OtherLoad()
+    time.sleep(seconds)
+    return load.cores()
+
+
+def blas_worker(script: str, blas_name: str, *args: str, env: dict | None = None) -> dict:
     """Run `script --worker *args` in a fresh process under the BLAS $MLX_SPEC_BLAS names
-    (chosen when mlx.core loads, so each BLAS needs its own process); its last stdout line,
-    as JSON."""
-    env = {**os.environ, "MLX_SPEC_BLAS": blas_name}
+    (chosen when mlx.core loads, so each BLAS needs its own process), with `env` added to
+    this one's; its last stdout line, as JSON."""
+    env = {**os.environ, **(env or {}), "MLX_SPEC_BLAS": blas_name}
     done = subprocess.run([sys.executable, script, "--worker", *args], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"worker {blas_name} failed:\n{done.stderr[-3000:]}")

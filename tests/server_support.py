@@ -126,6 +126,17 @@ def assert_openai_error(response: httpx.Response, status: int, *fragments: str) 
     return error
 
 
+def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
+    """`status`, Anthropic's error shape with the error type `kind`, a one-line message
+    (returned), no traceback."""
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == kind and "\n" not in body["error"]["message"], body
+    assert "Traceback" not in response.text
+    return body["error"]["message"]
+
+
 def start_long_stream(server: Server, model: str):
     """A streamed greedy completion of LONG tokens, read up to its first text. Returns
     (client, response, the iterator over its remaining lines); close both to leave."""

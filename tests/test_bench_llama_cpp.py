@@ -2,6 +2,7 @@
 and minutes of CPU: `python bench/vs_llama_cpp.py --max-tokens 16 --repeats 1` is its smoke check)."""
 
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,3 +58,41 @@ def test_the_script_does_not_shadow_the_package(script):
 def test_blas_is_described(script):
     info = script.mlx_blas()
     assert "libraries" in info and "mlx_uses" in info
+
+
+def test_other_processes_cpu_is_measured_and_this_ones_is_not():
+    """The quiet check behind the llama.cpp run: a busy process beside it counts, the
+    benchmark's own work (here a busy loop of its own) does not."""
+    import subprocess
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from common import OtherLoad
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    if OtherLoad().start is None:
+        pytest.skip("no /proc/stat here")
+
+    def measured(work, seconds=1.5):
+        load = OtherLoad()
+        work(seconds)
+        return load.cores()
+
+    def spin(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+
+    def beside(seconds):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(seconds)
+        finally:
+            spinner.kill()
+            spinner.wait()
+
+    idle = measured(time.sleep)
+    if idle > (os.cpu_count() or 1) - 0.8:
+        pytest.skip(f"other processes already take {idle:.2f} cores: no room to see one more")
+    assert measured(spin) < idle + 0.3  # our own CPU time is left out
+    assert measured(beside) > idle + 0.4  # another process's is counted

@@ -48,6 +48,7 @@ SERVE_FLAGS = [
     (["--cors-origin", "localhost:3000/"], "--cors-origin"),
     (["--allowed-hosts", ","], "--allowed-hosts"),
     (["--api-key", "two words"], "--api-key"),
+    (["--served-model-name", " "], "--served-model-name"),
 ]
 
 CASES = (

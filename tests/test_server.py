@@ -3,7 +3,10 @@ malformed requests). References: `mlx-spec generate --json` for the same prompt 
 settings, and mlx-lm's own greedy `generate_step` with its tokenizer's chat template."""
 
 import socket
+from pathlib import Path
 
+import anthropic
+import httpx
 import openai
 import pytest
 from mlx_lm import generate, load
@@ -77,6 +80,41 @@ def test_models_and_health(spec_server, tiny_dirs):
     assert [m.id for m in client.models.list().data] == [tiny_dirs[0]]
     health = spec_server.health()
     assert health["status"] == "ok" and health["drafter"] == "model" and health["gamma"] == GAMMA
+
+
+def test_health_names_a_local_model_by_its_folder_only(spec_server, tiny_dirs):
+    """Issue 33, item 12: /health needs no key, so it shows no local path (the models'
+    folders, the user's home), only the folder's name."""
+    response = httpx.get(spec_server.url + "/health", timeout=10)
+    assert response.json()["model"] == Path(tiny_dirs[0]).name
+    assert "/" not in response.text, response.text
+
+
+def test_served_model_name(tiny_dirs, spec_env):
+    """Issue 33, item 12: --served-model-name (vLLM's flag) is the one name clients see and
+    send, the path behind it stays on the machine."""
+    name = "tiny-gemma"
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--served-model-name", name,
+                     "--api-key", "sekret"], spec_env)
+    try:
+        assert f"mlx-spec serve: {name!r}" in server.log
+        client = server.client(api_key="sekret")
+        assert [m.id for m in client.models.list().data] == [name]
+        chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=3)
+        assert chat.model == name and chat.usage.completion_tokens >= 1
+        with pytest.raises(openai.NotFoundError) as error:  # as vLLM: the path is not a name now
+            client.completions.create(model=tiny_dirs[0], prompt="hi", max_tokens=2)
+        assert f"this server serves {name!r}" in error.value.body["message"]
+        message = anthropic.Anthropic(base_url=server.url, api_key="sekret", max_retries=0).messages.create(
+            model=name, max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
+        assert message.model == name
+        health = httpx.get(server.url + "/health", timeout=10)  # no key
+        assert health.json()["model"] == name and "/" not in health.text, health.text
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log
+    assert "--served-model-name" in invoke(["serve", "--help"]).stdout
 
 
 @pytest.mark.parametrize("drafting", [True, False], ids=["draft-model", "drafter-none"])
@@ -253,7 +291,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(path, cases
         response = spec_server.post(path, _with_model(body, tiny_dirs[0]))
         assert_openai_error(response, status, fragment)
     for method, route in [("GET", "/nope"), ("GET", "/completions")]:
-        response = __import__("httpx").request(method, spec_server.base + route)
+        response = httpx.request(method, spec_server.base + route)
         assert_openai_error(response, 404 if route == "/nope" else 405)
     with pytest.raises(openai.BadRequestError) as error:  # the official client sees the same
         spec_server.client().completions.create(model=tiny_dirs[0], prompt="hi", temperature=-1)

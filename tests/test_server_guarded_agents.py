@@ -21,7 +21,7 @@ from mlx_lm.utils import load_tokenizer
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
 from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
-from server_support import assert_openai_error, wait_for
+from server_support import anthropic_error, assert_openai_error, wait_for
 
 MODEL = "scripted"
 KEY = "sekret"
@@ -48,6 +48,23 @@ class SlowScriptedModel(ScriptedModel):
     def __call__(self, inputs, cache=None):
         time.sleep(0.005)
         return super().__call__(inputs, cache)
+
+
+class HeldTokenizer:
+    """The tokenizer, but rendering a conversation that says "hold" waits until `release`
+    is set: the tokenizer thread stays busy for as long as a test needs."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.holding, self.release = tokenizer, threading.Event(), threading.Event()
+
+    def apply_chat_template(self, messages, **kwargs):
+        if any(m["content"] == "hold" for m in messages):
+            self.holding.set()
+            self.release.wait(60)
+        return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
 
 
 def tokenizer_for(path, template=None):
@@ -84,14 +101,6 @@ def claude(server, key=KEY, **kwargs):
 
 def say(server, tokenizer, text):
     server.model.script = list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def anthropic_error(response: httpx.Response, status: int, kind: str) -> str:
-    assert response.status_code == status, (response.status_code, response.text)
-    body = response.json()
-    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
-    assert body["error"]["type"] == kind and "\n" not in body["error"]["message"], body
-    return body["error"]["message"]
 
 
 def declare_a_huge_body(server, path: str) -> tuple[int, dict]:
@@ -216,6 +225,53 @@ def test_messages_that_cannot_fit_are_refused_before_tokenizing(keyed):
             call()
         assert "the request's text alone needs at least" in error.value.body["error"]["message"]
         assert time.monotonic() - began < 10  # a loose bound: the machine is shared
+
+
+def test_prompts_being_tokenized_hold_their_place_and_count_tokens_is_bounded(tokenizer):
+    """Issue 33, item 8: prompts waited for the tokenizer thread in an unbounded queue,
+    before the queue-full check, and count_tokens met no bound: a burst of large prompts
+    lined up seconds of work. A prompt being tokenized now holds its place in the queue,
+    and count_tokens waits only while fewer than --queue-size prompts tokenize; the next
+    request gets 503 with Retry-After at once, in its API's shape."""
+    held = HeldTokenizer(tokenizer)
+    server = start(held, queue_size=2)
+    try:
+        say(server, tokenizer, "Fine")
+        answers: dict = {}
+
+        def ask(i, content):
+            answers[i] = claude(server).messages.create(
+                model=MODEL, max_tokens=5, messages=[{"role": "user", "content": content}])
+
+        holding = threading.Thread(target=ask, args=(0, "hold"))
+        holding.start()
+        assert held.holding.wait(10)  # the tokenizer thread is busy with it
+        waiting = threading.Thread(target=ask, args=(1, "hi"))
+        waiting.start()
+        wait_for(lambda: httpx.get(server.url + "/health", timeout=10).json()["tokenizing"] == 2, 10,
+                 "two prompts tokenizing")
+        assert server.worker.health()["queued"] == 0  # they hold the queue's two places
+        with pytest.raises(openai.InternalServerError) as error:  # 503, not a wait
+            server.client().with_options(timeout=5).chat.completions.create(model=MODEL, messages=HI)
+        assert error.value.status_code == 503 and error.value.body["code"] == "server_busy"
+        assert int(error.value.response.headers["retry-after"]) >= 1
+        for call in (lambda c: c.messages.create(model=MODEL, max_tokens=5, messages=HI),
+                     lambda c: c.messages.count_tokens(model=MODEL, messages=HI)):
+            with pytest.raises(anthropic.InternalServerError) as error:
+                call(claude(server, timeout=5))
+            assert error.value.status_code == 503
+            assert error.value.body["error"]["type"] == "overloaded_error"
+            assert int(error.value.response.headers["retry-after"]) >= 1
+        held.release.set()
+        holding.join(30)
+        waiting.join(30)
+        assert answers[0].content[0].text == answers[1].content[0].text == "Fine"
+        hi = len(tokenizer.apply_chat_template(HI, add_generation_prompt=True))
+        assert claude(server).messages.count_tokens(model=MODEL, messages=HI).input_tokens == hi
+        assert server.worker.health()["refused"] == 2  # the generations, not the count
+    finally:
+        held.release.set()
+        server.stop()
 
 
 def test_a_system_prompt_the_template_leaves_out_is_refused(tmp_path):

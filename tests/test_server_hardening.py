@@ -18,8 +18,8 @@ import openai
 import pytest
 from mlx_lm import generate, load
 
-from server_support import (LONG_PROMPT, Server, assert_openai_error, server_env, serving, start_long_stream,
-                            wait_for)
+from server_support import (LONG_PROMPT, Server, anthropic_error, assert_openai_error, server_env, serving,
+                            start_long_stream, wait_for)
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
@@ -91,6 +91,50 @@ def test_a_queued_client_that_leaves_frees_its_place(server, tiny_dirs):
     assert server.wait_idle(30)["cancelled"] >= 2  # the leaver and the long stream
 
 
+def test_a_full_queue_refuses_before_tokenizing(server, tiny_dirs):
+    """Issue 33, item 8: prompts were tokenized before the queue-full check. Here each
+    request is one only tokenizing could refuse (a prompt whose characters fit the context
+    but whose tokens do not; a system turn the template leaves out): while the queue is
+    full they get 503 with Retry-After, not their 400, so none was tokenized."""
+    model = tiny_dirs[0]
+    huge = "x" * 60_000  # 60,000 tokens for this tokenizer, under the 4,096 × 15 bytes bound
+    refused = [("/completions", {"model": model, "prompt": huge, "max_tokens": 2}),
+               ("/chat/completions", {"model": model, "max_tokens": 2,
+                                      "messages": [{"role": "system", "content": "Be brief."}]}),
+               ("/messages", {"model": model, "max_tokens": 2,
+                              "messages": [{"role": "user", "content": huge}]})]
+    server.wait_idle(30)
+    client, running, _ = start_long_stream(server, model)
+    answer = {}
+    try:
+        waiter = threading.Thread(target=lambda: answer.update(result=server.client().completions.create(
+            model=model, prompt="Hello", max_tokens=2)))
+        waiter.start()
+        wait_for(lambda: server.health()["queued"] == 1, 5, "queued")  # the queue (1) is full
+        for path, body in refused:
+            response = server.post(path, body)
+            if path == "/messages":
+                assert "busy" in anthropic_error(response, 503, "overloaded_error")
+            else:
+                assert assert_openai_error(response, 503, "busy")["code"] == "server_busy"
+            assert int(response.headers["retry-after"]) >= 1
+        # what is wrong without tokens still gets its 400 first
+        assert_openai_error(server.post("/completions", {"model": model, "prompt": huge, "top_p": 7}),
+                            400, "top-p")
+        # counting tokens queues nothing: answered while the queue is full
+        count = server.post("/messages/count_tokens", {"model": model, "messages": [
+            {"role": "user", "content": huge}]})
+        assert count.status_code == 200 and count.json()["input_tokens"] > 60_000
+    finally:
+        running.close()
+        client.close()
+    waiter.join(60)
+    assert answer["result"].choices
+    server.wait_idle(30)
+    for path, body in refused:  # with room, each is tokenized and gets its own answer
+        assert server.post(path, body).status_code == 400
+
+
 # -- 2. deeply nested JSON ----------------------------------------------------------------
 
 
@@ -104,6 +148,17 @@ def test_deeply_nested_json_is_a_400(server, tiny_dirs, depth):
         assert_openai_error(server.post("/completions", body), 400, "nested deeper than 64")
     ok = server.client().completions.create(model=tiny_dirs[0], prompt="hi", max_tokens=2)
     assert ok.choices and server.health()["failed"] == 0
+
+
+@pytest.mark.parametrize("body,kind", [(b"null", "null"), (b"12", "a number"), (b'"hi"', "a string"),
+                                       (b"[]", "a list"), (b"true", "true")])
+def test_a_body_that_is_not_an_object_is_a_400_in_the_routes_shape(server, body, kind):
+    """Issue 33, item 17: `null` was told it was nested deeper than 64 levels."""
+    said = f"the request body must be a JSON object, not {kind}"
+    for path in ("/completions", "/chat/completions"):
+        assert assert_openai_error(server.post(path, body), 400, said)["message"] == said
+    for path in ("/messages", "/messages/count_tokens"):
+        assert anthropic_error(server.post(path, body), 400, "invalid_request_error") == said
 
 
 # -- 3. the API key: bytes, and an unusable key refused at start-up -----------------------
@@ -123,6 +178,19 @@ def test_a_non_ascii_bearer_token_is_a_401(keyed_server, tiny_dirs):
         keyed_server.client(api_key="wrong").models.list()
     keyed = keyed_server.client(api_key="sekret")
     assert keyed.completions.create(model=tiny_dirs[0], prompt="hi", max_tokens=2).choices
+
+
+def test_options_needs_the_key_like_any_other_method(keyed_server):
+    """Issue 33, item 11: OPTIONS skipped the key on every path. CORS preflights never reach
+    the guards (CORSMiddleware answers them, tests/test_server_guarded_agents.py)."""
+    for path in ("/v1/models", "/v1/chat/completions", "/metrics", "/elsewhere"):
+        assert_openai_error(httpx.options(keyed_server.url + path), 401, "API key")
+        assert_openai_error(httpx.options(keyed_server.url + path, headers={
+            "Origin": "http://attacker.example", "Access-Control-Request-Method": "POST"}), 401)
+        keyed = httpx.options(keyed_server.url + path, headers={"x-api-key": "sekret"})
+        assert_openai_error(keyed, 404 if path == "/elsewhere" else 405)  # no route answers OPTIONS
+    messages = httpx.options(keyed_server.url + "/v1/messages")
+    anthropic_error(messages, 401, "authentication_error")
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -274,14 +342,84 @@ def test_rebinding_host_names_are_refused(server, tiny_dirs):
         assert httpx.get(server.url + "/health", headers={"Host": host}).status_code == 200, host
 
 
-def test_allowed_hosts_adds_names(tiny_dirs, env):
-    server = Server(["--model", tiny_dirs[0], "--drafter", "none",
+def _ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def _this_machine() -> list[str]:
+    """Names and addresses other machines reach this one by: its host names, what they
+    resolve to, and the address it sends from by default (a UDP connect sends nothing)."""
+    names = [socket.gethostname(), socket.getfqdn()]
+    for name in list(names):
+        names += [info[4][0] for info in socket.getaddrinfo(name, None)]
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as udp:
+                udp.connect((probe, 9))
+                names.append(udp.getsockname()[0])
+        except OSError:
+            pass
+    return names
+
+
+def _status(server, host: str, address: str) -> int:
+    """GET /health over a connection to `address` with `Host: host`."""
+    url = f"http://{address}:{_port(server)}/health"
+    return httpx.get(url, headers={"Host": host}, timeout=10).status_code
+
+
+@pytest.mark.parametrize("bind", ["0.0.0.0", "::"])
+def test_a_public_host_answers_this_machines_names_only(tiny_dirs, env, bind):
+    """Issue 33, item 7: with --host 0.0.0.0 the Host check was off, so a page that rebinds
+    its name to this machine's address could drive the model from the user's browser."""
+    if bind == "::" and not _ipv6():
+        pytest.skip("no IPv6 on this machine")
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", bind], env)
+    try:
+        port, loopback = _port(server), "127.0.0.1" if bind == "0.0.0.0" else "[::1]"
+        shown = bind if bind == "0.0.0.0" else f"[{bind}]"
+        served = [f"{shown}:{port}", "localhost", f"127.0.0.1:{port}", f"[::1]:{port}",
+                  f"{socket.gethostname().upper()}:{port}"]
+        served += [f"[{name}]" if ":" in name else name for name in _this_machine()]
+        for host in served:
+            assert _status(server, host, loopback) == 200, host
+        for host in ["attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io",
+                     f"{socket.gethostname()}.attacker.example"]:
+            response = httpx.get(f"http://{loopback}:{port}/health", headers={"Host": host}, timeout=10)
+            assert_openai_error(response, 403, "is not served here", "--allowed-hosts")
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0"])
+def test_allowed_hosts_adds_names(tiny_dirs, env, bind):
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", bind,
                      "--allowed-hosts", "models.example.test, other.example.test"], env)
     try:
         port = _port(server)
-        for host, status in [(f"models.example.test:{port}", 200), ("other.example.test", 200),
-                             ("localhost", 200), ("attacker.example", 403)]:
-            assert httpx.get(server.url + "/health", headers={"Host": host}).status_code == status
+        cases = [(f"models.example.test:{port}", 200), ("other.example.test", 200),
+                 ("localhost", 200), ("attacker.example", 403)]
+        if bind == "0.0.0.0":  # this machine's own names are still answered
+            cases.append((socket.gethostname(), 200))
+        for host, status in cases:
+            assert _status(server, host, "127.0.0.1") == status, host
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log
+
+
+def test_allowed_hosts_star_turns_the_check_off(tiny_dirs, env):
+    server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", "0.0.0.0",
+                     "--allowed-hosts", "*"], env)
+    try:
+        for host in ["attacker.example", "127.0.0.1.nip.io:80"]:
+            assert _status(server, host, "127.0.0.1") == 200, host
     finally:
         server.stop()
     assert "Traceback" not in server.log

@@ -14,6 +14,7 @@ import ipaddress
 import re
 import socket
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -36,8 +37,9 @@ DEFAULT_CONTEXT = 8192  # when the model's config names no context length
 def serve(
     host: Annotated[str, typer.Option(
         "--host", rich_help_panel=SERVER,
-        help="Address to listen on. 127.0.0.1 (default) is this machine only; 0.0.0.0 is every "
-             "interface (use --api-key).")] = "127.0.0.1",
+        help="Address to listen on. 127.0.0.1 (default) is this machine only; 0.0.0.0 (or ::) "
+             "is every interface (use --api-key). Beyond loopback, requests must name this "
+             "machine in their Host header (see --allowed-hosts).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(
         "--port", "-p", rich_help_panel=SERVER, min=0, max=65535,
         help="TCP port; 0 picks a free one (printed at start).")] = 8080,
@@ -47,13 +49,19 @@ def serve(
              "/health (or set MLX_SPEC_API_KEY); printable ASCII.")] = None,
     allowed_hosts: Annotated[Optional[str], typer.Option(
         "--allowed-hosts", rich_help_panel=SERVER, metavar="NAME,...",
-        help="Host header names to answer besides localhost and loopback addresses (which "
-             "are always answered), comma-separated; '*' answers any. Default: loopback "
-             "only, against DNS rebinding by web pages; with a non-loopback --host, any.")] = None,
+        help="Host header names to answer, comma-separated, besides loopback ones and, with "
+             "a non-loopback --host, this machine's own (--host, the bound address, host name "
+             "and FQDN; on 0.0.0.0 or :: also their addresses and the default route's); '*' "
+             "answers any. Against DNS rebinding by web pages.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", rich_help_panel=SERVER, metavar="NAME",
+        help="The model's name in /v1/models, /health and answers; requests must name it (or "
+             "the preset). Default: --model as given, which /health (open without a key) "
+             "shows only by its last part when it is a local path.")] = None,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", rich_help_panel=SERVER, min=1,
-        help="Requests that may wait while one generates; more are answered 503 with "
-             "Retry-After.")] = 8,
+        help="Requests that may wait (or be tokenized) while one generates; more are "
+             "answered 503 with Retry-After, before tokenizing.")] = 8,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", "-n", rich_help_panel=SERVER, min=1,
         help="Completion tokens when a request does not say (always within the context).")] = 512,
@@ -107,12 +115,17 @@ def serve(
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise UsageError(f"unknown --log-level {log_level!r}: use warning, info or debug")
     check_api_key(api_key)
+    if served_model_name is not None and not served_model_name.strip():
+        raise UsageError("--served-model-name needs a name")
     for origin in cors_origin or ():
         if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
             raise UsageError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
                                "(e.g. http://localhost:3000) or *")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
-    served_hosts = _served_hosts(allowed_hosts, sock.getsockname()[0])
+    served_hosts = _served_hosts(allowed_hosts, host, sock.getsockname()[0])
+    if served_hosts is not None and not _loopback(sock.getsockname()[0]):
+        print(f"answering requests for {', '.join(served_hosts)} and loopback names (more: "
+              "--allowed-hosts)", file=sys.stderr)
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
@@ -125,9 +138,11 @@ def serve(
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
     preset_name = getattr(setup.preset, "name", None)
+    served = served_model_name.strip() if served_model_name else setup.target
     options = ServerOptions(
-        model_name=setup.target,
-        aliases=(preset_name,) if preset_name and preset_name != setup.target else (),
+        model_name=served,
+        aliases=(preset_name,) if preset_name and preset_name != served else (),
+        public_name=served if served_model_name else _public_name(served),
         gamma=gamma_mode,
         defaults=params,
         max_tokens=max_tokens,
@@ -135,7 +150,6 @@ def serve(
         queue_size=queue_size,
         api_key=api_key,
         allowed_hosts=served_hosts,
-        info=setup.models,
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
     )
@@ -168,15 +182,55 @@ def _run(config, worker, sock: socket.socket) -> None:
     Server(config).run(sockets=[sock])
 
 
-def _served_hosts(allowed: Optional[str], bound: str) -> Optional[tuple[str, ...]]:
-    """Host names served besides loopback ones: --allowed-hosts, else none when listening
-    on loopback, else any (clients reach a public address by names we cannot know)."""
+def _served_hosts(allowed: Optional[str], host: str, bound: str) -> Optional[tuple[str, ...]]:
+    """Host names served besides loopback ones (None: any, for '*'): --allowed-hosts, and
+    when listening beyond loopback this machine's names (`_machine_names`). A web page can
+    rebind its own name to any address of this machine, but not send another's name."""
+    from mlx_spec.server.guards import ANY_HOST
+
+    names: list[str] = []
     if allowed is not None:
-        names = tuple(name.strip() for name in allowed.split(",") if name.strip())
+        names = [name.strip() for name in allowed.split(",") if name.strip()]
         if not names:
             raise UsageError("--allowed-hosts needs at least one name (or '*')")
+        if ANY_HOST in names:
+            return None
+    if not _loopback(bound):
+        names += _machine_names(host, bound)
+    return tuple(name for name in dict.fromkeys(names)  # loopback names are always served
+                 if name and name.lower() != "localhost" and not _loopback(name))
+
+
+def _machine_names(host: str, bound: str) -> list[str]:
+    """What clients call this machine: --host as given, the bound address, the host name
+    and FQDN; on every interface (0.0.0.0, ::) also the addresses those names resolve to
+    and the address of the default route (found by a UDP connect, which sends nothing).
+    Other interfaces' addresses need --allowed-hosts: listing them takes a library."""
+    hostnames = [socket.gethostname(), socket.getfqdn()]
+    names = [host, bound, *hostnames]
+    if not ipaddress.ip_address(bound).is_unspecified:
         return names
-    return () if _loopback(bound) else None
+    for name in hostnames:
+        try:
+            names += [info[4][0] for info in socket.getaddrinfo(name, None)]
+        except OSError:  # a host name that does not resolve
+            pass
+    # Documentation addresses (RFC 5737, RFC 3849): only the route to them is looked up.
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as udp:
+                udp.connect((probe, 9))
+                names.append(udp.getsockname()[0])
+        except OSError:  # no such route, or no IPv6
+            pass
+    return names
+
+
+def _public_name(model: str) -> str:
+    """What /health, which needs no key, calls the model: a local path's last part only
+    (the rest tells a stranger about this machine's folders), else the name as given."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model
 
 
 def _bind(host: str, port: int, keyed: bool) -> socket.socket:

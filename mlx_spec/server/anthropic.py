@@ -230,24 +230,25 @@ def event(kind: str, data: dict) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-def add_routes(app, *, options, syntax, check_model, chat_ids, submit, collect, cancel,
+def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect, cancel,
                usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
-    (`chat_ids(messages, plan)` -> prompt ids, off the event loop; `cancel(job)` stops a job;
+    (`chat_ids(messages, plan, queued)` -> prompt ids, off the event loop, refused while
+    the queue is full if `queued`; `cancel(job)` stops a job;
     `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
     `mlx_spec` statistics field)."""
 
-    async def prompt_of(raw: bytes, model: type) -> tuple:
+    async def prompt_of(raw: bytes, model: type, queued: bool) -> tuple:
         body = parse_body(raw, model)
-        check_model(body)
+        check_request(body, queued)
         body.refuse_unsupported()
         plan = tool_plan(body, syntax)
-        return body, plan, await chat_ids(template_messages(body), plan)
+        return body, plan, await chat_ids(template_messages(body), plan, queued)
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
         try:
-            _, _, ids = await prompt_of(await request.body(), CountRequest)
+            _, _, ids = await prompt_of(await request.body(), CountRequest, queued=False)
         except ApiError as error:
             return error_response(error)
         except Exception:  # never the OpenAI shape on this route
@@ -258,7 +259,7 @@ def add_routes(app, *, options, syntax, check_model, chat_ids, submit, collect, 
     @app.post(PATH)
     async def messages(request: Request):
         try:
-            body, plan, ids = await prompt_of(await request.body(), MessagesRequest)
+            body, plan, ids = await prompt_of(await request.body(), MessagesRequest, queued=True)
             job = submit(body, ids, "messages")
             mid = "msg_" + uuid.uuid4().hex[:24]
             if body.stream:

@@ -7,7 +7,10 @@ size), inside CORSMiddleware when `--cors-origin` is given. Handlers run on the 
 request, tokenize the prompt (on a tokenizer thread, so a big prompt does not stall other
 clients, and before queueing, so errors such as a prompt over the context are answered at
 once), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
-Retry-After; a client that goes away cancels its job.
+Retry-After, checked before tokenizing: a prompt being tokenized holds its place in the
+queue, and count_tokens' prompts wait for the tokenizer only while fewer than
+`queue_size` do, so a burst of big prompts cannot line up more tokenizer work than the
+queue takes. A client that goes away cancels its job.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -47,8 +50,12 @@ class ServerOptions:
     """What the server serves and how.
 
     Attributes:
-        model_name: the id in `/v1/models`; requests must name it (or an alias).
-        aliases: other names accepted in a request's "model" field (e.g. the preset).
+        model_name: the served name: the first id in `/v1/models` and the "model" of every
+            answer; requests must name it (or an alias).
+        aliases: other names accepted in a request's "model" field (e.g. the preset), listed
+            after it in `/v1/models`.
+        public_name: the name /health shows, as it needs no key (None: model_name); the
+            CLI passes a local model path's last part only.
         gamma: "auto" or a whole number as text.
         defaults: sampling values for fields a request leaves out.
         max_tokens: completion length when a request gives none.
@@ -57,7 +64,6 @@ class ServerOptions:
         api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
             "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
         allowed_hosts: Host names served besides loopback ones; None serves any.
-        info: what /health reports about the loaded models (target, draft, preset).
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
         cors_origins: origins whose browser pages may call the API (none by default).
@@ -72,7 +78,7 @@ class ServerOptions:
     queue_size: int = 8
     api_key: Optional[str] = None
     allowed_hosts: Optional[tuple[str, ...]] = ()
-    info: dict = field(default_factory=dict)
+    public_name: Optional[str] = None
     cache_budget: Optional[int] = None
     cors_origins: tuple[str, ...] = ()
 
@@ -115,8 +121,39 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
     app.add_middleware(CountResponses, metrics=worker.metrics)
 
-    async def off_loop(function, *args):
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
+    # Prompts on or waiting for the tokenizer thread, and how many of them are for the
+    # queue (changed on the event loop only).
+    tokenizing_now = tokenizing_queued = 0
+
+    async def tokenized(function, *args, queued: bool = True):
+        """`function(*args)` on the tokenizer thread, or a 503 first, so the tokenizer's
+        backlog stays bounded (the executor's own queue has none). A prompt for the queue
+        (`queued`) holds its place there from now on: refused if the queue, with the prompts
+        tokenizing for it, is full. Another (count_tokens') is refused once `queue_size`
+        prompts are tokenizing."""
+        nonlocal tokenizing_now, tokenizing_queued
+        if queued:
+            try:
+                worker.check_room(coming=tokenizing_queued)
+            except (Busy, ShuttingDown) as error:
+                raise refusal(error) from None
+        elif tokenizing_now >= options.queue_size:
+            raise busy(f"{tokenizing_now} prompts being tokenized", retry_after=1)
+        tokenizing_now, tokenizing_queued = tokenizing_now + 1, tokenizing_queued + queued
+        try:
+            return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
+        finally:
+            tokenizing_now, tokenizing_queued = tokenizing_now - 1, tokenizing_queued - queued
+
+    def busy(why: str, retry_after: int) -> ApiError:
+        return ApiError(503, f"the server is busy ({why}); retry later", type="server_error",
+                        code="server_busy", headers={"Retry-After": str(retry_after)})
+
+    def refusal(error: Exception) -> ApiError:
+        """The 503 for the worker's `Busy` or `ShuttingDown`."""
+        if isinstance(error, ShuttingDown):
+            return ApiError(503, SHUTTING_DOWN.message, type="server_error", code="shutting_down")
+        return busy(f"{options.queue_size} requests waiting", error.retry_after)
 
     # -- errors in OpenAI's shape (Anthropic's under its path) ---------------------------
 
@@ -141,8 +178,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": options.model_name, "models": options.info,
-                "drafter": drafter, "gamma": gamma_mode, **worker.health()}
+        return {"status": "ok", "model": options.public_name or options.model_name,
+                "drafter": drafter, "gamma": gamma_mode, "tokenizing": tokenizing_now,
+                **worker.health()}
 
     @app.get("/metrics")
     async def metrics():
@@ -151,14 +189,15 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": options.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "mlx-spec"}
-        return {"object": "list", "data": [card]}
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "mlx-spec"}
+            for name in (options.model_name, *options.aliases)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = parse_body(await request.body(), ChatRequest)
-        check_model(body)
+        check_request(body)
         plan = openai_plan(body, syntax)
         messages = template_messages(body.messages)
         return await serve(request, body, await chat_ids(messages, plan), chat=True, plan=plan)
@@ -166,22 +205,22 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_body(await request.body(), CompletionRequest)
-        check_model(body)
+        check_request(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
-            ids = list(await off_loop(tokenizer.encode, prompt))
+            ids = list(await tokenized(tokenizer.encode, prompt))
         else:
             ids = list(prompt)
             if any(not 0 <= t < vocab_size for t in ids):
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
         return await serve(request, body, ids, chat=False)
 
-    async def chat_ids(messages: list[dict], plan: ToolPlan) -> list[int]:
+    async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True) -> list[int]:
         """The conversation's prompt ids, tokenized off the event loop once its text could
-        fit the context."""
+        fit the context (and, `queued`, once the queue has room: see `tokenized`)."""
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        return await off_loop(chat_prompt, tokenizer, messages, plan)
+        return await tokenized(chat_prompt, tokenizer, messages, plan, queued=queued)
 
     def check_length(characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -192,10 +231,17 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                                 f"the request's text alone needs at least {at_least}",
                            param=param, code="context_length_exceeded")
 
-    def check_model(body) -> None:
+    def check_request(body, queued: bool = True) -> None:
+        """The checks that need no tokens, so a wrong request gets its 400 before any 503
+        and any tokenizing: the model's name and, for a generation (`queued`), its sampling
+        values, stop strings and log-probs (`submit` reads them again: it is cheap)."""
         if body.model != options.model_name and body.model not in options.aliases:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{options.model_name!r}", param="model", code="model_not_found")
+        if queued:
+            body.sampling(options.defaults)
+            body.stops()
+            body.logprob_count()
 
     def submit(body, prompt_ids: list[int], param: str) -> Job:
         """Queue a generation for `body` (its sampling fields, stops and budget checked)."""
@@ -205,13 +251,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                   logprobs=body.logprob_count())
         try:
             worker.submit(job)
-        except ShuttingDown:
-            raise ApiError(503, SHUTTING_DOWN.message, type="server_error",
-                           code="shutting_down") from None
-        except Busy as busy:
-            raise ApiError(503, f"the server is busy ({options.queue_size} requests waiting); "
-                                "retry later", type="server_error", code="server_busy",
-                           headers={"Retry-After": str(busy.retry_after)}) from None
+        except (Busy, ShuttingDown) as error:
+            raise refusal(error) from None
         return job
 
     async def collect(job: Job, request: Request) -> tuple[list[Piece], Done]:
@@ -257,7 +298,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return answer
 
     anthropic.add_routes(
-        app, options=options, syntax=syntax, check_model=check_model, chat_ids=chat_ids,
+        app, options=options, syntax=syntax, check_request=check_request, chat_ids=chat_ids,
         submit=submit, collect=collect, cancel=worker.cancel, usage_counts=token_counts,
         extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 

@@ -4,11 +4,13 @@ One ASGI middleware, `RequestGuards`, checks in this order and answers without r
 app, in OpenAI's error shape or, under a path given in `error_bodies`, that path's API's
 shape (Anthropic's under /v1/messages):
 
-1. the Host header (403): a web page that rebinds its own DNS name to 127.0.0.1 sends
-   `Host: attacker.example`; only loopback names (and `--allowed-hosts`) are served;
+1. the Host header (403): a web page that rebinds its own DNS name to this machine's
+   address sends `Host: attacker.example`; only loopback names and `allowed_hosts` are
+   served (the CLI's: this machine's own names beyond loopback, and `--allowed-hosts`);
 2. the API key on every route but /health (401), compared as bytes in constant time, from
-   "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>" (Anthropic's);
-   CORS preflights (OPTIONS) never carry a key, so they are not asked for one;
+   "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>" (Anthropic's),
+   whatever the method: CORS preflights, which never carry a key, are answered before the
+   guards by CORSMiddleware (with `--cors-origin`), so no method needs an exemption;
 3. the content type of a request with a body (415): browsers send a cross-origin
    `text/plain` POST without a CORS preflight, so only `application/json` is read;
 4. the body size (413), counted while the body arrives, so a huge or chunked body is
@@ -107,7 +109,7 @@ class RequestGuards:
             headers.setdefault(name.lower(), value)
         try:
             self._check_host(headers)
-            if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            if scope["path"] not in OPEN_PATHS:
                 self._check_key(headers)
             body = None
             if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -140,9 +142,9 @@ class RequestGuards:
             return
         text = host.decode("latin-1")
         if not host_allowed(text, self.allowed):
-            raise ApiError(403, f"the Host {host_name(text)!r} is not served here (only loopback "
-                                "names are, against DNS rebinding; start with --allowed-hosts "
-                                "to add names)", code="host_not_allowed")
+            raise ApiError(403, f"the Host {host_name(text)!r} is not served here (only this "
+                                "machine's names are, against DNS rebinding; start with "
+                                "--allowed-hosts to add names)", code="host_not_allowed")
 
     def _check_key(self, headers: dict) -> None:
         if self.api_key is None:

@@ -254,7 +254,7 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     """A request model from a raw body, or an `ApiError` that says what is wrong."""
     data = load_json(raw)
     if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise ApiError(400, f"the request body must be a JSON object, not {_json_kind(data)}")
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -292,6 +292,13 @@ def parse_json(text: str, where: Optional[str] = None):
         refuse(f"is nested deeper than {MAX_JSON_DEPTH} levels")
     _check_values(data, refuse, where)
     return data
+
+
+def _json_kind(value) -> str:
+    """What a JSON value is, in a few words ("a list", "null")."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    return {str: "a string", list: "a list"}.get(type(value), "a number")
 
 
 def _check_values(data, refuse, where: Optional[str]) -> None:

@@ -139,15 +139,25 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         with self._changed:
-            if self._stopping:
-                raise ShuttingDown()
-            self._drop_cancelled()
-            if len(self._waiting) >= self.queue_size:
-                self.counts["refused"] += 1
-                wait = self._mean_seconds * (len(self._waiting) + 1)
-                raise Busy(max(1, min(60, math.ceil(wait))))
+            self._check_room()
             self._waiting.append(job)
             self._changed.notify()
+
+    def check_room(self, coming: int = 0) -> None:
+        """Raise now what `submit` would raise for a full queue or a stopping server, with
+        `coming` more jobs in it (being prepared), so a request is refused before its costly
+        preparation (tokenizing); `submit` checks again."""
+        with self._changed:
+            self._check_room(coming)
+
+    def _check_room(self, coming: int = 0) -> None:  # with _changed held
+        if self._stopping:
+            raise ShuttingDown()
+        self._drop_cancelled()
+        if len(self._waiting) + coming >= self.queue_size:
+            self.counts["refused"] += 1
+            wait = self._mean_seconds * (len(self._waiting) + coming + 1)
+            raise Busy(max(1, min(60, math.ceil(wait))))
 
     def cancel(self, job: Job) -> None:
         """Stop `job`: a waiting one leaves the queue now, a running one after this round."""
