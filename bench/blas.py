@@ -144,17 +144,22 @@ def main() -> None:
               f"{fast} auto / reference plain {r['fast_auto_over_reference_plain']:.2f}×, "
               f"auto / plain ({fast}, paired) {r['fast_auto_over_fast_plain_paired']:.2f}×; "
               f"identical text: {identity[prompt]['identical']}")
+    curves = {}  # medians over workers: a step, and a verify of w rows in steps
     for b in args.blas:
-        steps = [round(s, 2) for s in results[b][0]["cost_curve_steps"]]
-        print(f"cost curve, {results[b][0]['blas']['name']}: step {results[b][0]['step_s'] * 1e3:.1f} ms, "
-              f"verify of w rows / one step {steps}")
+        widths = min(len(res["cost_curve_steps"]) for res in results[b])  # a hopeless curve stops early
+        curves[b] = {"step_s": median([res["step_s"] for res in results[b]]),
+                     "verify_steps": [median([res["cost_curve_steps"][w] for res in results[b]])
+                                      for w in range(widths)]}
+        print(f"cost curve, {results[b][0]['blas']['name']} (medians of {len(results[b])} workers): step "
+              f"{curves[b]['step_s'] * 1e3:.1f} ms, verify of w rows / one step "
+              f"{[round(v, 2) for v in curves[b]['verify_steps']]}")
     for res_list in results.values():
         for res in res_list:
             for r in res["runs"]:
                 del r["tokens"]
     path = write_results("blas_gemma270m-ngram", {
         "max_tokens": args.max_tokens, "repeats_per_worker": args.repeats, "workers_per_blas": args.workers,
-        "prompts": args.prompts, "medians": table, "ratios": ratios, "identity": identity,
+        "prompts": args.prompts, "medians": table, "cost_curves": curves, "ratios": ratios, "identity": identity,
         "workers": {b: [{k: v for k, v in res.items() if k != "environment"} for res in results[b]]
                     for b in args.blas},
     })

@@ -10,6 +10,10 @@ Each repetition runs, in fresh processes: `python -c "import mlx_spec.cli"` (imp
 the prefill and first token of `Hello` with the default preset's drafter and γ = auto).
 Medians of wall-clock seconds (and of the CPU seconds of `generate -n 1`, which a loaded
 machine moves less); checkouts alternate so drift hits both alike.
+
+Before them, `--first-runs` first runs of `generate -n 1`, each from an empty mlx-spec
+cache (the GGUF import, the cost-curve calibration, the float32 copy and the tokenizer
+index), are timed too: `first_run_s` and its excess over a later run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--before", type=Path, help="another checkout to compare (run from its root)")
+    parser.add_argument("--first-runs", type=int, default=3, help="first runs, each from an empty cache")
     parser.add_argument("--out", default="startup")
     args = parser.parse_args()
 
@@ -91,8 +97,14 @@ def main() -> None:
     cache = Path(tempfile.mkdtemp(prefix="mlx-spec-startup-"))
     env = {**os.environ, "MLX_SPEC_CACHE": str(cache), "PYTHONPATH": ""}
     generate = [sys.executable, "-m", "mlx_spec.cli", "generate", "-n", "1", "Hello"]
-    for cwd in checkouts.values():  # first runs: import the model, measure the cost curve
-        timed(generate, cwd, env)
+    first_runs = {name: [] for name in checkouts}
+    for _ in range(max(0, args.first_runs - 1)):  # timed first runs, each from an empty cache
+        for name, cwd in checkouts.items():
+            scratch = tempfile.mkdtemp(prefix="mlx-spec-first-")
+            first_runs[name].append(timed(generate, cwd, {**env, "MLX_SPEC_CACHE": scratch}))
+            shutil.rmtree(scratch)  # ~1.6 GB: the import and its float32 copy
+    for name, cwd in checkouts.items():  # the one whose cache the later runs read
+        first_runs[name].append(timed(generate, cwd, env))
     chat = [sys.executable, "-m", "mlx_spec.cli", "chat"]  # stdin at EOF: it leaves at its first prompt
     runs = {name: {"import": [], "help": [], "generate -n 1": [], "generate -n 1 cpu": [], "chat to its prompt": []}
             for name in checkouts}
@@ -109,8 +121,12 @@ def main() -> None:
     for name in checkouts:
         medians = {k: median(v) for k, v in runs[name].items()}
         breakdown = {k: median([p[k] for p in phases[name]]) for k in phases[name][0]}
-        result[name] = {"wall_s_median": medians, "in_process_s_median": breakdown, "runs": runs[name]}
-        print(f"{name}: " + " · ".join(f"{k} {v:.2f} s" for k, v in medians.items())
+        first = median(first_runs[name])
+        result[name] = {"wall_s_median": medians, "in_process_s_median": breakdown, "runs": runs[name],
+                        "first_run_s": {"median": first, "runs": first_runs[name],
+                                        "over_a_later_run": first - medians["generate -n 1"]}}
+        print(f"{name}: first run {first:.1f} s ({first - medians['generate -n 1']:.1f} s more than a later one) · "
+              + " · ".join(f"{k} {v:.2f} s" for k, v in medians.items())
               + " | in process: " + " · ".join(f"{k} {v:.2f} s" for k, v in breakdown.items()))
     path = write_results(args.out, {"repeats": args.repeats, "command": " ".join(generate[1:]),
                                     "checkouts": {k: str(v) for k, v in checkouts.items()}, **result})
