@@ -11,8 +11,8 @@ Also recorded, for the figures README quotes:
   (MKL picks other kernels for more rows, so a verify can round a logit differently from
   a decode step; `row_difference`);
 - the LM head's 1-row time under the optimised BLAS on 1 and on every core's worth of
-  threads, on an idle machine and beside a process that keeps one core busy (what the
-  default thread count rests on; `threads`).
+  threads, on an idle machine and beside processes that keep one core, or every core,
+  busy (what the default thread count rests on; `threads`).
 
     python bench/blas_matmul.py --workers 2
 """
@@ -99,16 +99,18 @@ def main() -> None:
             for rows in runs[0]["row_difference"]}}
     head = next(iter(SHAPES))
     threads = {}
-    for busy in (False, True):
-        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    cores = os.cpu_count() or 1
+    for busy in sorted({0, 1, cores}):  # cores kept busy by other processes
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
-            for count in sorted({1, os.cpu_count() or 1}):
+            for count in sorted({1, cores}):
                 runs = [blas_worker(__file__, "auto", "--repeats", str(args.repeats), "--head-only",
                                     env={"MLX_SPEC_BLAS_THREADS": str(count)}) for _ in range(args.workers)]
-                threads[f"{count} thread{'s' * (count > 1)}, {'one core busy' if busy else 'idle'}"] = {
+                load = "idle" if not busy else f"{busy} core{'s' * (busy > 1)} busy"
+                threads[f"{count} thread{'s' * (count > 1)}, {load}"] = {
                     "blas_threads": runs[0]["blas"]["threads"], "ms": median([r["ms"][head]["1"] for r in runs])}
         finally:
-            if spinner is not None:
+            for spinner in spinners:
                 spinner.kill()
                 spinner.wait()
     for shape in SHAPES:

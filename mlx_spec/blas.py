@@ -115,9 +115,9 @@ THREADS_ENV = "MLX_SPEC_BLAS_THREADS"
 
 def default_threads() -> int:
     """Half the cores, at least one. MLX's own work (attention, norms, sampling) runs beside
-    the BLAS, and a BLAS thread that spins for a busy core costs more than it brings: on
-    our 2-core CPU, with another process running, MKL's 640 × 262144 matmul took 186 ms on
-    2 threads and 54 ms on 1 (40 ms either way on an idle machine)."""
+    the BLAS, and a BLAS thread that waits for a busy core costs more than it brings: on
+    our 2-core CPU MKL's 640 × 262144 matmul took 34 / 36 ms on 1 / 2 threads idle, and
+    42 / 54 ms with both cores busy elsewhere (bench/blas_matmul.py)."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
