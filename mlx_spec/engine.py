@@ -30,7 +30,7 @@ from mlx_spec.cache import PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
-from mlx_spec.sampling import LogitProcessor, SamplingParams, make_key
+from mlx_spec.sampling import UNDECIDED, LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
 from mlx_spec.verify import (Verdict, verify_greedy, verify_sampled, verify_tree_greedy,
                              verify_tree_sampled)
@@ -157,7 +157,7 @@ class Engine:
         while generated < max_tokens:
             start = perf_counter()
             if queued is not None:  # steps 1-3 of this plain round were queued last round
-                (verdict, hidden, scores), queued = queued, None
+                (verdict, hidden, scores, settle), queued = queued, None
                 gamma, draft = 0, Draft.empty()
             else:
                 if not params.greedy:
@@ -176,8 +176,8 @@ class Engine:
                     mx.eval(draft.tokens)
                 # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                verdict, hidden, scores = self._verify(cache, block, draft, history, None, processor,
-                                                       key_verify, logprobs)
+                verdict, hidden, scores, settle = self._verify(cache, block, draft, history, None, processor,
+                                                               key_verify, logprobs)
             drafted = perf_counter()
             # 3b. Another plain round next? Then queue its pass, fed this round's token, so
             # the device computes it while the host waits below. A plain round teaches the
@@ -189,11 +189,17 @@ class Engine:
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
+                    if settle is not None:  # an UNDECIDED token is no id: the pass is dropped below
+                        block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)
                     queued = self._verify(cache, block, Draft.empty(), history, block, processor,
                                           key_verify, logprobs)
                     mx.async_eval(queued[0])
-            # 4. accept: the round's one host synchronisation
+            # 4. accept: the round's one host synchronisation (two where the cheap greedy
+            # choice met a near-tie it leaves to the exact one: `LogitProcessor.greedy`)
             mx.eval(verdict)
+            if settle is not None and verdict.token.item() == UNDECIDED:
+                verdict, queued = settle(), None  # the queued pass was fed no token: rolled back
+                mx.eval(verdict)
             n, token = verdict.n.item(), verdict.token.item()
             # the accepted nodes: a chain's first n, a tree's accepted path
             path = list(range(n)) if draft.tree is None else [i for i, on in enumerate(verdict.path.tolist()) if on]
@@ -245,24 +251,32 @@ class Engine:
             logits, hidden = cache.target.forward(block, tree=draft.tree), None
         if draft.tree is not None:
             windows = processor.tree_windows(history, draft.tokens, draft.tree)
-            if processor.params.greedy:
-                verdict = verify_tree_greedy(draft.tokens, draft.tree, processor.greedy(logits, windows))
-            else:
-                p = processor.distribution(logits, windows)
-                verdict = verify_tree_sampled(draft.tokens, draft.tree, p, key, draft.q)
         else:
             windows = None
             if processor.params.penalized:
                 lead = 0 if unseen is None else unseen.shape[0]
                 after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
                 windows = processor.windows(history, after, lead + block.shape[0], first=lead)
-            if processor.params.greedy:
-                verdict = verify_greedy(draft.tokens, processor.greedy(logits, windows))
-            else:
+
+        def decide(target_tokens=None):
+            if target_tokens is not None:
+                verdict = (verify_greedy(draft.tokens, target_tokens) if draft.tree is None else
+                           verify_tree_greedy(draft.tokens, draft.tree, target_tokens))
+            elif draft.tree is None:
                 verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
-            if self.agree is not None:
-                verdict = self.agree(verdict)
-        return verdict, hidden, None if logprobs is None else _log_softmax(processor.penalize(logits, windows))
+            else:
+                verdict = verify_tree_sampled(draft.tokens, draft.tree, processor.distribution(logits, windows),
+                                              key, draft.q)
+            return verdict if self.agree is None else self.agree(verdict)
+
+        settle = None
+        if processor.params.greedy:
+            verdict = decide(processor.greedy(logits, windows))
+            settle = lambda: decide(processor.greedy(logits, windows, settle=True))  # noqa: E731
+        else:
+            verdict = decide()
+        scores = None if logprobs is None else _log_softmax(processor.penalize(logits, windows))
+        return verdict, hidden, scores, settle
 
     def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
                 drafting: bool, hidden: Optional[mx.array], rows: list[int]):

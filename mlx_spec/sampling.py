@@ -18,6 +18,10 @@ import mlx.core as mx
 from mlx_spec.errors import UsageError
 
 NO_TOKEN = 2**31 - 1  # pads penalty windows; past every vocabulary, so never penalized
+# `LogitProcessor.greedy`'s answer for a row it leaves to the exact pass (past every
+# vocabulary, so no draft token equals it; the same as int32 and as uint32)
+UNDECIDED = 2**31 - 2
+MANTISSA_BITS = {mx.float32: 23, mx.bfloat16: 7, mx.float16: 10}
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class LogitProcessor:
         # for the nucleus among the 1024 likeliest tokens first (one extra host check). A
         # GPU sorts quickly, and a host check would stall its queue, so it sorts everything.
         self.nucleus_head = 1024 if mx.default_device() == mx.cpu else None
+        # MLX's exp on a CPU takes ~4 ms a row of Gemma's 262,144 logits (~0.3 ms for an
+        # argmax): there `greedy` forms the log-probs only where they can change the answer.
+        self.exact_everywhere = mx.default_device() != mx.cpu
 
     def windows(
         self, history: list[int], block: Optional[mx.array], rows: int, first: int = 0
@@ -124,13 +131,28 @@ class LogitProcessor:
         seen = mx.where(seen < 0, seen * penalty, seen / penalty)
         return mx.put_along_axis(scratch, index, seen, axis=-1)[:, :V]
 
-    def greedy(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
-        """Argmax tokens [rows] of logits [rows, V], taken as mlx-lm's `generate_step` takes
-        it: of the log-probs, logits − logsumexp, in the logits' dtype. Two logits that
-        differ by less than a rounding step there tie, and both argmaxes then pick the
-        lower id; an argmax of the raw logits would pick the larger of the two."""
+    def greedy(self, logits: mx.array, windows: Optional[mx.array] = None, settle: bool = False) -> mx.array:
+        """The target's tokens [rows] at temperature 0 for logits [rows, V], as mlx-lm's
+        `generate_step` chooses them: the argmax of the log-probs, logits − logsumexp in
+        the logits' dtype. Two logits less than a rounding step apart tie there, and the
+        lower id wins, where a raw argmax would pick the larger logit.
+
+        The log-probs cost a pass of exp over the row, slow on a CPU. There a row whose top
+        logit is further above every other than the log-probs' rounding step (`tie_step`)
+        gets its raw argmax, the same token, and any other row gets `UNDECIDED`; `settle`
+        (which the engine asks for only when a round's verdict ends at such a row, or runs
+        through one) forms the log-probs of every row and decides all of them."""
         logits = self.penalize(logits, windows)
-        return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        if settle or self.exact_everywhere:
+            return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+        top = mx.max(logits, axis=-1, keepdims=True)
+        contested = mx.sum(logits >= top - tie_step(logits.dtype, logits.shape[-1]), axis=-1) > 1
+        return mx.where(contested, mx.array(UNDECIDED, mx.uint32), mx.argmax(logits, axis=-1))
+
+    def likeliest(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
+        """The argmax tokens [rows] of the penalized logits: a draft's guess, which need not
+        break ties as the target's tokens must."""
+        return mx.argmax(self.penalize(logits, windows), axis=-1)
 
     def distribution(self, logits: mx.array, windows: Optional[mx.array] = None) -> mx.array:
         """Probabilities [rows, V] (float32) of logits [rows, V] after all processing."""
@@ -164,6 +186,16 @@ class LogitProcessor:
         before = mx.cumsum(ordered, axis=-1) - ordered
         # the token that carries the mass past top_p is kept, hence `before < top_p`
         return mx.min(mx.where(before < top_p, ordered, mx.inf), axis=-1, keepdims=True)
+
+
+def tie_step(dtype, width: int) -> float:
+    """How close to the top logit another must be for their log-probs to round equal. The
+    log-probs are x − c, c = logsumexp ≥ max, and c − max ≤ log(width), so those of the
+    logits within 2 of the top are at most log(width) + 2 in size, and two of them round
+    equal only within the spacing of `dtype` there. Twice that spacing, to spare the
+    argument's edges."""
+    bits = MANTISSA_BITS.get(dtype, 23)
+    return 2.0 * 2.0 ** (math.floor(math.log2(math.log(max(width, 2)) + 2.0)) - bits)
 
 
 def draw(probs: mx.array, key: mx.array) -> mx.array:

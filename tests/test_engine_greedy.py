@@ -217,3 +217,29 @@ def test_greedy_breaks_ties_as_mlx_lm_does(gamma):
     tokens, stats = run(Engine(model, NgramDrafter()), prompt, gamma, 24)
     assert tokens == reference == [2] * 24  # a = 2 mod 32 follows 2 every time
     assert gamma == 0 or stats.drafted > 0
+
+
+def test_the_cheap_greedy_choice_is_exact_or_left_undecided():
+    """On a CPU `greedy` skips the log-probs where no two can tie: every row it decides must
+    be mlx-lm's token (the argmax of logits − logsumexp), and it may leave undecided only
+    rows with a rival within `tie_step` of the top, which the exact pass then decides."""
+    from mlx_spec.sampling import UNDECIDED, LogitProcessor, tie_step
+
+    processor = LogitProcessor(SamplingParams())
+    processor.exact_everywhere = False  # the CPU path, on any device
+    V = 4096
+    logits = mx.random.normal((64, V), key=mx.random.key(3)) * 3.0
+    step = tie_step(logits.dtype, V)
+    top = mx.argmax(logits, axis=-1)
+    # rivals a fraction of a step below the top in half the rows, at a lower id than it
+    rival = (top + V - 1) % V
+    rows = mx.arange(64)
+    near = mx.array(logits)
+    near[rows[::2], rival[::2]] = logits[rows[::2], top[::2]] - mx.array([0.0, 0.25, 0.5, 0.9] * 8) * step
+    exact = mx.argmax(near - mx.logsumexp(near, axis=-1, keepdims=True), axis=-1)
+    cheap = processor.greedy(near)
+    assert (processor.greedy(near, settle=True) == exact).all().item()
+    decided = cheap != UNDECIDED
+    assert (mx.where(decided, cheap == exact, True)).all().item()
+    assert decided[1::2].all().item()  # no rival close: decided at once
+    assert not decided[::2].any().item()  # a rival within the step: left to the exact pass

@@ -91,7 +91,7 @@ class ModelDrafter:
                 block = mx.concatenate(xs) if xs else None
                 windows = self.processor.windows(history, block, j + 1, first=j)
             if greedy:
-                y = self.processor.greedy(logits, windows)
+                y = self.processor.likeliest(logits, windows)
                 if ranked:
                     probs = mx.softmax(self.processor.penalize(logits.astype(mx.float32), windows), axis=-1)
             else:
