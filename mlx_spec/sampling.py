@@ -140,8 +140,9 @@ class LogitProcessor:
         The log-probs cost a pass of exp over the row, slow on a CPU. There a row whose top
         logit is further above every other than the log-probs' rounding step (`tie_step`)
         gets its raw argmax, the same token, and any other row gets `UNDECIDED`; `settle`
-        (which the engine asks for only when a round's verdict ends at such a row, or runs
-        through one) forms the log-probs of every row and decides all of them."""
+        forms the log-probs of every row and decides all of them. No draft token equals
+        `UNDECIDED`, so a verdict stops at the first such row it reaches, and the engine
+        asks for `settle` only when one does."""
         logits = self.penalize(logits, windows)
         if settle or self.exact_everywhere:
             return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
