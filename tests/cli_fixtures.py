@@ -1,6 +1,6 @@
 """Fixtures for the CLI tests, loaded as a plugin (`pytest_plugins = ["cli_fixtures"]`):
-tiny Gemma 3 models saved as mlx-lm folders (a target and a close draft) and a private
-cost-curve cache."""
+tiny Gemma 3 and Gemma 4 models saved as mlx-lm folders (a target and a close draft) and a
+private cost-curve cache."""
 
 import pytest
 
@@ -16,6 +16,21 @@ def tiny_dirs(tmp_path_factory):
     save_tiny_model(root / "target", target)
     save_tiny_model(root / "draft", perturbed_copy(target, noise=0.02, seed=1))
     return str(root / "target"), str(root / "draft")
+
+
+@pytest.fixture(scope="session")
+def gemma4_dirs(tmp_path_factory):
+    """A folder holding tiny Gemma 4 checkpoints: target/, draft/ (a close copy),
+    assistant/ (its MTP assistant) and bare/ (the target without a chat template)."""
+    from mlx_spec.models.tiny_gemma4 import save_tiny_assistant, save_tiny_gemma4, tiny_gemma4
+
+    root = tmp_path_factory.mktemp("gemma4")
+    target = tiny_gemma4(seed=0)
+    save_tiny_gemma4(root / "target", target)
+    save_tiny_gemma4(root / "draft", perturbed_copy(target, noise=0.02, seed=1))
+    save_tiny_gemma4(root / "bare", target, chat_template=None)
+    save_tiny_assistant(root / "assistant")
+    return root
 
 
 @pytest.fixture(scope="session")

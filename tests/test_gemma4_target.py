@@ -14,7 +14,7 @@ from mlx_spec.chat import ChatSession
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models import load_model, load_pair
-from mlx_spec.models.tiny import TINY_VOCAB, perturbed_copy
+from mlx_spec.models.tiny import TINY_VOCAB
 from mlx_spec.models.tiny_gemma4 import END_OF_TURN_ID, WINDOW, save_tiny_gemma4, tiny_gemma4
 from mlx_spec.stats import Stats
 
@@ -23,19 +23,12 @@ LONG_PROMPT = [2] + [(7 * i) % 250 + 6 for i in range(40)]  # longer than the wi
 MAX_TOKENS = 40  # every generation crosses the window
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma4")
-    target = tiny_gemma4(seed=0)
-    save_tiny_gemma4(root / "target", target)
-    save_tiny_gemma4(root / "draft", perturbed_copy(target, noise=0.02, seed=1))
-    save_tiny_gemma4(root / "bare", target, chat_template=None)
-    return root
+pytest_plugins = ["cli_fixtures"]  # fixtures: gemma4_dirs
 
 
 @pytest.fixture(scope="module")
-def pair(folders):
-    return load_pair(str(folders / "target"), str(folders / "draft"), dtype="float32", progress=False)
+def pair(gemma4_dirs):
+    return load_pair(str(gemma4_dirs / "target"), str(gemma4_dirs / "draft"), dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +95,13 @@ def test_chat_session_reuses_the_cache_across_turns(pair):
     assert session.cache.target.ids[:1] == [tokenizer.bos_token_id]
 
 
-def test_turn_tokens_and_chat_template(folders, pair):
+def test_turn_tokens_and_chat_template(gemma4_dirs, pair):
     tokenizer = pair.tokenizer
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == "<bos><|turn>system\nS<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n"
     # A checkpoint without a template gets Gemma 4's, and still stops at <turn|>.
-    bare = load_model(str(folders / "bare"), progress=False).tokenizer
+    bare = load_model(str(gemma4_dirs / "bare"), progress=False).tokenizer
     assert bare.has_chat_template
     assert bare.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
     assert END_OF_TURN_ID in bare.eos_token_ids

@@ -12,35 +12,25 @@ import json
 import threading
 
 import httpx
-import mlx.core as mx
 import pytest
 from mlx_lm import generate, load
 
 from mlx_spec.models import load_pair
 from mlx_spec.policy import FixedGamma
 from mlx_spec.runner import build_engine
-from mlx_spec.models.tiny import perturbed_copy
-from mlx_spec.models.tiny_gemma4 import save_tiny_assistant, save_tiny_gemma4, tiny_gemma4
 from server_support import Server, server_env
 
 PROMPT = "one two one two one two"
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-gemma4")
-    target = tiny_gemma4(seed=0)
-    save_tiny_gemma4(root / "target", target)
-    save_tiny_gemma4(root / "draft", perturbed_copy(target, noise=0.02, seed=1))
-    save_tiny_assistant(root / "assistant")
-    return root
+pytest_plugins = ["cli_fixtures"]  # fixtures: gemma4_dirs
 
 
 @pytest.fixture(scope="module")
-def mlx_lm_answer(folders):
+def mlx_lm_answer(gemma4_dirs):
     """mlx-lm's greedy completion of PROMPT, loaded and decoded by mlx-lm alone."""
-    model, tokenizer = load(str(folders / "target"))
+    model, tokenizer = load(str(gemma4_dirs / "target"))
     return generate(model, tokenizer, tokenizer.encode(PROMPT), max_tokens=TOKENS)
 
 
@@ -63,10 +53,10 @@ def _on_a_new_thread(fn):
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model", "mtp"])
-def test_loaded_models_decode_on_another_thread(folders, drafter):
+def test_loaded_models_decode_on_another_thread(gemma4_dirs, drafter):
     """The server's split, without the server: load on this thread, decode on another."""
     draft = {"model": "draft", "mtp": "assistant"}.get(drafter)
-    pair = load_pair(str(folders / "target"), draft and str(folders / draft), dtype="float32",
+    pair = load_pair(str(gemma4_dirs / "target"), draft and str(gemma4_dirs / draft), dtype="float32",
                      progress=False)
     engine = build_engine(pair, drafter)
     rounds = _on_a_new_thread(lambda: list(engine.rounds([2, 40, 41, 40, 41], gamma=FixedGamma(2),
@@ -105,13 +95,13 @@ CASES = {  # name: (flags beyond --model, whether γ is auto)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_serve_answers_on_gemma4_with_every_drafter(case, folders, mlx_lm_answer, tmp_path):
+def test_serve_answers_on_gemma4_with_every_drafter(case, gemma4_dirs, mlx_lm_answer, tmp_path):
     flags, auto = CASES[case]
-    flags = [f.format(draft=folders / "draft", assistant=folders / "assistant") for f in flags]
+    flags = [f.format(draft=gemma4_dirs / "draft", assistant=gemma4_dirs / "assistant") for f in flags]
     env = server_env(tmp_path / "costs")
     starts = ("first start", "calibration cached") if auto else ("first start",)
     for start in starts:
-        server = Server(["--model", folders / "target", *flags], env)
+        server = Server(["--model", gemma4_dirs / "target", *flags], env)
         try:
             assert _answers(server) == mlx_lm_answer, start
             health = server.health()
