@@ -80,15 +80,12 @@ class OtherLoad:
         return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
 
     def cores(self):
-        """Others' mean cores since this was made (or since `restart`)."""
+        """Others' mean cores since this was made."""
         now = self._now()
         if now is None or self.start is None or now[0] <= self.start[0]:
             return None
         wall, busy, own = (a - b for a, b in zip(now, self.start))
         return max(0.0, (busy - own) / wall)
-
-    def restart(self) -> None:
-        self.start = self._now()
 
 
 def quiet_machine(seconds: float = 3.0):

@@ -209,9 +209,7 @@ def token_bytes_reader(tokenizer):
             text = piece(token)
             if text is None:
                 return b""
-            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-                return bytes([int(text[3:5], 16)])
-            return text.replace("\u2581", " ").encode("utf-8")
+            return _piece_bytes(text).replace(_SPMDetokenizer._sep, b" ")
     elif "BPE" in kind:  # GPT-2's byte-level alphabet: one character per byte
         alphabet = _byte_level_alphabet()
 
@@ -227,6 +225,11 @@ def token_bytes_reader(tokenizer):
             except Exception:  # noqa: BLE001  (an id the tokenizer lacks)
                 return b""
     return read
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """A SentencePiece piece's bytes, `▁` kept: byte tokens carry their value in hex."""
+    return bytes([int(piece[3:5], 16)]) if piece.startswith("<0x") else piece.encode("utf-8")
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -260,9 +263,7 @@ class _SPMDetokenizer:
             text = self._backend.id_to_token(token)
             if text is None:
                 raise IndexError(f"token id {token} is outside the vocabulary")
-            # Byte tokens carry their value in hex.
-            value = bytes([int(text[3:5], 16)]) if text.startswith("<0x") else text.encode("utf-8")
-            self._bytes[token] = value
+            value = self._bytes[token] = _piece_bytes(text)
         return value
 
     def _try_flush(self, force=False):
