@@ -37,7 +37,7 @@ def pair_args(name: str, folder: Path) -> list[str]:
     if name == "gemma270m-ngram":  # the default preset: float32 270M, prompt-lookup drafts
         return ["-m", "default", "--drafter", "ngram", "--dtype", "float32"]
     if name == "tiny":  # tiny random Gemma 3, a perturbed copy drafting (4 heads, 2 kv heads)
-        from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
+        from mlx_spec.testing.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
 
         target = tiny_gemma3(seed=0, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8)
         save_tiny_model(folder / "target", target)

@@ -73,7 +73,7 @@ def main() -> None:
     if args.folder:  # a rank
         return rank_main(args, Path(args.folder))
 
-    from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
+    from mlx_spec.testing.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,7 @@ for large files), and with variants of that table; and by llama.cpp itself on th
 is (llama-cpp-python, `logits_all`). Deterministic: one run each.
 
 memory: writes a Gemma 3 12B-shaped GGUF (bench/shapes.py's gemma3-12b: 48 layers, d = 3840,
-262208 tokens) with random Q4_K_M-typed blocks (`mlx_spec.models.random_gguf`), imports it
+262208 tokens) with random Q4_K_M-typed blocks (`mlx_spec.testing.random_gguf`), imports it
 quantized in a fresh process and reads that process's RSS high-water mark (VmHWM); the bound
 is 1.5x the safetensors written. Both files are deleted afterwards.
 
@@ -123,7 +123,7 @@ def measure_perplexity() -> dict:
 
 
 def measure_memory(folder: Path) -> dict:
-    from mlx_spec.models.random_gguf import import_peak_memory, write_random_gemma3_gguf
+    from mlx_spec.testing.random_gguf import import_peak_memory, write_random_gemma3_gguf
 
     config = SHAPES["gemma3-12b"].config
     gguf = folder / "gemma3-12b-random-q4_k_m.gguf"

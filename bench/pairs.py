@@ -77,7 +77,7 @@ def layered_tiny_pair(n_layers: int = 12, draft_layers: int = 2, late_scale: flo
     one: the regime of a quantized 12B target on an Apple GPU, in miniature, where drafting
     pays. Returns (target, draft).
     """
-    from mlx_spec.models.tiny import tiny_gemma3
+    from mlx_spec.testing.tiny import tiny_gemma3
 
     target = tiny_gemma3(seed=seed, num_hidden_layers=n_layers)
     for block in target.model.layers[draft_layers:]:
@@ -124,7 +124,7 @@ def build(name: str, prompt: str = "long") -> Pair:
         target, ids = loaded.model, gemma_prompt_ids(loaded.tokenizer, prompt)
         draft = draft_for(name.split("-")[-1], loaded)
     else:
-        from mlx_spec.models.tiny import tiny_gemma3
+        from mlx_spec.testing.tiny import tiny_gemma3
 
         ids = [2] + [10 + (i * 7) % 50 for i in range(60)] + list(range(100, 140))
         if name == "tiny-self":

@@ -4,7 +4,7 @@ private cost-curve cache."""
 
 import pytest
 
-from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
+from mlx_spec.testing.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def tiny_dirs(tmp_path_factory):
 def gemma4_dirs(tmp_path_factory):
     """A folder holding tiny Gemma 4 checkpoints: target/, draft/ (a close copy),
     assistant/ (its MTP assistant) and bare/ (the target without a chat template)."""
-    from mlx_spec.models.tiny_gemma4 import save_tiny_assistant, save_tiny_gemma4, tiny_gemma4
+    from mlx_spec.testing.tiny_gemma4 import save_tiny_assistant, save_tiny_gemma4, tiny_gemma4
 
     root = tmp_path_factory.mktemp("gemma4")
     target = tiny_gemma4(seed=0)

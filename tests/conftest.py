@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_spec.models.tiny import perturbed_copy, tiny_gemma3
+from mlx_spec.testing.tiny import perturbed_copy, tiny_gemma3
 
 
 @pytest.fixture(scope="session")

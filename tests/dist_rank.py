@@ -27,7 +27,7 @@ from dist_support import tiny_gemma4_tp  # noqa: E402
 
 from mlx_spec import distributed  # noqa: E402
 from mlx_spec.models.sharding import shard_model  # noqa: E402
-from mlx_spec.models.tiny import tiny_gemma3  # noqa: E402
+from mlx_spec.testing.tiny import tiny_gemma3  # noqa: E402
 
 
 def _logits_case(model, world) -> dict:

@@ -80,7 +80,7 @@ def tiny_gemma4_tp(seed: int = 0, moe: bool = False, **overrides):
     """`models.tiny_gemma4` with what sharding has to get right: 4 query heads, sliding
     layers with 2 kv heads (split over 2 ranks), full layers with 1 kv head serving as both
     k and v (replicated), the KV-shared layers, and optionally MoE experts."""
-    from mlx_spec.models.tiny_gemma4 import tiny_gemma4
+    from mlx_spec.testing.tiny_gemma4 import tiny_gemma4
 
     config = dict(num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1,
                   attention_k_eq_v=True)

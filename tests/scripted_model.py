@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mlx_spec.models.tiny import byte_tokenizer_json
+from mlx_spec.testing.tiny import byte_tokenizer_json
 
 # Gemma 4's turn tokens and tool-call markers (the real checkpoints have them as special tokens).
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool_call>",

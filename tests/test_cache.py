@@ -10,7 +10,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_spec.cache import PromptCache, SequenceCache, TreeKVCache, WindowKVCache
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import TINY_VOCAB
+from mlx_spec.testing.tiny import TINY_VOCAB
 
 ATOL = 1e-4
 

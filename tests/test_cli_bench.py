@@ -243,7 +243,7 @@ def test_a_difference_at_a_near_tie_is_reported_apart_from_a_mismatch(tiny_dirs,
 
     import mlx_spec.engine as engine
     from conftest import greedy_reference
-    from mlx_spec.models.tiny import save_tiny_model
+    from mlx_spec.testing.tiny import save_tiny_model
 
     model, tokenizer = load(tiny_dirs[0])
     prompt = list(tokenizer.encode("Hello there"))

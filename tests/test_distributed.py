@@ -15,7 +15,7 @@ from dist_support import run_rank_script, tiny_gemma4_tp
 
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.sharding import check_shardable
-from mlx_spec.models.tiny import tiny_gemma3
+from mlx_spec.testing.tiny import tiny_gemma3
 
 # float32: sharding changes only the order of additions (each rank sums its heads / hidden
 # units, then the all-reduce adds the parts), so logits move by float32 round-off.
@@ -107,8 +107,8 @@ MAX_TOKENS = 24  # prompt + output = 49 positions, three times the 16-token wind
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from mlx_spec.models.tiny import perturbed_copy, save_tiny_model
-    from mlx_spec.models.tiny_gemma4 import save_tiny_gemma4
+    from mlx_spec.testing.tiny import perturbed_copy, save_tiny_model
+    from mlx_spec.testing.tiny_gemma4 import save_tiny_gemma4
 
     root = tmp_path_factory.mktemp("dist-models")
     target3, target4 = tiny_gemma3(seed=0), tiny_gemma4_tp(seed=3)

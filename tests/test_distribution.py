@@ -14,7 +14,7 @@ import pytest
 import mlx_spec.engine as engine_module
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import tiny_gemma3
+from mlx_spec.testing.tiny import tiny_gemma3
 from mlx_spec.sampling import LogitProcessor, SamplingParams, draw
 from mlx_spec.verify import Verdict, accepted_prefix, verify_sampled
 

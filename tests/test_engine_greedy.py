@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_repetition_penalty
 from conftest import greedy_reference
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import TINY_VOCAB, perturbed_copy, tiny_gemma3
+from mlx_spec.testing.tiny import TINY_VOCAB, perturbed_copy, tiny_gemma3
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 

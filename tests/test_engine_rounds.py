@@ -6,7 +6,7 @@ import pytest
 from conftest import greedy_reference
 from mlx_spec.drafters import Draft, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import TINY_VOCAB
+from mlx_spec.testing.tiny import TINY_VOCAB
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 

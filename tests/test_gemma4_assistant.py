@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from data.make_gemma4_assistant_golden import CASES, case_inputs
 from mlx_spec.drafters.mtp import draft_greedy
 from mlx_spec.models import load_model
-from mlx_spec.models.tiny_gemma4 import save_tiny_assistant, tiny_assistant_config, tiny_assistant_weights, tiny_gemma4_config
+from mlx_spec.testing.tiny_gemma4 import save_tiny_assistant, tiny_assistant_config, tiny_assistant_weights, tiny_gemma4_config
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "gemma4_assistant_golden.json").read_text())
 RTOL = ATOL = 1e-4

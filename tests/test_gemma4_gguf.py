@@ -18,7 +18,7 @@ import mlx_spec.models.gguf_import as gguf_import
 from conftest import greedy_reference
 from mlx_spec.models import load_model, load_pair
 from mlx_spec.models.gemma4_assistant import last_kv_layers
-from mlx_spec.models.tiny_gemma4 import WINDOW, save_hf_checkpoints
+from mlx_spec.testing.tiny_gemma4 import WINDOW, save_hf_checkpoints
 from mlx_spec.models.tokenizer_index import TokenizerIndex
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats

@@ -14,8 +14,8 @@ from mlx_spec.chat import ChatSession
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models import load_model, load_pair
-from mlx_spec.models.tiny import TINY_VOCAB
-from mlx_spec.models.tiny_gemma4 import END_OF_TURN_ID, WINDOW, save_tiny_gemma4, tiny_gemma4
+from mlx_spec.testing.tiny import TINY_VOCAB
+from mlx_spec.testing.tiny_gemma4 import END_OF_TURN_ID, WINDOW, save_tiny_gemma4, tiny_gemma4
 from mlx_spec.stats import Stats
 
 SHORT_PROMPT = [2, 40, 41, 42, 43, 44, 45, 40, 41]  # shorter than the window

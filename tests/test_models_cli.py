@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlx_spec.cli import app
-from mlx_spec.models.tiny import save_tiny_model
+from mlx_spec.testing.tiny import save_tiny_model
 
 runner = CliRunner()
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 import mlx_spec.models.gguf_import as gguf_import
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.models import load_model
-from mlx_spec.models.tiny import SPECIAL_TOKENS, tiny_gemma3
+from mlx_spec.testing.tiny import SPECIAL_TOKENS, tiny_gemma3
 
 PARAGRAPH = Path(__file__).parent / "data" / "english_paragraph.txt"
 
@@ -336,7 +336,7 @@ SMALL_GEMMA3 = dict(model_type="gemma3_text", hidden_size=1024, intermediate_siz
 
 @pytest.fixture(scope="module")
 def small_q4_k_m(tmp_path_factory):
-    from mlx_spec.models.random_gguf import write_random_gemma3_gguf
+    from mlx_spec.testing.random_gguf import write_random_gemma3_gguf
 
     return write_random_gemma3_gguf(tmp_path_factory.mktemp("q4km") / "small-q4_k_m.gguf", SMALL_GEMMA3)
 
@@ -345,7 +345,7 @@ def small_q4_k_m(tmp_path_factory):
 def test_exact_types_re_encode_to_the_values_gguf_decodes(type_name):
     """Blocks that are affine per 32 values become MLX groups holding gguf's own dequantized
     values (the reference), to the float16 rounding of scales and biases."""
-    from mlx_spec.models.random_gguf import random_blocks
+    from mlx_spec.testing.random_gguf import random_blocks
 
     raw = random_blocks(type_name, 4, 512, np.random.default_rng(1))
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(4, 512)
@@ -360,7 +360,7 @@ def test_quantized_import_holds_one_shard_at_a_time(small_q4_k_m, tmp_path):
     """With 8 MB shards the import's memory grows by well under the output's size (measured
     0.55x of 88 MB; holding the whole model before writing, as a single shard does: 1.8x, and
     the float16 model is 2.8x). bench/gguf_import.py measures a real-shaped 12B."""
-    from mlx_spec.models.random_gguf import import_peak_memory
+    from mlx_spec.testing.random_gguf import import_peak_memory
 
     measured = import_peak_memory(small_q4_k_m, tmp_path / "cache", shard_bytes=8 << 20, chunk_values=1 << 18)
     assert measured["peak_rss"] - measured["rss_before"] < 0.8 * measured["output_bytes"], measured

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.errors import MlxSpecError, ModelLoadError
 from mlx_spec.models import cache_root, default_dtype, load_model
-from mlx_spec.models.tiny import END_OF_TURN_ID, EOS_ID, save_tiny_model, tiny_gemma3
+from mlx_spec.testing.tiny import END_OF_TURN_ID, EOS_ID, save_tiny_model, tiny_gemma3
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import mlx_spec.engine as engine_module
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models import gemma4_assistant
-from mlx_spec.models.tiny_gemma4 import tiny_assistant_config, tiny_assistant_weights, tiny_gemma4
+from mlx_spec.testing.tiny_gemma4 import tiny_assistant_config, tiny_assistant_weights, tiny_gemma4
 from mlx_spec.sampling import SamplingParams, draw
 from mlx_spec.stats import Stats
 from mlx_spec.verify import Verdict, accepted_prefix

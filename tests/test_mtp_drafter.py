@@ -22,9 +22,9 @@ from mlx_spec.drafters.mtp import MtpDrafter, shared_kv
 from mlx_spec.engine import Engine
 from mlx_spec.errors import IncompatibleModelsError, MlxSpecError
 from mlx_spec.models import load_pair
-from mlx_spec.models.distill import distill, teacher_data
-from mlx_spec.models.tiny import save_tiny_model
-from mlx_spec.models.tiny_gemma4 import (
+from mlx_spec.testing.distill import distill, teacher_data
+from mlx_spec.testing.tiny import save_tiny_model
+from mlx_spec.testing.tiny_gemma4 import (
     WINDOW,
     save_tiny_assistant,
     save_tiny_gemma4,

@@ -11,7 +11,7 @@ from mlx_spec.cache import SequenceCache
 from mlx_spec.costs import CostCurve, _fill_context, measure_costs
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import TINY_VOCAB
+from mlx_spec.testing.tiny import TINY_VOCAB
 from mlx_spec.policy import AutoGamma, expected_tokens
 from mlx_spec.stats import Stats
 

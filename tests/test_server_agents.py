@@ -178,7 +178,7 @@ def test_chat_logprob_bytes_are_each_tokens_own_bytes(stream, tmp_path):
     from mlx_lm.utils import load_tokenizer
 
     from mlx_spec.engine import Engine
-    from mlx_spec.models.tiny_gemma4 import save_sentencepiece_tokenizer
+    from mlx_spec.testing.tiny_gemma4 import save_sentencepiece_tokenizer
     from mlx_spec.server import ServerOptions, create_app
     from scripted_model import END_OF_TURN_ID, EOS_ID, InProcessServer, ScriptedModel
 

@@ -74,7 +74,7 @@ def warm_generate(*args, cache: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_gguf_path(tmp_path_factory):
-    from mlx_spec.models.tiny import tiny_gemma3
+    from mlx_spec.testing.tiny import tiny_gemma3
 
     path = tmp_path_factory.mktemp("gguf") / "tiny-gemma3-q8_0.gguf"
     write_tiny_gguf(path, tiny_gemma3(seed=3, **TINY_GGUF_CONFIG))

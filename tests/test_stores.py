@@ -14,7 +14,7 @@ from mlx_spec.errors import ModelLoadError
 from mlx_spec.models import load_model
 from mlx_spec.models.ollama import parse_ollama_name
 from mlx_spec.models.stores import drafting_defaults, locate
-from mlx_spec.models.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
+from mlx_spec.testing.tiny import perturbed_copy, save_tiny_model, tiny_gemma3
 from store_support import write_header_only_gguf, write_ollama_model
 from test_models_gguf import TINY_GGUF_CONFIG, write_tiny_gguf
 

@@ -5,7 +5,7 @@ from mlx_lm import load
 
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import TINY_VOCAB, perturbed_copy, save_tiny_model
+from mlx_spec.testing.tiny import TINY_VOCAB, perturbed_copy, save_tiny_model
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stream import _StopText, generate, stream_generate
 

@@ -15,7 +15,7 @@ from mlx_spec.cache import SequenceCache
 from mlx_spec.costs import CostCurve
 from mlx_spec.drafters import Draft, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.models.tiny import perturbed_copy, tiny_gemma3
+from mlx_spec.testing.tiny import perturbed_copy, tiny_gemma3
 from mlx_spec.policy import TreePolicy
 from mlx_spec.sampling import LogitProcessor, SamplingParams, draw
 from mlx_spec.stats import Stats
@@ -43,7 +43,7 @@ def test_tree_rows_equal_each_path_decoded_alone(tiny_target, arch, prompt_lengt
     row's root path, fed without any cache; after keeping a path that is not a prefix of
     the block, the next token's logits are those of prefix + path."""
     if arch == "gemma4":
-        from mlx_spec.models.tiny_gemma4 import WINDOW as gemma4_window, tiny_gemma4
+        from mlx_spec.testing.tiny_gemma4 import WINDOW as gemma4_window, tiny_gemma4
 
         assert prompt_length < 10 or prompt_length > gemma4_window
         tiny_target = tiny_gemma4(seed=0)

@@ -9,8 +9,8 @@
     list_presets / get_preset   named target + draft pairs (presets/presets.toml)
     model_info(source)          architecture, size, quantization, vocabulary, without running it
 
-Names resolve lazily, so `mlx_spec.models.tiny` (used by every test) does not pay for
-importing mlx-lm's tokenizer stack.
+Names resolve lazily, so importing one of its modules does not pay for importing mlx-lm's
+tokenizer stack.
 """
 
 from importlib import import_module

@@ -1,6 +1,6 @@
 """Golden values for the Gemma 4 MTP assistant, from the transformers reference.
 
-Builds the tiny assistants of `mlx_spec.models.tiny_gemma4` (both head variants) from
+Builds the tiny assistants of `mlx_spec.testing.tiny_gemma4` (both head variants) from
 numpy's frozen `RandomState` streams, writes them as checkpoint folders, loads those folders
 with transformers' own `Gemma4AssistantForCausalLM` / `Gemma4UnifiedAssistantForCausalLM`
 (which must find every key: that checks the key layout), runs them on fixed inputs, and
@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from mlx_spec.models.tiny_gemma4 import (  # noqa: E402
+from mlx_spec.testing.tiny_gemma4 import (  # noqa: E402
     save_tiny_assistant,
     tiny_assistant_config,
     tiny_assistant_weights,

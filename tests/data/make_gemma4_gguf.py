@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mlx_spec.models.tiny_gemma4 import save_hf_checkpoints
+from mlx_spec.testing.tiny_gemma4 import save_hf_checkpoints
 
 DATA = Path(__file__).parent
 # (checkpoint, llama.cpp --outtype): float32 for exact comparisons, Q8_0 as llama.cpp

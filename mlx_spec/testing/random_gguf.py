@@ -132,7 +132,7 @@ def import_peak_memory(gguf_path: str | Path, cache_root: str | Path, *, storage
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "mlx_spec.models.random_gguf", str(gguf_path), str(cache_root), storage,
+    args = [sys.executable, "-m", "mlx_spec.testing.random_gguf", str(gguf_path), str(cache_root), storage,
             str(shard_bytes or 0), str(chunk_values or 0)]
     done = subprocess.run(args, capture_output=True, text=True, check=False)
     if done.returncode != 0:

@@ -19,7 +19,7 @@ from mlx_lm.models import gemma4_text
 
 from mlx_spec.models.arrays import evaluate_all
 from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE
-from mlx_spec.models.tiny import TINY_VOCAB, byte_tokenizer_json
+from mlx_spec.testing.tiny import TINY_VOCAB, byte_tokenizer_json
 
 # Gemma 4's turn markers take the places of Gemma 3's, so ids stay as in tiny.py.
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]

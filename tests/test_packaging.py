@@ -1,0 +1,93 @@
+"""The wheel holds the library and nothing else (issue 31): built as a user's `pip` builds it,
+then listed. The test and benchmark models live in `mlx_spec.testing`, which pyproject.toml
+leaves out, so no module that ships may import it, and every module that ships is one the
+program can import: reachable from the `mlx-spec` entry point through import statements."""
+
+import ast
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_ships_only_the_library(tmp_path):
+    # from a copy of the sources: pip builds in place, and a checkout's build/ may hold stale files
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "mlx_spec", source / "mlx_spec", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path), str(source)],
+                   check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("mlx_spec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {n for n in names if not n.startswith("mlx_spec-")}  # less the .dist-info
+    assert shipped and all(n.startswith("mlx_spec/") for n in shipped), sorted(shipped)
+    assert not [n for n in shipped if n.startswith("mlx_spec/testing/")]
+    # the data the library reads at run time
+    assert "mlx_spec/models/presets/presets.toml" in shipped
+    assert any(n.startswith("mlx_spec/prompts/") and n.endswith(".txt") for n in shipped)
+    # every library module in the checkout is in the wheel, so nothing else was left out
+    library = {str(p.relative_to(ROOT)) for p in (ROOT / "mlx_spec").rglob("*.py")
+               if "testing" not in p.relative_to(ROOT).parts}
+    assert library <= shipped, sorted(library - shipped)
+    modules = {n for n in shipped if n.endswith(".py")}
+    entry_points = ("mlx_spec.cli", "mlx_spec.cli.__main__")  # `mlx-spec`, `python -m mlx_spec.cli`
+    assert modules - set().union(*map(reachable_from, entry_points)) == set()
+
+
+def _module_file(name: str) -> Path | None:
+    path = ROOT / Path(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported(name: str, path: Path) -> set[str]:
+    """The mlx_spec modules a module's import statements name (inside functions too), and
+    what a package's lazy `_EXPORTS` table resolves to."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level − 1
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
+            found |= {f"{package}.{module}" for module in ast.literal_eval(node.value).values()}
+    # importing a.b.c runs a/__init__ and a/b/__init__ too
+    return {".".join(n.split(".")[:i]) for n in found if n.startswith("mlx_spec") for i in range(1, n.count(".") + 2)}
+
+
+def reachable_from(root: str) -> set[str]:
+    """Wheel paths of every module the import statements reach from `root`."""
+    seen, todo = {}, [root]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name)
+        if name in seen or path is None:
+            continue
+        seen[name] = str(path.relative_to(ROOT))
+        todo.extend(_imported(name, path))
+    return set(seen.values())
+
+
+def test_no_shipped_module_imports_the_testing_package():
+    for path in (ROOT / "mlx_spec").rglob("*.py"):
+        if "testing" in path.relative_to(ROOT).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.startswith("mlx_spec.testing") for n in names), (path, names)
