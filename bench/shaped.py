@@ -37,7 +37,7 @@ from shaped_measure import (  # noqa: E402
 )
 from shapes import PAIRS, SHAPES, build  # noqa: E402
 
-from mlx_spec.costs import weight_bytes  # noqa: E402
+from mlx_spec.cost_model import weight_bytes  # noqa: E402
 from mlx_spec.errors import MlxSpecError  # noqa: E402
 from mlx_spec.models.loader import default_dtype  # noqa: E402
 from mlx_spec.sampling import SamplingParams  # noqa: E402

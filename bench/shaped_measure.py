@@ -32,7 +32,8 @@ from mlx_lm.generate import generate_step
 
 import mlx_spec.costs
 import mlx_spec.engine
-from mlx_spec.costs import CostCurve, measure_costs, weight_bandwidth, weight_bytes
+from mlx_spec.cost_model import CostCurve, weight_bandwidth, weight_bytes
+from mlx_spec.costs import measure_costs
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import AutoGamma, cost_model_speedup, theorem_speedup

@@ -23,7 +23,7 @@ LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main;
 
 
 def measure(group=None) -> dict:
-    from mlx_spec.costs import weight_bytes
+    from mlx_spec.cost_model import weight_bytes
     from mlx_spec.models import load_model
 
     mx.reset_peak_memory()

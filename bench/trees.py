@@ -39,7 +39,8 @@ from pairs import build, gemma270m, gemma_prompt_ids  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_spec.costs import CostCurve, measure_costs  # noqa: E402
+from mlx_spec.cost_model import CostCurve  # noqa: E402
+from mlx_spec.costs import measure_costs  # noqa: E402
 from mlx_spec.drafters import Draft, NgramDrafter  # noqa: E402
 from mlx_spec.engine import Engine  # noqa: E402
 from mlx_spec.models.pairing import ModelPair  # noqa: E402

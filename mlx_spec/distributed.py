@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from mlx_spec.cost_model import non_decreasing
 from mlx_spec.errors import MlxSpecError
 
 LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES",
@@ -317,7 +318,6 @@ def _chain_time(w: World, x: mx.array, chain: int = 16, repeats: int = 5) -> flo
 
 def comm_profile(w: World, model, max_width: int) -> CommProfile:
     """Count and time the target's all-reduces; every rank gets rank 0's timings."""
-    from mlx_spec.costs import non_decreasing
 
     text = getattr(model, "language_model", model)
     hidden = text.args.hidden_size

@@ -3,7 +3,7 @@
 `AutoGamma` picks, every round, the γ that maximises committed tokens per second:
 
     E(γ) = 1 + Σ_{j≤γ} Π_{i≤j} a_i          expected tokens per round
-    T(γ) = γ · t_draft + t_verify(γ + 1)     measured round time (costs.CostCurve)
+    T(γ) = γ · t_draft + t_verify(γ + 1)     measured round time (cost_model.CostCurve)
 
 where a_i is the live conditional acceptance at draft position i (acceptance falls with
 position, so one α does not fit). If no γ ≥ 1 beats plain decoding it parks at γ = 0 and
@@ -11,7 +11,7 @@ probes now and then, backing off while probes keep losing, so it can resume when
 turns predictable.
 
 Both inputs are learned while it runs. T(γ) starts from the calibration and follows every
-round's measured time (`costs.LiveCosts`), so a calibration made under load cannot park
+round's measured time (`cost_model.LiveCosts`), so a calibration made under load cannot park
 drafting for good. The acceptance evidence ages with every round, parked rounds faster (no
 news comes while parked, and the text may have changed), so after a bad stretch of any
 length two fully accepted probes bring drafting back.
@@ -24,7 +24,7 @@ from typing import Optional, Protocol, Sequence
 
 import mlx.core as mx
 
-from mlx_spec.costs import CostCurve, LiveCosts
+from mlx_spec.cost_model import CostCurve, LiveCosts
 from mlx_spec.stats import Stats
 from mlx_spec.tree import TreeShape
 

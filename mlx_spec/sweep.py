@@ -32,7 +32,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 
-from mlx_spec.costs import CostCurve, load_or_measure, weight_bandwidth, weight_bytes
+from mlx_spec.cost_model import CostCurve, weight_bandwidth, weight_bytes
+from mlx_spec.costs import load_or_measure
 from mlx_spec.distributed import BroadcastDrafter, CommProfile, comm_profile, world
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError

@@ -35,7 +35,7 @@ def test_theorem_3_8():
 
 
 def test_cost_model_speedup_uses_the_verify_curve():
-    from mlx_spec.costs import CostCurve
+    from mlx_spec.cost_model import CostCurve
 
     flat = CostCurve(verify=[1.0] * 8, draft_step=0.0, context=256)
     assert cost_model_speedup(flat, [0.5, 0.5], 2) == pytest.approx(1.75)
@@ -216,7 +216,7 @@ def test_plot_without_matplotlib(models, monkeypatch, tmp_path):
 
 
 def test_recommendation_text_flags_gains_within_noise():
-    from mlx_spec.costs import CostCurve
+    from mlx_spec.cost_model import CostCurve
     from mlx_spec.sampling import SamplingParams
 
     def result(rows, best, speedup):
@@ -286,7 +286,7 @@ def test_a_difference_at_a_near_tie_is_reported_apart_from_a_mismatch(tiny_dirs,
 def test_theorem_3_8_takes_alpha_per_reached_position():
     """Every round accepts x_1 and rejects x_2 of γ = 4: α̂ (accepted / drafted) is 0.25,
     but each reached position is accepted half the time, and that is the theorem's α."""
-    from mlx_spec.costs import CostCurve
+    from mlx_spec.cost_model import CostCurve
     from mlx_spec.sampling import SamplingParams
     from mlx_spec.stats import Stats
 

@@ -354,7 +354,7 @@ def test_chat_turns_draft_from_round_one(distilled):
 
 def flat_tree_policy():
     """Width costs nothing: every sibling the assistant proposes is verified."""
-    from mlx_spec.costs import CostCurve
+    from mlx_spec.cost_model import CostCurve
     from mlx_spec.policy import TreePolicy
 
     return TreePolicy(CostCurve([0.01] * 17, 0.0, 256), max_gamma=3, learn_costs=False)

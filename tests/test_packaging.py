@@ -91,3 +91,51 @@ def test_no_shipped_module_imports_the_testing_package():
             else:
                 continue
             assert not any(n.startswith("mlx_spec.testing") for n in names), (path, names)
+
+
+def test_no_two_modules_import_each_other():
+    # import statements inside functions count too: a lazy import can hide a circle, not undo it
+    modules = {}
+    for path in (ROOT / "mlx_spec").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: {other for other in _imported(name, path)
+                    if other in modules and other != name and not name.startswith(other + ".")}  # its own packages
+             for name, path in modules.items()}
+    circles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    assert circles == []
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components, iteratively (a deep import chain must not hit the recursion limit)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start), on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt), on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(component)
+    return components

@@ -8,7 +8,8 @@ from conftest import greedy_reference
 import mlx.core as mx
 
 from mlx_spec.cache import SequenceCache
-from mlx_spec.costs import CostCurve, _fill_context, measure_costs
+from mlx_spec.cost_model import CostCurve
+from mlx_spec.costs import _fill_context, measure_costs
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.testing.tiny import TINY_VOCAB
@@ -110,7 +111,7 @@ def test_parks_probes_with_backoff_and_resumes():
 
 
 def test_cost_curve_noise_is_smoothed_to_non_decreasing():
-    from mlx_spec.costs import non_decreasing
+    from mlx_spec.cost_model import non_decreasing
 
     assert non_decreasing([1.0, 2.0, 1.6, 1.8, 3.0]) == pytest.approx([1.0, 1.8, 1.8, 1.8, 3.0])
     assert non_decreasing([1.0, 1.1, 1.2]) == [1.0, 1.1, 1.2]
@@ -240,7 +241,7 @@ def test_after_a_bad_stretch_two_full_probes_bring_drafting_back_through_the_eng
 
 
 def test_live_costs_follow_measured_rounds_and_ignore_one_outlier():
-    from mlx_spec.costs import LiveCosts
+    from mlx_spec.cost_model import LiveCosts
 
     # a calibration made under load: 2.89 steps for a 2-row verify, extended linearly
     loaded = CostCurve(verify=[1.0 + 1.89 * w for w in range(7)], draft_step=0.0, context=256)

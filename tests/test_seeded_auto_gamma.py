@@ -1,6 +1,6 @@
 """A seed reproduces a sampled answer under γ auto, however busy the machine is.
 
-Auto γ used to follow each round's wall-clock time (`costs.LiveCosts`), and each round
+Auto γ used to follow each round's wall-clock time (`cost_model.LiveCosts`), and each round
 splits the sampling key, so the same seed drew different text when rounds took different
 times. Here the clock is perturbed (random jumps between readings, a new pattern per run)
 in `mlx-spec generate` (in-process) and in a `mlx-spec serve` subprocess (a sitecustomize
@@ -15,7 +15,7 @@ import pytest
 
 from cli_support import invoke_json
 from mlx_spec import engine as engine_module
-from mlx_spec.costs import LiveCosts
+from mlx_spec.cost_model import LiveCosts
 from mlx_spec.models import load_pair
 from mlx_spec.runner import build_engine, gamma_policy
 from server_support import Server, server_env

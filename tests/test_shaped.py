@@ -22,7 +22,7 @@ from shaped_measure import clock, measure_costs_for, nominal_bandwidth, prompt_i
 from shapes import PAIRS, SHAPES, Shape, build, estimated_bytes, scaled_config  # noqa: E402
 
 from conftest import greedy_reference  # noqa: E402
-from mlx_spec.costs import weight_bytes  # noqa: E402
+from mlx_spec.cost_model import weight_bytes  # noqa: E402
 from mlx_spec.sweep import token_md5  # noqa: E402
 
 SCALE = 1 / 16  # 12B: d=256·… 5 MB at 4-bit; a target step ~10 ms of CPU time here

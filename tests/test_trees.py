@@ -12,7 +12,7 @@ import pytest
 import mlx_spec.engine as engine_module
 from conftest import greedy_reference
 from mlx_spec.cache import SequenceCache
-from mlx_spec.costs import CostCurve
+from mlx_spec.cost_model import CostCurve
 from mlx_spec.drafters import Draft, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.testing.tiny import perturbed_copy, tiny_gemma3

@@ -14,7 +14,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from mlx_spec.costs import weight_bandwidth, weight_bytes
+from mlx_spec.cost_model import weight_bandwidth, weight_bytes
 from mlx_spec.policy import AutoGamma
 from mlx_spec.stats import Stats
 
