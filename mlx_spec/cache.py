@@ -376,7 +376,7 @@ class SequenceCache:
         self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
-        common = _common_prefix(self.ids, ids)
+        common = common_prefix_length(self.ids, ids)
         surplus = len(self.ids) - common
         if surplus and surplus <= self.max_rollback():
             self.rollback(surplus)
@@ -411,7 +411,8 @@ def _fork_layer(layer):
     return twin
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading ids two sequences share."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

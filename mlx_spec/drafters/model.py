@@ -6,6 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlx_spec.cache import common_prefix_length
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.sampling import draw
 
@@ -139,14 +140,7 @@ class ModelDrafter:
         # a tree the committed path may leave the chain at a sibling: keep only the common part.
         keep = min(len(committed) - 1, self.fed_drafts)
         if self.fed_chain is not None:
-            keep = min(keep, _common_prefix(self.fed_chain, committed))
+            keep = min(keep, common_prefix_length(self.fed_chain, committed))
         self.state.settle(self.pending + committed[:keep])
         self.pending = committed[keep:]
         self.fed_drafts = self.fed_chain = None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n

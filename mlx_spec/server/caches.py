@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mlx_spec.cache import PromptCache, _common_prefix
+from mlx_spec.cache import PromptCache, common_prefix_length
 
 FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 
@@ -50,7 +50,7 @@ class CachePool:
         held = prompt_ids[:-1]  # what a prefill leaves in the cache
         best, common = None, 0
         for cache in reversed(self.caches):  # the most recent wins a tie
-            n = _common_prefix(cache.target.ids, held)
+            n = common_prefix_length(cache.target.ids, held)
             if n > common:
                 best, common = cache, n
         if best is None:
