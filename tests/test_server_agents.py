@@ -61,6 +61,24 @@ def _assert_close(a, b, tol=2e-4):
     assert abs(a - b) < tol, (a, b)
 
 
+def byte_level_label(tokenizer, token: int) -> str:
+    """The log-prob label OpenAI's format gives a token of this byte-level tokenizer, from
+    mlx-lm's own byte table: its text, or "bytes:" and its bytes escaped where they are not
+    whole UTF-8 alone; an id past the vocabulary is "token_id:N" (vLLM's spelling)."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    if token >= len(tokenizer.get_vocab()):
+        return f"token_id:{token}"
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if piece in tokenizer.all_special_tokens:
+        return piece
+    data = bytes(_byte_decoder()[c] for c in piece)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in data)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_logprobs_are_the_targets_for_drafted_tokens_too(stream, spec_server, tiny_dirs, reference):
     model, tokenizer = reference
@@ -69,31 +87,32 @@ def test_chat_logprobs_are_the_targets_for_drafted_tokens_too(stream, spec_serve
     ask = dict(model=tiny_dirs[0], messages=messages, max_tokens=n, temperature=0, logprobs=True,
                top_logprobs=top)
     if stream:
-        chunks = list(spec_server.client().chat.completions.create(**ask, stream=True))
+        chunks = list(spec_server.client().chat.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}))
         content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        stats = chunks[-1].model_extra["mlx_spec"]
+        stats, usage = chunks[-1].model_extra["mlx_spec"], chunks[-1].usage
     else:
         answer = spec_server.client().chat.completions.create(**ask)
         content, text = answer.choices[0].logprobs.content, answer.choices[0].message.content
-        stats = answer.model_extra["mlx_spec"]
+        stats, usage = answer.model_extra["mlx_spec"], answer.usage
     assert stats["accepted"] > 0  # some of the tokens scored came from the draft
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     expected = [(t, lp) for t, lp in mlx_lm_logprobs(model, prompt, n)]
     eos = set(tokenizer.eos_token_ids)
     for i, (t, _) in enumerate(expected):
-        if t in eos:
-            expected = expected[:i]
+        if t in eos:  # the EOS has its entry too (usage counts it) and adds no bytes
+            expected = expected[: i + 1]
             break
-    assert len(content) == len(expected) > 0
+    assert len(content) == len(expected) == usage.completion_tokens > 0
     # each token's own bytes (a byte-level piece: one byte per character), which join back
     # into the answer where decoding tokens one by one gives U+FFFD for split characters
     assert bytes(b for entry in content for b in entry.bytes).decode("utf-8", "replace") == text
     for entry, (token, logprobs) in zip(content, expected):
-        assert entry.token == tokenizer.decode([token])
+        assert entry.token == byte_level_label(tokenizer, token)
         _assert_close(entry.logprob, logprobs[token].item())
         ids = mx.argsort(-logprobs)[:top].tolist()
-        assert [a.token for a in entry.top_logprobs] == [tokenizer.decode([i]) for i in ids]
+        assert [a.token for a in entry.top_logprobs] == [byte_level_label(tokenizer, i) for i in ids]
         for alt, i in zip(entry.top_logprobs, ids):
             _assert_close(alt.logprob, logprobs[i].item())
 
@@ -106,14 +125,15 @@ def test_completion_logprobs_and_checks(spec_server, tiny_dirs, reference):
                                        logprobs=2)
     got = answer.choices[0].logprobs
     expected = mlx_lm_logprobs(model, tokenizer.encode(prompt), len(got.tokens))
-    assert len(got.tokens) == answer.usage.completion_tokens - (answer.choices[0].finish_reason == "stop")
+    assert len(got.tokens) == answer.usage.completion_tokens  # an EOS too, if it stopped
     for i, (token, logprobs) in enumerate(expected):
         _assert_close(got.token_logprobs[i], logprobs[token].item())
-        assert got.tokens[i] == tokenizer.decode([token])
+        assert got.tokens[i] == byte_level_label(tokenizer, token)
         ids = mx.argsort(-logprobs)[:2].tolist()
-        assert sorted(got.top_logprobs[i].values(), reverse=True) == pytest.approx(
-            [logprobs[j].item() for j in ids], abs=2e-4)
-    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
+        assert got.top_logprobs[i] == pytest.approx(
+            {byte_level_label(tokenizer, j): logprobs[j].item() for j in ids}, abs=2e-4)
+    offsets = got.text_offset  # characters, not label lengths (exact: test_byte_tokens_...)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(answer.choices[0].text)
     assert all(math.isfinite(v) and v <= 0 for v in got.token_logprobs)
     plain = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=16, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == answer.choices[0].text
@@ -151,60 +171,120 @@ def test_logprobs_with_a_repetition_penalty_are_mlx_lms(spec_server, tiny_dirs, 
     steps = generate_step(mx.array(tokenizer.encode(prompt)), model, max_tokens=len(got.tokens),
                           logits_processors=[make_repetition_penalty(penalty, 64)])
     expected = [(int(token), logprobs) for token, logprobs in steps]
-    assert [tokenizer.decode([t]) for t, _ in expected] == got.tokens
+    assert [byte_level_label(tokenizer, t) for t, _ in expected] == got.tokens
     unpenalized = mlx_lm_logprobs(model, tokenizer.encode(prompt), len(got.tokens))
     assert any(abs(a[1][a[0]].item() - b[1][b[0]].item()) > 1e-2 for a, b in zip(expected, unpenalized))
     for i, (token, logprobs) in enumerate(expected):
         _assert_close(got.token_logprobs[i], logprobs[token].item())
         _assert_close(got.token_logprobs[i], mx.max(logprobs).item())  # greedy took the likeliest
-        alternatives = {}
-        for j in mx.argsort(-logprobs)[:2].tolist():  # ids that show the same text: the likelier
-            alternatives.setdefault(tokenizer.decode([j]), logprobs[j].item())
+        alternatives = {byte_level_label(tokenizer, j): logprobs[j].item() for j in mx.argsort(-logprobs)[:2].tolist()}
         assert got.top_logprobs[i] == pytest.approx(alternatives, abs=2e-4)
 
 
 # A Gemma-style SentencePiece vocabulary with byte fallback (`tiny_gemma4`): ids 6..261 are
-# <0x00>..<0xFF>, 270 is "▁the". The scripted answer spells "café the" with é as its two
-# UTF-8 bytes, <0xC3> <0xA9>: tokens whose text alone is U+FFFD.
+# <0x00>..<0xFF>, 270 is "▁the". The scripted answer spells "😀你好café the" in byte tokens
+# but the last, as SentencePiece spells characters it has no piece for: the emoji is four
+# tokens, each CJK character three, é two; each alone decodes to U+FFFD.
 BYTE_TOKEN = 6
-CAFE_THE = [BYTE_TOKEN + b for b in b"caf\xc3\xa9"] + [270]
+ANSWER = "😀你好café the"
+SCRIPT = [BYTE_TOKEN + b for b in "😀你好café".encode()] + [270]
+CONTINUATION_BYTES = [BYTE_TOKEN + b for b in range(0x80, 0xC0)]  # each alone is U+FFFD
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_chat_logprob_bytes_are_each_tokens_own_bytes(stream, tmp_path):
-    """OpenAI's `bytes` exist so that characters split over tokens can be put back together:
-    a byte-fallback token's bytes are its one byte, not the UTF-8 of U+FFFD. Checked against
-    the SentencePiece vocabulary itself (and the answer's text joins them back)."""
+def spm_label(piece: str) -> str:
+    """OpenAI's label for a SentencePiece piece: a byte token as "bytes:" and its byte
+    (escaped unless printable ASCII: a piece may spell the same character), else its text."""
+    if piece.startswith("<0x"):
+        b = int(piece[3:5], 16)
+        return "bytes:" + (chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}")
+    return piece.replace("▁", " ")
+
+
+@pytest.fixture(scope="module")
+def byte_token_server(tmp_path_factory):
+    """A scripted target (`ScriptedModel`) answering `SCRIPT` on the SentencePiece vocabulary,
+    whose every row also favours the 64 UTF-8 continuation bytes (distinct logits): so a
+    position's top 20 alternatives are mostly byte tokens whose text is U+FFFD."""
     from mlx_lm.utils import load_tokenizer
 
     from mlx_spec.engine import Engine
     from mlx_spec.testing.tiny_gemma4 import save_sentencepiece_tokenizer
     from mlx_spec.server import ServerOptions, create_app
-    from scripted_model import END_OF_TURN_ID, EOS_ID, InProcessServer, ScriptedModel
+    from scripted_model import END_OF_TURN_ID, EOS_ID, VOCAB, InProcessServer, ScriptedModel
 
-    save_sentencepiece_tokenizer(tmp_path)
-    tokenizer = load_tokenizer(tmp_path, eos_token_ids=[EOS_ID, END_OF_TURN_ID])
-    pieces = tokenizer.convert_ids_to_tokens(CAFE_THE)
-    assert pieces == ["<0x63>", "<0x61>", "<0x66>", "<0xC3>", "<0xA9>", "▁the"]
-    model = ScriptedModel()
-    model.script = CAFE_THE
+    class FavouringBytes(ScriptedModel):
+        bias = mx.zeros(VOCAB).at[mx.array(CONTINUATION_BYTES)].add(10.0 - 0.1 * mx.arange(64))
+        mx.eval(bias)  # here: the worker thread cannot evaluate this thread's lazy arrays
+
+        def __call__(self, inputs, cache=None):
+            return super().__call__(inputs, cache) + self.bias
+
+    path = tmp_path_factory.mktemp("spm")
+    save_sentencepiece_tokenizer(path)
+    tokenizer = load_tokenizer(path, eos_token_ids=[EOS_ID, END_OF_TURN_ID])
+    model = FavouringBytes()
+    model.script = SCRIPT
     engine = Engine(model, None, eos_ids=[EOS_ID, END_OF_TURN_ID], context_length=4096)
     server = InProcessServer(create_app(engine, tokenizer, ServerOptions(model_name="scripted", gamma="0",
                                                                           context_length=4096)))
-    try:
-        ask = dict(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
-                   temperature=0, logprobs=True, top_logprobs=1)
-        if stream:
-            chunks = list(server.client().chat.completions.create(**ask, stream=True))
-            entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        else:
-            answer = server.client().chat.completions.create(**ask)
-            entries, text = answer.choices[0].logprobs.content, answer.choices[0].message.content
-    finally:
-        server.stop()
-    assert text == "café the"
+    yield server, tokenizer
+    server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprob_bytes_rebuild_multibyte_text(stream, byte_token_server):
+    """OpenAI's `bytes` exist so that characters split over tokens can be put back together:
+    a byte-fallback token's bytes are its one byte, not the UTF-8 of U+FFFD, and the EOS
+    that ended the answer (counted in usage) has its entry and no bytes. Checked against the
+    SentencePiece vocabulary itself."""
+    server, tokenizer = byte_token_server
+    ask = dict(model="scripted", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+               temperature=0, logprobs=True, top_logprobs=20)
+    if stream:
+        chunks = list(server.client().chat.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        answer = server.client().chat.completions.create(**ask)
+        entries, text, usage = answer.choices[0].logprobs.content, answer.choices[0].message.content, answer.usage
+    assert text == ANSWER
+    pieces = tokenizer.convert_ids_to_tokens(SCRIPT) + ["<turn|>"]
     expected = [[int(p[3:5], 16)] if p.startswith("<0x") else list(p.replace("▁", " ").encode()) for p in pieces]
-    assert [e.bytes for e in entries] == expected
-    assert [e.token for e in entries][3:5] == ["\ufffd", "\ufffd"]  # the text of half a character
+    expected[-1] = []  # the EOS shows no text
+    assert [e.bytes for e in entries] == expected and len(entries) == usage.completion_tokens
+    assert [e.token for e in entries] == [spm_label(p) for p in pieces]
     assert bytes(b for e in entries for b in e.bytes).decode("utf-8") == text
+    for entry in entries:  # 20 distinct alternatives, the likeliest first: the chosen token
+        assert len({a.token for a in entry.top_logprobs}) == 20 and entry.top_logprobs[0].token == entry.token
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_top_logprobs_keep_byte_tokens_apart(stream, byte_token_server):
+    """Completions' `top_logprobs` is a dict keyed by token text (the legacy OpenAI API):
+    byte tokens that all decode to U+FFFD once collapsed into one key. Keyed by label, every
+    alternative is there and the chosen token is under its own label with its own log-prob;
+    `text_offset` counts characters of the answer, and the EOS (counted in usage) is there."""
+    server, tokenizer = byte_token_server
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ask = dict(model="scripted", prompt=list(prompt), max_tokens=40, temperature=0, logprobs=20)
+    if stream:
+        chunks = list(server.client().completions.create(**ask, stream=True,
+                                                         stream_options={"include_usage": True}))
+        parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        got = {key: [v for part in parts for v in getattr(part, key)]
+               for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        text, usage = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+    else:
+        answer = server.client().completions.create(**ask)
+        got, text, usage = answer.choices[0].logprobs.model_dump(), answer.choices[0].text, answer.usage
+    assert text == ANSWER and len(got["tokens"]) == usage.completion_tokens == len(SCRIPT) + 1
+    pieces = tokenizer.convert_ids_to_tokens(SCRIPT) + ["<turn|>"]
+    assert got["tokens"] == [spm_label(p) for p in pieces]
+    for token, logprob, top in zip(got["tokens"], got["token_logprobs"], got["top_logprobs"]):
+        assert len(top) == 20 and top[token] == logprob == max(top.values())
+    # each token at the character it starts or continues; the EOS at the end
+    head = ANSWER[: -len(" the")]  # in byte tokens; " the" is one piece
+    starts = [i for i, ch in enumerate(head) for _ in ch.encode()]
+    assert got["text_offset"] == starts + [len(head), len(ANSWER)]

@@ -84,6 +84,30 @@ def test_logprobs_of_drafted_tokens_equal_mlx_lm(server, gemma270m):
         assert sorted(got.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-3)
 
 
+def test_logprobs_of_byte_tokens_on_the_real_vocabulary(server, gemma270m):
+    """Gemma's vocabulary spells a llama emoji in four byte tokens (<0xF0> <0x9F> <0xA6>
+    <0x99>), each decoding to U+FFFD alone: completions' top 20 keep them apart (they
+    collapsed to 1-3 keys), the chosen token is under its own label, and chat's bytes join
+    into the answer's text."""
+    client = server.client(timeout=120)
+    answer = client.completions.create(model="default", prompt="Emoji for joy: 😂😂😂 and for a llama: 🦙🦙",
+                                       max_tokens=8, temperature=0, logprobs=20)
+    got, text = answer.choices[0].logprobs, answer.choices[0].text
+    assert "🦙" in text and "bytes:\\xf0" in got.tokens and len(got.tokens) == answer.usage.completion_tokens
+    for token, logprob, top in zip(got.tokens, got.token_logprobs, got.top_logprobs):
+        assert len(top) == 20 and top[token] == logprob
+    for token, offset in zip(got.tokens, got.text_offset):
+        assert token.startswith("bytes:") or text[offset:].startswith(token)
+    chat = client.chat.completions.create(
+        model="default", max_tokens=16, temperature=0, logprobs=True, top_logprobs=20,
+        messages=[{"role": "user", "content": "Repeat exactly: 🦙🦙🦙"}])
+    content, text = chat.choices[0].logprobs.content, chat.choices[0].message.content
+    assert "🦙" in text
+    assert bytes(b for entry in content for b in entry.bytes).decode("utf-8") == text
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len({alt.token for alt in entry.top_logprobs}) == 20 for entry in content)
+
+
 def test_anthropic_messages_equal_mlx_lm(server, gemma270m):
     import anthropic
 

@@ -192,10 +192,12 @@ class FastTokenizer:
 
 
 def token_bytes_reader(tokenizer):
-    """id -> the bytes a token stands for, as the tokenizer's streaming detokenizer joins
-    them (OpenAI's log-prob `bytes`): a SentencePiece byte-fallback token (`<0xE2>`) is one
-    byte, and a byte-level BPE piece one byte per character, where decoding the token alone
-    gives U+FFFD. Ids the tokenizer lacks stand for no bytes."""
+    """id -> (the bytes the tokenizer's streaming detokenizer adds to the text for it, its
+    kind), so log-probs can show each token as the answer's text holds it (OpenAI's `bytes`).
+    Kinds: "piece", a vocabulary entry; "byte", a SentencePiece byte-fallback token
+    (`<0xE2>`: one byte, where decoding the token alone gives U+FFFD); "missing", an id past
+    the tokenizer's vocabulary (checkpoints pad their embedding), shown as mlx-lm's
+    byte-level detokenizer shows it ("!") and as nothing by the others, which cannot add it."""
     kind = type(tokenizer.detokenizer).__name__  # mlx-lm's choice, made from the decoder
 
     def piece(token: int) -> str | None:
@@ -205,31 +207,38 @@ def token_bytes_reader(tokenizer):
             return None
 
     if "SPM" in kind:  # mlx-lm's SPMStreamingDetokenizer, our _SPMDetokenizer
-        def read(token: int) -> bytes:
+        def read(token: int) -> tuple[bytes, str]:
             text = piece(token)
             if text is None:
-                return b""
-            return _piece_bytes(text).replace(_SPMDetokenizer._sep, b" ")
+                return b"", "missing"
+            return _piece_bytes(text).replace(_SPMDetokenizer._sep, b" "), "byte" if _is_byte_piece(text) else "piece"
     elif "BPE" in kind:  # GPT-2's byte-level alphabet: one character per byte
         alphabet = _byte_level_alphabet()
 
-        def read(token: int) -> bytes:
+        def read(token: int) -> tuple[bytes, str]:
             text = piece(token)
             if text is None:
-                return b""
-            return bytes(alphabet[c] for c in text) if all(c in alphabet for c in text) else text.encode("utf-8")
+                return b"!", "missing"  # mlx-lm's BPEStreamingDetokenizer's stand-in
+            # As that detokenizer joins them: a character outside the alphabet (an added
+            # token's) as its UTF-8, and byte 0 too (it tests the byte's truth: "Ā" stays).
+            return b"".join(bytes([alphabet[c]]) if alphabet.get(c) else c.encode("utf-8") for c in text), "piece"
     else:
-        def read(token: int) -> bytes:
+        def read(token: int) -> tuple[bytes, str]:
             try:
-                return tokenizer.decode([token]).encode("utf-8")
+                return tokenizer.decode([token]).encode("utf-8"), "piece"
             except Exception:  # noqa: BLE001  (an id the tokenizer lacks)
-                return b""
+                return b"", "missing"
     return read
+
+
+def _is_byte_piece(piece: str) -> bool:
+    """A SentencePiece byte-fallback piece (`<0x00>` .. `<0xFF>`), by mlx-lm's rule."""
+    return piece.startswith("<0x")
 
 
 def _piece_bytes(piece: str) -> bytes:
     """A SentencePiece piece's bytes, `▁` kept: byte tokens carry their value in hex."""
-    return bytes([int(piece[3:5], 16)]) if piece.startswith("<0x") else piece.encode("utf-8")
+    return bytes([int(piece[3:5], 16)]) if _is_byte_piece(piece) else piece.encode("utf-8")
 
 
 def _byte_level_alphabet() -> dict[str, int]:

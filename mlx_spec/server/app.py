@@ -16,7 +16,6 @@ queue takes. A client that goes away cancels its job.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -28,14 +27,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from mlx_spec.models.fast_tokenizer import token_bytes_reader
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
 from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.protocol import (
-    ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, logprobs_object,
-    new_id, parse_body, sse, usage, usage_chunk,
+    ApiError, ChatRequest, CompletionRequest, TextOffsets, chunk_object, completion_object,
+    logprobs_object, new_id, parse_body, sse, token_describer, usage, usage_chunk,
 )
 from mlx_spec.server.tools import (
     Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages, tool_syntax,
@@ -95,8 +93,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     longest_token = max(len(piece.encode("utf-8")) for piece in vocab)
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
-    token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: decode_token(tokenizer, t))
-    token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
+    describe = token_describer(tokenizer, engine.eos_ids)
     # One thread: the tokenizer is not shared between request threads, only with the worker.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
 
@@ -292,7 +289,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                                    "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason,
                                    usage_of(job, event), {**extra_base, **statistics(event)})
         if job.logprobs is not None:
-            answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, token_text, token_bytes=token_bytes)
+            answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe)
         if calls:
             answer["choices"][0]["message"].update(content=text or None, tool_calls=calls)
         return answer
@@ -306,7 +303,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                      plan: ToolPlan):
         created = int(time.time())
         name = options.model_name
-        splitter, calls, offset = CallSplitter(plan), 0, [0]
+        splitter, calls, offsets = CallSplitter(plan), 0, TextOffsets()
 
         def pieces(parts: list, scored: list):
             nonlocal calls
@@ -314,8 +311,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             if text or scored:
                 chunk = chunk_object(chat, rid, name, created, text=text)
                 if job.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, token_text, offset,
-                                                                      token_bytes=token_bytes)
+                    chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe, offsets)
                 yield sse(chunk)
             for call in (p for p in parts if isinstance(p, Call)):
                 chunk = chunk_object(chat, rid, name, created)
@@ -412,14 +408,6 @@ def completion_budget(prompt_tokens: int, requested: Optional[int], options: Ser
                             f"request needs {prompt_tokens} prompt tokens{asked}",
                        param=param, code="context_length_exceeded")
     return min(requested or options.max_tokens, room)
-
-
-def decode_token(tokenizer, token: int) -> str:
-    """One token's text for log-probs; ids past the tokenizer's vocabulary have none."""
-    try:
-        return tokenizer.decode([token])
-    except Exception:  # an id the tokenizer lacks (checkpoints pad the embedding)
-        return ""
 
 
 def usage_of(job: Job, done: Done) -> dict:

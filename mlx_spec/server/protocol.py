@@ -14,17 +14,20 @@ failure becomes an `ApiError`, which the app turns into OpenAI's error shape
 
 from __future__ import annotations
 
+import codecs
+import functools
 import json
 import re
 import sys
 import time
 import uuid
 from dataclasses import replace
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.fast_tokenizer import token_bytes_reader
 from mlx_spec.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -399,37 +402,90 @@ def usage_chunk(chat: bool, rid: str, model: str, created: int, usage_: dict, ex
             "mlx_spec": extra}
 
 
-def logprobs_object(chat: bool, scored: list, token_text, offset: Optional[list] = None,
-                    token_bytes=None) -> dict:
+def token_describer(tokenizer, eos_ids) -> Callable[[int], tuple[str, bytes]]:
+    """id -> (its label, the bytes it adds to the answer's text) for log-probs, cached.
+
+    A label names one token: its text, or where its bytes are not whole UTF-8 alone (or it
+    is a byte-fallback token, which would share an ASCII piece's text) "bytes:" and the
+    bytes, escaped, as OpenAI's own completions API writes them ("bytes:\\xe2\\x80"); an id
+    past the vocabulary is "token_id:N", as vLLM writes ids. So byte tokens of split
+    characters no longer share the label U+FFFD, and joining every token's bytes gives the
+    answer's text. An EOS id is labelled by its piece and adds no text."""
+    read = token_bytes_reader(tokenizer)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def describe(token: int) -> tuple[str, bytes]:
+        data, kind = read(token)
+        if kind == "missing":
+            label = f"token_id:{token}"
+        else:
+            try:
+                label = data.decode("utf-8") if kind == "piece" else None
+            except UnicodeDecodeError:
+                label = None
+            if label is None:
+                label = "bytes:" + "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}"
+                                           for b in data)
+        return label, b"" if token in eos_ids else data
+
+    return describe
+
+
+class TextOffsets:
+    """Completions' `text_offset`: characters of answer text before each token, across a
+    stream's chunks. Tokens' bytes go through an incremental UTF-8 decoder, so a character
+    split over byte tokens counts once, and each of its tokens is at its start."""
+
+    def __init__(self):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.chars = 0
+
+    def advance(self, data: bytes) -> int:
+        """The offset of a token adding `data`; moves past it."""
+        at, pending = self.chars, self._decoder.getstate()[0]
+        if pending and data:  # a character cut short before this token is one U+FFFD
+            probe = codecs.getincrementaldecoder("utf-8")("replace")
+            at += probe.decode(pending + data[:1]).startswith("\ufffd")
+        self.chars += len(self._decoder.decode(data))
+        return at
+
+
+def logprobs_object(chat: bool, scored: list, describe, offsets: Optional[TextOffsets] = None) -> dict:
     """Log-probs of answer tokens in OpenAI's shape: chat's `{"content": [...]}` or the
     completions API's parallel lists. `scored`: (id, log-prob, [(id, log-prob)...]) per
-    token; `token_text`: id -> text; `token_bytes`: id -> the bytes it stands for (chat's
-    `bytes`: a byte token's own byte, not the UTF-8 of the U+FFFD its text shows);
-    `offset`: [characters of answer text before these tokens], advanced in place
-    (completions' text_offset across streamed chunks)."""
+    token, an EOS included (usage counts it); `describe`: `token_describer`'s; `offsets`:
+    the answer's `TextOffsets` so far (a stream's), advanced in place."""
     if chat:
         def entry(t, lp):
-            return {"token": token_text(t), "logprob": lp, "bytes": list(token_bytes(t))}
+            label, data = describe(t)
+            return {"token": label, "logprob": lp, "bytes": list(data)}
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                             for t, lp, top in scored]}
-    offset = offset if offset is not None else [0]
-    tokens, offsets = [], []
+    offsets = offsets if offsets is not None else TextOffsets()
+    tokens, at = [], []
     for t, _, _ in scored:
-        tokens.append(token_text(t))
-        offsets.append(offset[0])
-        offset[0] += len(tokens[-1])
+        label, data = describe(t)
+        tokens.append(label)
+        at.append(offsets.advance(data))
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in scored],
-            "top_logprobs": [_by_text(top, token_text) for _, _, top in scored],
-            "text_offset": offsets}
+            "top_logprobs": [_top_by_label(t, lp, top, describe) for t, lp, top in scored],
+            "text_offset": at}
 
 
-def _by_text(top: list, token_text) -> dict:
-    """Completions' top log-probs, keyed by token text: where two ids show the same text
-    (byte tokens of split characters all show U+FFFD), the likelier keeps the key."""
-    out: dict = {}
-    for token, logprob in top:  # likeliest first
-        out.setdefault(token_text(token), logprob)
-    return out
+def _top_by_label(chosen: int, logprob: float, top: list, describe) -> dict:
+    """Completions' top log-probs, keyed by label, likeliest first, with the chosen token
+    under its own label (as OpenAI's: "up to logprobs + 1" entries). Labels name tokens;
+    should two still meet, the less likely one is keyed "token_id:N"."""
+    taken, pairs = {describe(chosen)[0]}, []
+    for token, p in top:
+        label = describe(token)[0]
+        if token != chosen and label in taken:
+            label = f"token_id:{token}"
+        taken.add(label)
+        pairs.append((label, p))
+    if all(token != chosen for token, _ in top):
+        pairs.append((describe(chosen)[0], logprob))
+    return dict(pairs)
 
 
 def sse(obj) -> bytes:

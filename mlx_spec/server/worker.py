@@ -251,8 +251,8 @@ class Worker:
                 finish, stop_string = response.finish_reason, response.stop_string
                 if response.round.logprobs is not None:
                     scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
+                # An EOS is released too: counted in usage, it has its log-prob entry.
                 released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
-                released = [r for r in released if r[0] not in self.engine.eos_ids]
                 if response.text or released:
                     job.emit(Piece(response.text, released))
                 if job.cancelled.is_set() and finish is None:
