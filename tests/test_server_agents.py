@@ -288,3 +288,40 @@ def test_completion_top_logprobs_keep_byte_tokens_apart(stream, byte_token_serve
     head = ANSWER[: -len(" the")]  # in byte tokens; " the" is one piece
     starts = [i for i, ch in enumerate(head) for _ in ch.encode()]
     assert got["text_offset"] == starts + [len(head), len(ANSWER)]
+
+
+def test_padded_ids_show_in_logprobs_as_in_the_text(tmp_path):
+    """Checkpoints pad their embedding past the tokenizer; mlx-lm's byte-level detokenizer
+    writes such an id as "!". Its log-prob entry is labelled "token_id:N" (it has no
+    vocabulary entry) and its bytes are that "!", so the bytes still join into the text
+    (they were [] while the text showed "!")."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_spec.engine import Engine
+    from mlx_spec.server import ServerOptions, create_app
+    from scripted_model import END_OF_TURN_ID, EOS_ID, VOCAB, InProcessServer, ScriptedModel, save_tokenizer
+
+    tokenizer = load_tokenizer(save_tokenizer(tmp_path), eos_token_ids=[EOS_ID, END_OF_TURN_ID])
+    padded = len(tokenizer.get_vocab())
+    assert padded < VOCAB
+    model = ScriptedModel()
+    model.script = tokenizer.encode("ok", add_special_tokens=False) + [padded]
+    engine = Engine(model, None, eos_ids=[EOS_ID, END_OF_TURN_ID], context_length=4096)
+    server = InProcessServer(create_app(engine, tokenizer, ServerOptions(model_name="scripted", gamma="0",
+                                                                          context_length=4096)))
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        chat = server.client().chat.completions.create(model="scripted", messages=messages, max_tokens=8,
+                                                       temperature=0, logprobs=True, top_logprobs=2)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        plain = server.client().completions.create(model="scripted", prompt=list(prompt), max_tokens=8,
+                                                   temperature=0, logprobs=2)
+    finally:
+        server.stop()
+    content, text = chat.choices[0].logprobs.content, chat.choices[0].message.content
+    assert text == "ok!" and [e.token for e in content] == ["o", "k", f"token_id:{padded}", "<turn|>"]
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8") == text
+    got = plain.choices[0].logprobs
+    assert plain.choices[0].text == text and got.tokens == [e.token for e in content]
+    assert got.top_logprobs[2][f"token_id:{padded}"] == got.token_logprobs[2]
+    assert got.text_offset == [0, 1, 2, 3]
