@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import threading
 import time
 from collections import deque
@@ -35,6 +36,8 @@ from mlx_spec.stats import Stats
 from mlx_spec.stream import stream_generate
 
 log = logging.getLogger("mlx_spec.server")
+RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
+MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
@@ -128,7 +131,8 @@ class Worker:
         self._changed = threading.Condition()
         self.current: Optional[Job] = None
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
-        self._mean_seconds = 1.0  # running mean of a request's time on the device
+        self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # guarded by _changed
+        self._started = 0.0  # when the current job took the device
         self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
         self._stopping = False
 
@@ -156,8 +160,18 @@ class Worker:
         self._drop_cancelled()
         if len(self._waiting) + coming >= self.queue_size:
             self.counts["refused"] += 1
-            wait = self._mean_seconds * (len(self._waiting) + coming + 1)
-            raise Busy(max(1, min(60, math.ceil(wait))))
+            raise Busy(self._retry_after(ahead=len(self._waiting) + coming))
+
+    def _retry_after(self, ahead: int) -> int:  # with _changed held
+        """Seconds until the running job and `ahead` more are likely done: each takes the
+        median of recent jobs' device time (while none has finished, the running one's time so
+        far), rounded up, within [1, MAX_RETRY_AFTER_S]. A median, as short refusals and
+        cancelled jobs in the mix would drag a mean far below a real answer's time."""
+        if self._durations:
+            typical = statistics.median(self._durations)
+        else:
+            typical = time.perf_counter() - self._started if self.current is not None else 1.0
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(typical * (ahead + 1))))
 
     def cancel(self, job: Job) -> None:
         """Stop `job`: a waiting one leaves the queue now, a running one after this round."""
@@ -210,7 +224,7 @@ class Worker:
                 if not self._waiting:
                     continue
                 job = self._waiting.popleft()
-                self.current, start = job, time.perf_counter()
+                self.current, self._started = job, time.perf_counter()
             cache = self.caches.take(job.prompt_ids)
             try:
                 self._generate(job, cache)
@@ -224,8 +238,9 @@ class Worker:
                 job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
             finally:
                 self.caches.fit()
-                self.current = None
-                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.perf_counter() - start)
+                with self._changed:
+                    self.current = None
+                    self._durations.append(time.perf_counter() - self._started)
 
     def _generate(self, job: Job, cache) -> None:
         stats = Stats()
