@@ -231,6 +231,13 @@ def token_bytes_reader(tokenizer):
     return read
 
 
+def trims_first_space(tokenizer) -> bool:
+    """Whether the tokenizer's streaming detokenizer drops a space the text starts with:
+    mlx-lm's byte-level one always does, SentencePiece ones where the decoder strips it."""
+    detokenizer = tokenizer.detokenizer
+    return bool(getattr(detokenizer, "trim_space", "BPE" in type(detokenizer).__name__))
+
+
 def _is_byte_piece(piece: str) -> bool:
     """A SentencePiece byte-fallback piece (`<0x00>` .. `<0xFF>`), by mlx-lm's rule."""
     return piece.startswith("<0x")

@@ -27,12 +27,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mlx_spec.models.fast_tokenizer import trims_first_space
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
 from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.protocol import (
-    ApiError, ChatRequest, CompletionRequest, TextOffsets, chunk_object, completion_object,
+    AnswerBytes, ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object,
     logprobs_object, new_id, parse_body, sse, token_describer, usage, usage_chunk,
 )
 from mlx_spec.server.tools import (
@@ -94,6 +95,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
     describe = token_describer(tokenizer, engine.eos_ids)
+    trims = trims_first_space(tokenizer)
     # One thread: the tokenizer is not shared between request threads, only with the worker.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
 
@@ -289,7 +291,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                                    "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason,
                                    usage_of(job, event), {**extra_base, **statistics(event)})
         if job.logprobs is not None:
-            answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe)
+            answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe, AnswerBytes(trims))
         if calls:
             answer["choices"][0]["message"].update(content=text or None, tool_calls=calls)
         return answer
@@ -303,7 +305,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                      plan: ToolPlan):
         created = int(time.time())
         name = options.model_name
-        splitter, calls, offsets = CallSplitter(plan), 0, TextOffsets()
+        splitter, calls, answer = CallSplitter(plan), 0, AnswerBytes(trims)
 
         def pieces(parts: list, scored: list):
             nonlocal calls
@@ -311,7 +313,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             if text or scored:
                 chunk = chunk_object(chat, rid, name, created, text=text)
                 if job.logprobs is not None:
-                    chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe, offsets)
+                    chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe, answer)
                 yield sse(chunk)
             for call in (p for p in parts if isinstance(p, Call)):
                 chunk = chunk_object(chat, rid, name, created)

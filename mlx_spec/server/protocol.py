@@ -431,45 +431,52 @@ def token_describer(tokenizer, eos_ids) -> Callable[[int], tuple[str, bytes]]:
     return describe
 
 
-class TextOffsets:
-    """Completions' `text_offset`: characters of answer text before each token, across a
-    stream's chunks. Tokens' bytes go through an incremental UTF-8 decoder, so a character
-    split over byte tokens counts once, and each of its tokens is at its start."""
+class AnswerBytes:
+    """What each token of one answer adds to its text, followed across a stream's chunks:
+    the token's bytes, less the space the answer starts with where the detokenizer drops it
+    (`trims_first_space`), and the characters of text before it (completions'
+    `text_offset`). Bytes go through an incremental UTF-8 decoder, so a character split
+    over byte tokens counts once, and each of its tokens is at its start."""
 
-    def __init__(self):
+    def __init__(self, trims_first_space: bool = False):
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._trim = trims_first_space
         self.chars = 0
 
-    def advance(self, data: bytes) -> int:
-        """The offset of a token adding `data`; moves past it."""
+    def add(self, data: bytes) -> tuple[int, bytes]:
+        """(the offset of a token adding `data`, the bytes it shows); moves past it."""
+        if self._trim and data:
+            self._trim, data = False, data[1:] if data.startswith(b" ") else data
         at, pending = self.chars, self._decoder.getstate()[0]
         if pending and data:  # a character cut short before this token is one U+FFFD
             probe = codecs.getincrementaldecoder("utf-8")("replace")
             at += probe.decode(pending + data[:1]).startswith("\ufffd")
         self.chars += len(self._decoder.decode(data))
-        return at
+        return at, data
 
 
-def logprobs_object(chat: bool, scored: list, describe, offsets: Optional[TextOffsets] = None) -> dict:
+def logprobs_object(chat: bool, scored: list, describe, answer: AnswerBytes) -> dict:
     """Log-probs of answer tokens in OpenAI's shape: chat's `{"content": [...]}` or the
     completions API's parallel lists. `scored`: (id, log-prob, [(id, log-prob)...]) per
-    token, an EOS included (usage counts it); `describe`: `token_describer`'s; `offsets`:
-    the answer's `TextOffsets` so far (a stream's), advanced in place."""
+    token, an EOS included (usage counts it); `describe`: `token_describer`'s; `answer`:
+    the answer's `AnswerBytes` so far (a stream's), advanced in place."""
+    labels, shown, offsets = [], [], []
+    for t, _, _ in scored:
+        label, data = describe(t)
+        at, data = answer.add(data)
+        labels.append(label)
+        shown.append(data)
+        offsets.append(at)
     if chat:
         def entry(t, lp):
             label, data = describe(t)
             return {"token": label, "logprob": lp, "bytes": list(data)}
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
-                            for t, lp, top in scored]}
-    offsets = offsets if offsets is not None else TextOffsets()
-    tokens, at = [], []
-    for t, _, _ in scored:
-        label, data = describe(t)
-        tokens.append(label)
-        at.append(offsets.advance(data))
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in scored],
+        return {"content": [{"token": label, "logprob": lp, "bytes": list(data),
+                             "top_logprobs": [entry(a, b) for a, b in top]}
+                            for label, data, (_, lp, top) in zip(labels, shown, scored)]}
+    return {"tokens": labels, "token_logprobs": [lp for _, lp, _ in scored],
             "top_logprobs": [_top_by_label(t, lp, top, describe) for t, lp, top in scored],
-            "text_offset": at}
+            "text_offset": offsets}
 
 
 def _top_by_label(chosen: int, logprob: float, top: list, describe) -> dict:
