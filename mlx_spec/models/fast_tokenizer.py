@@ -220,7 +220,7 @@ def token_bytes_reader(tokenizer):
             if text is None:
                 return b"!", "missing"  # mlx-lm's BPEStreamingDetokenizer's stand-in
             # As that detokenizer joins them: a character outside the alphabet (an added
-            # token's) as its UTF-8, and byte 0 too (it tests the byte's truth: "Ā" stays).
+            # token's) as its UTF-8, and byte 0's "Ā" too (it tests the byte for truth).
             return b"".join(bytes([alphabet[c]]) if alphabet.get(c) else c.encode("utf-8") for c in text), "piece"
     else:
         def read(token: int) -> tuple[bytes, str]:

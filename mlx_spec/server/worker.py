@@ -165,8 +165,8 @@ class Worker:
     def _retry_after(self, ahead: int) -> int:  # with _changed held
         """Seconds until the running job and `ahead` more are likely done: each takes the
         median of recent jobs' device time (while none has finished, the running one's time so
-        far), rounded up, within [1, MAX_RETRY_AFTER_S]. A median, as short refusals and
-        cancelled jobs in the mix would drag a mean far below a real answer's time."""
+        far), rounded up, within [1, MAX_RETRY_AFTER_S]. A median, as failed and cancelled
+        jobs in the mix, over in moments, would drag a mean far below an answer's time."""
         if self._durations:
             typical = statistics.median(self._durations)
         else:
