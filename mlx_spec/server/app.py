@@ -33,6 +33,7 @@ from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
 from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
 from mlx_spec.server.metrics import CountResponses
+from mlx_spec.server.prompt import ChatPrompts
 from mlx_spec.server.protocol import (
     ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object, logprobs_object,
     new_id, parse_body, sse, usage, usage_chunk,
@@ -67,6 +68,9 @@ class ServerOptions:
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
         cors_origins: origins whose browser pages may call the API (none by default).
+        parse_special_in_text: read control-token text in messages ("<start_of_turn>") as
+            control tokens; off, it is text and only the chat template writes them
+            (`prompt.ChatPrompts`).
     """
 
     model_name: str
@@ -81,6 +85,7 @@ class ServerOptions:
     public_name: Optional[str] = None
     cache_budget: Optional[int] = None
     cors_origins: tuple[str, ...] = ()
+    parse_special_in_text: bool = False
 
 
 def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
@@ -95,6 +100,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     longest_token = max(len(piece.encode("utf-8")) for piece in vocab)
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
+    prompts = ChatPrompts(tokenizer, parse_special=options.parse_special_in_text)
     token_text = functools.lru_cache(maxsize=1 << 16)(lambda t: decode_token(tokenizer, t))
     token_bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes_reader(tokenizer))
     # One thread: the tokenizer is not shared between request threads, only with the worker.
@@ -199,8 +205,11 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         body = parse_body(await request.body(), ChatRequest)
         check_request(body)
         plan = openai_plan(body, syntax)
-        messages = template_messages(body.messages)
-        return await serve(request, body, await chat_ids(messages, plan), chat=True, plan=plan)
+        messages = template_messages(body.messages, syntax)
+        continue_final, generation_prompt = body.prompt_mode()
+        ids = await chat_ids(messages, plan, continue_final=continue_final,
+                             generation_prompt=generation_prompt)
+        return await serve(request, body, ids, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -216,11 +225,14 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
         return await serve(request, body, ids, chat=False)
 
-    async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True) -> list[int]:
-        """The conversation's prompt ids, tokenized off the event loop once its text could
-        fit the context (and, `queued`, once the queue has room: see `tokenized`)."""
+    async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True,
+                       continue_final: bool = False, generation_prompt: bool = True) -> list[int]:
+        """The conversation's prompt ids (`ChatPrompts.ids`), tokenized off the event loop
+        once its text could fit the context (and, `queued`, once the queue has room: see
+        `tokenized`)."""
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        return await tokenized(chat_prompt, tokenizer, messages, plan, queued=queued)
+        return await tokenized(prompts.ids, messages, plan, continue_final, generation_prompt,
+                               queued=queued)
 
     def check_length(characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -368,36 +380,6 @@ async def next_event(job: Job, request: Request, checked: list):
             return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
             pass
-
-
-def chat_prompt(tokenizer, messages: list[dict], plan: ToolPlan = ToolPlan()) -> list[int]:
-    """The messages (and the plan's tools) through the model's chat template, as `mlx-spec
-    generate --chat` encodes a single user message (`stream.encode_prompt`): rendered, then
-    encoded without special tokens, as mlx-lm's and transformers' `apply_chat_template` do;
-    a forced tool call's start marker ends the prompt. A system or user message the
-    template leaves out (Gemma's puts a system turn into the first user turn, and with no
-    user turn drops it) is refused rather than silently unanswered; assistant and tool
-    turns are not checked, as templates may rewrite them on purpose (reasoning dropped from
-    history, results re-serialized)."""
-    try:
-        tools = {"tools": plan.tools} if plan.tools else {}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **tools)
-    except Exception as error:  # jinja's TemplateError (roles must alternate, ...), ValueError
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ApiError(400, f"messages: the chat template rejected them: {reason}",
-                       param="messages") from None
-    for i, message in enumerate(messages):
-        if message["role"] in ("system", "user") and message["content"].strip() not in text:
-            hint = ""
-            if message["role"] == "system" and all(m["role"] != "user" for m in messages):
-                hint = " (a system message needs a user message after it)"
-            raise ApiError(400, f"messages[{i}]: the model's chat template leaves this "
-                                f"{message['role']} message out{hint}", param=f"messages[{i}]")
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if plan.forced:
-        ids += tokenizer.encode(plan.syntax.start, add_special_tokens=False)
-    return ids
 
 
 def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,
