@@ -232,6 +232,23 @@ def test_malformed_tool_input_or_schema_is_a_400(where, value, scripted):
 # -- issue 32 ------------------------------------------------------------------------------
 
 
+def test_streamed_usage_counts_cached_tokens_once(spec_server, tiny_dirs):
+    """The SDK's final message of a stream reads the same usage as the whole answer, the
+    prompt read from the cache: input and cache reads come once, in message_start."""
+    client = client_for(spec_server.base)
+    request = dict(model=tiny_dirs[0], max_tokens=6, extra_body=GREEDY, system="Count.",
+                   messages=[{"role": "user", "content": "one two three four"}])
+    first = client.messages.create(**request)  # fills the cache
+    with client.messages.stream(**request) as stream:
+        streamed = stream.get_final_message().usage
+    whole = client.messages.create(**request).usage
+    assert whole.cache_read_input_tokens > 0 and whole.input_tokens == 1
+    assert (streamed.input_tokens, streamed.cache_read_input_tokens, streamed.output_tokens) == \
+        (whole.input_tokens, whole.cache_read_input_tokens, whole.output_tokens)
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert streamed.input_tokens + streamed.cache_read_input_tokens == prompt
+
+
 HI = {"role": "user", "content": "hi"}
 USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
                                          "input": {"city": "Paris"}}]}

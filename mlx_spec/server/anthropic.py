@@ -321,12 +321,15 @@ def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect
         splitter = CallSplitter(plan)
         index, open_text = 0, False
         try:
-            yield event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": options.model_name,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": usage(len(job.prompt_ids), 0, 0)}})
+            item = await job.events.get()
+            # After the first event the prompt's split into input and cache reads is known:
+            # it goes here, once, as in Anthropic's stream (message_delta adds output tokens).
+            if not isinstance(item, Failed):
+                yield event("message_start", {"message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": options.model_name,
+                    "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": usage(len(job.prompt_ids), 0, job.cached_tokens or 0)}})
             while True:
-                item = await job.events.get()
                 if isinstance(item, Failed):
                     kind = ERROR_TYPES.get(item.status, "api_error")
                     yield event("error", {"error": {"type": kind, "message": item.message}})
@@ -356,9 +359,9 @@ def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect
                     yield event("message_delta", {
                         "delta": {"stop_reason": stop_reason(item, splitter.calls),
                                   "stop_sequence": item.stop_string},
-                        "usage": {"output_tokens": counts[1], "cache_read_input_tokens": counts[2]},
-                        "mlx_spec": extra(item)})
+                        "usage": {"output_tokens": counts[1]}, "mlx_spec": extra(item)})
                     yield event("message_stop", {})
                     return
+                item = await job.events.get()
         finally:
             cancel(job)  # the client went away, or the answer is complete

@@ -41,7 +41,9 @@ from mlx_spec.server.protocol import (
 from mlx_spec.server.tools import (
     Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages, tool_syntax,
 )
-from mlx_spec.server.worker import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker
+from mlx_spec.server.worker import (
+    SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker, cached_count,
+)
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 
@@ -410,10 +412,7 @@ def usage_of(job: Job, done: Done) -> dict:
 
 def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of a finished job."""
-    prompt = len(job.prompt_ids)
-    # The target prefills all but the prompt's last token (the first verify pass feeds it).
-    cached = max(0, prompt - 1 - done.prefilled_target)
-    return prompt, done.completion_tokens, cached
+    return len(job.prompt_ids), done.completion_tokens, cached_count(job, done.prefilled_target)
 
 
 def statistics(done: Done) -> dict:
