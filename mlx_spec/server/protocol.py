@@ -293,9 +293,9 @@ def _validation_message(errors: list) -> tuple[str, Optional[str]]:
     param = _param_path(errors[0]["loc"])
     within = [(_param_path(e["loc"]) or "", e["msg"]) for e in errors]
     within = [(path, msg) for path, msg in within if path.startswith(param or "")]
-    deepest = max(len(path) for path, _ in within)
-    messages = list(dict.fromkeys(msg for path, msg in within if len(path) == deepest))
-    param = next(path for path, _ in within if len(path) == deepest) or None
+    deepest = max((path for path, _ in within), key=len)
+    messages = list(dict.fromkeys(msg for path, msg in within if path == deepest))
+    param = deepest or None
     said = messages[0] + "".join(f" or {m[:1].lower()}{m[1:]}" for m in messages[1:])
     return f"{param or 'body'}: {said}", param
 
