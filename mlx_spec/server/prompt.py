@@ -81,11 +81,8 @@ class ChatPrompts:
         if plan.forced and continue_final:
             raise ApiError(400, "tool_choice: a forced tool call cannot continue a prefilled "
                                 "assistant message", param="tool_choice")
-        restore: dict[int, str] = {}
-        if not self.parse_special:
-            messages, tools, restore = self._defused([messages, plan.tools])
-        else:
-            tools = plan.tools
+        messages, tools, restore = ((messages, plan.tools, {}) if self.parse_special
+                                    else self._defused([messages, plan.tools]))
         text = self._render(messages, tools, continue_final, generation_prompt and not continue_final)
         for i, message in enumerate(messages):
             if message["role"] in ("system", "user") and message["content"].strip() not in text:
@@ -113,7 +110,8 @@ class ChatPrompts:
 
     def _defused(self, data):
         """`data` with each control token's text in its strings (keys too) swapped for a
-        sentinel character that no string holds, and {sentinel: text} to put them back."""
+        sentinel character that no string holds, and the `str.translate` table that puts
+        them back."""
         strings = list(_strings(data))
         forged = sorted({s[a:b] for s in strings for a, b in self.controls.spans(s)})
         if not forged:

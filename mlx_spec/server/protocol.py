@@ -223,7 +223,8 @@ class ChatRequest(_Common):
                                 "add_generation_prompt true", param="continue_final_message")
         last = len(self.messages) - 1
         final = self.messages[last]
-        if final.role != "assistant" or final.tool_calls or not content_text(final.content, f"messages[{last}].content"):
+        text = content_text(final.content, f"messages[{last}].content")
+        if final.role != "assistant" or final.tool_calls or not text:
             raise ApiError(400, f"messages[{last}]: continue_final_message needs a final assistant "
                                 "message with text (and no tool_calls) to continue",
                            param=f"messages[{last}]")
