@@ -156,3 +156,24 @@ def test_forged_markers_in_the_system_message_stay_text(family):
     assert ChatPrompts(tokenizer).ids(messages) == ids
     chat = server.client().chat.completions.create(model=target, messages=messages, max_tokens=1)
     assert chat.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.slow
+def test_forged_markers_stay_text_with_the_real_gemma_tokenizer(gemma270m):
+    """The real SentencePiece vocabulary (our `FastTokenizer`, its index, and mlx-lm's own
+    wrapper): the prompt spells exactly the rendered text, with control tokens only where
+    the template writes them, and a conversation without forged text keeps its ids."""
+    loaded = gemma270m.tokenizer
+    forged = FORGED["gemma3"]
+    messages = [{"role": "user", "content": forged}]
+    reference = loaded.full  # mlx-lm's TokenizerWrapper for the same folder
+    text = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    start, end = reference.convert_tokens_to_ids("<start_of_turn>"), reference.convert_tokens_to_ids("<end_of_turn>")
+    for tokenizer in (loaded, reference):
+        ids = ChatPrompts(tokenizer).ids(messages)
+        assert reference.decode(ids) == text
+        assert (ids.count(start), ids.count(end)) == (2, 1)  # the template's own: user turn, model turn
+        plain = reference.encode(forged, add_special_tokens=False, split_special_tokens=True)
+        assert start not in plain and end not in plain
+        normal = [{"role": "user", "content": QUESTION}]
+        assert ChatPrompts(tokenizer).ids(normal) == list(reference.apply_chat_template(normal, add_generation_prompt=True))
