@@ -155,6 +155,17 @@ def test_tools_on_a_template_without_tool_calls_are_refused(spec_server, tiny_di
     assert_openai_error(spec_server.post("/chat/completions", {**chat, "tools": [tool]}), 400,
                         "tools", "no tool-call format")
     assert spec_server.post("/chat/completions", {**chat, "tools": [tool], "tool_choice": "none"}).status_code == 200
+    # Issue 32: nor can it show calls and results in the history (its template would drop
+    # the calls and write a "<start_of_turn>tool" turn), with or without tools.
+    call = {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}
+    history = chat["messages"] + [call, {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    error = assert_openai_error(spec_server.post("/chat/completions", {**chat, "messages": history}), 400,
+                                "messages[1].tool_calls", "no tool-call format")
+    assert error["param"] == "messages[1].tool_calls"
+    results = chat["messages"] + [{"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    assert_openai_error(spec_server.post("/chat/completions", {**chat, "messages": results}), 400,
+                        "messages[1].role", "no tool-call format")
 
 
 def test_logprobs_with_a_repetition_penalty_are_mlx_lms(spec_server, tiny_dirs, reference):

@@ -227,3 +227,72 @@ def test_malformed_tool_input_or_schema_is_a_400(where, value, scripted):
     data = response.json()
     assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error", data
     assert "\n" not in data["error"]["message"] and "Traceback" not in response.text
+
+
+# -- issue 32 ------------------------------------------------------------------------------
+
+
+def test_streamed_usage_counts_cached_tokens_once(spec_server, tiny_dirs):
+    """The SDK's final message of a stream reads the same usage as the whole answer, the
+    prompt read from the cache: input and cache reads come once, in message_start."""
+    client = client_for(spec_server.base)
+    request = dict(model=tiny_dirs[0], max_tokens=6, extra_body=GREEDY, system="Count.",
+                   messages=[{"role": "user", "content": "one two three four"}])
+    first = client.messages.create(**request)  # fills the cache
+    with client.messages.stream(**request) as stream:
+        streamed = stream.get_final_message().usage
+    whole = client.messages.create(**request).usage
+    assert whole.cache_read_input_tokens > 0 and whole.input_tokens == 1
+    assert (streamed.input_tokens, streamed.cache_read_input_tokens, streamed.output_tokens) == \
+        (whole.input_tokens, whole.cache_read_input_tokens, whole.output_tokens)
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert streamed.input_tokens + streamed.cache_read_input_tokens == prompt
+
+
+HI = {"role": "user", "content": "hi"}
+USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                         "input": {"city": "Paris"}}]}
+RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}]}
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0]: all messages must have non-empty content"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0]: all messages must have non-empty content"),
+    ({"messages": [HI, {"role": "assistant", "content": []}, HI]}, "messages[1]: all messages must have non-empty"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages[0].content[0].text: text content blocks must be non-empty"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0]: a text block needs a string `text`"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text: Input should be a valid string"),
+    ({"system": [{"type": "text"}], "messages": [HI]}, "system[0]: a text block needs a string `text`"),
+    ({"messages": [HI], "tool_choice": {"type": "any"}}, "tool_choice: forcing a tool call needs tools"),
+    ({"messages": [HI], "tool_choice": {"type": "tool", "name": "get_weather"}}, "tool_choice: forcing"),
+    ({"messages": [HI, USE, RESULT]}, "messages[1].content[0]: requests which include `tool_use`"),
+    ({"messages": [HI, USE, {"role": "user", "content": [{**RESULT["content"][0], "tool_use_id": "t9"}]}],
+      "tools": [WEATHER]}, "messages[2].content[0]: a tool_result block must answer a tool_use"),
+    ({"messages": [RESULT], "tools": [WEATHER]}, "messages[0].content[0]: a tool_result block must answer"),
+    ({"messages": [HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "input": {}}]}, RESULT],
+      "tools": [WEATHER]}, "messages[1].content[0]: a tool_use block needs an `id` and a `name`"),
+], ids=["empty-list", "empty-string", "empty-assistant", "empty-text", "text-missing", "text-not-a-string",
+        "system-text-missing", "any-without-tools", "tool-without-tools", "blocks-without-tools",
+        "unknown-tool-use-id", "result-first", "use-without-name"])
+def test_bad_messages_are_refused_naming_the_place(body, fragment, scripted):
+    """Issue 32: as Anthropic's API refuses them, in its error shape, on both routes."""
+    for path in ("", "/count_tokens"):
+        response = httpx.post(scripted.base + "/messages" + path, timeout=30, headers={"x-api-key": "sekret"},
+                              json={"model": MODEL, "max_tokens": 5, **body})
+        assert response.status_code == 400, response.text
+        data = response.json()
+        assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error", data
+        assert fragment in data["error"]["message"] and "\n" not in data["error"]["message"], data
+
+
+def test_an_empty_final_assistant_turn_is_no_prefill(scripted, tokenizer):
+    say(scripted, tokenizer, "Hello.")
+    client = client_for(scripted.base, "sekret")
+    message = client.messages.create(model=MODEL, max_tokens=30, messages=[HI, {"role": "assistant", "content": []}])
+    assert message.content[0].text == "Hello."
+    prompt = list(tokenizer.apply_chat_template([HI], add_generation_prompt=True))
+    assert scripted.model.seen[: len(prompt)] == prompt
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(prompt)

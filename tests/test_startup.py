@@ -176,6 +176,9 @@ def check_same_tokenizer(fast, reference):
     for text in TEXTS:
         for special in (True, False):
             assert fast.encode(text, add_special_tokens=special) == reference.encode(text, add_special_tokens=special), text
+        # issue 32: special tokens' text read as text (transformers' split_special_tokens)
+        plain = fast.encode(text, add_special_tokens=False, split_special_tokens=True)
+        assert plain == reference.encode(text, add_special_tokens=False, split_special_tokens=True), text
     for token in ("<end_of_turn>", "<start_of_turn>", "<bos>", "▁the", "no such token"):
         assert fast.convert_tokens_to_ids(token) == reference.convert_tokens_to_ids(token)
     # Streaming: the same pieces, token by token, as mlx-lm's detokenizer gives.

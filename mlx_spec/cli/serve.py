@@ -78,6 +78,11 @@ def serve(
         help="Let browser pages from ORIGIN (e.g. http://localhost:3000, or *) call the API "
              "(application/json bodies, with the key if --api-key is set); repeatable. Off by "
              "default: no CORS headers are sent.")] = None,
+    parse_special_in_text: Annotated[bool, typer.Option(
+        "--parse-special-in-text", rich_help_panel=SERVER,
+        help="Read special-token text in messages (e.g. '<start_of_turn>') as those control "
+             "tokens, so a message can write turn markers. Off by default: it is plain text "
+             "and only the chat template writes control tokens.")] = False,
     model: ModelOpt = None,
     draft_model: DraftOpt = None,
     drafter: DrafterOpt = None,
@@ -152,6 +157,7 @@ def serve(
         allowed_hosts=served_hosts,
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
+        parse_special_in_text=parse_special_in_text,
     )
     application = create_app(engine, setup.pair.tokenizer, options)
     bound_host, bound_port = sock.getsockname()[:2]

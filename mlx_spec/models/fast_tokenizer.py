@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+from functools import cached_property
 from pathlib import Path
 
 from mlx_spec.models import tokenizer_index
@@ -89,8 +90,24 @@ class FastTokenizer:
 
     # --- what generation uses, from the backend -------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               split_special_tokens: bool = False) -> list[int]:
+        """transformers' `encode`; `split_special_tokens`: special tokens' text is plain text."""
+        if split_special_tokens:
+            return self._plain_backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @cached_property
+    def _plain_backend(self):
+        """A backend that reads special tokens' text as text: its own copy, as the flag is
+        the tokenizer's state and the backend is shared with the generation thread."""
+        if isinstance(self._backend, tokenizer_index.TokenizerIndex):
+            return tokenizer_index.TokenizerIndex(self._path, encode_special_tokens=True)
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         found = self._backend.token_to_id(token)

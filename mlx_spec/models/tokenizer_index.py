@@ -182,7 +182,8 @@ class TokenizerIndex:
     """The `tokenizers.Tokenizer` calls FastTokenizer makes (encode, token_to_id,
     id_to_token, get_vocab_size), answered from the index; see the module docstring."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, encode_special_tokens: bool = False):
+        self.encode_special_tokens = encode_special_tokens  # `tokenizers`' flag: specials as text
         index = folder / INDEX_DIR
         meta = json.loads((index / _META).read_text())
         self._folder = folder
@@ -220,6 +221,7 @@ class TokenizerIndex:
             from tokenizers import Tokenizer
 
             self._whole = Tokenizer.from_file(str(self._folder / "tokenizer.json"))
+            self._whole.encode_special_tokens = self.encode_special_tokens
         return self._whole
 
     def _normalize(self, text: str) -> str:
@@ -256,4 +258,5 @@ class TokenizerIndex:
         from tokenizers import Tokenizer
 
         small = Tokenizer.from_str(json.dumps({**self._shell, "model": self.model_for(text)}, ensure_ascii=False))
+        small.encode_special_tokens = self.encode_special_tokens
         return small.encode(text, add_special_tokens=add_special_tokens)

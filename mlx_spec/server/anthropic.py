@@ -23,7 +23,7 @@ from pydantic import ConfigDict, Field
 
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.protocol import ApiError, _Common, _Strict, bounded_stops, parse_body
-from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, new_call_id, plan_tools, template_call
+from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, template_call
 from mlx_spec.server.worker import Done, Failed, Piece
 
 log = logging.getLogger("mlx_spec.server")
@@ -121,44 +121,81 @@ def _text(content, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
+        if block.type != "text":
             raise ApiError(400, f"{where}[{j}]: {block.type} blocks are not supported here; this "
                                 "server takes text only", param=f"{where}[{j}]")
+        _check_text(block, f"{where}[{j}]")
     return "".join(block.text for block in content)
 
 
-def template_messages(body: MessagesRequest) -> list[dict]:
+def _check_text(block: Block, where: str) -> None:
+    if block.text is None:
+        raise ApiError(400, f"{where}: a text block needs a string `text`", param=f"{where}.text")
+    if not block.text:  # Anthropic's rule and words
+        raise ApiError(400, f"{where}.text: text content blocks must be non-empty", param=f"{where}.text")
+
+
+def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
     """The conversation as chat templates take it (OpenAI's roles, Hugging Face's tool
-    convention), as `tools.template_messages` builds it for the OpenAI route."""
+    convention), as `tools.template_messages` builds it for the OpenAI route, and whether
+    its last turn is an assistant prefill that the answer continues (Anthropic's
+    prefill: the turn stays open; an empty one is no prefill). Refused as Anthropic's API
+    refuses them: empty content but in a final assistant turn, tool blocks without
+    `tools`, a tool_result answering no tool_use of the message before, a prefill ending
+    in whitespace."""
     out = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
     called: dict[str, str] = {}  # tool_use id -> function name
+    previous: set[str] = set()  # tool_use ids of the message before
+    last = len(body.messages) - 1
     for i, message in enumerate(body.messages):
         where = f"messages[{i}].content"
+        if not message.content and not (i == last and message.role == "assistant"):
+            raise ApiError(400, f"messages[{i}]: all messages must have non-empty content except "
+                                "for the optional final assistant message", param=where)
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
+            previous = set()
             continue
-        text, calls = [], []
+        text, calls, uses = [], [], set()
         for j, block in enumerate(message.content):
-            if block.type == "text" and block.text is not None:
+            if block.type in ("tool_use", "tool_result") and not body.tools:
+                raise ApiError(400, f"{where}[{j}]: requests which include `tool_use` or "
+                                    "`tool_result` blocks must define tools", param="tools")
+            if block.type == "text":
+                _check_text(block, f"{where}[{j}]")
                 text.append(block.text)
-            elif block.type == "tool_use" and message.role == "assistant" and block.id and block.name:
+            elif block.type == "tool_use" and message.role == "assistant":
+                if not (block.id and block.name):
+                    raise ApiError(400, f"{where}[{j}]: a tool_use block needs an `id` and a `name`",
+                                   param=f"{where}[{j}]")
                 calls.append(template_call(block.id, block.name, block.input or {}))
                 called[block.id] = block.name
-            elif block.type == "tool_result" and message.role == "user" and block.tool_use_id:
-                result = {"role": "tool", "tool_call_id": block.tool_use_id,
+                uses.add(block.id)
+            elif block.type == "tool_result" and message.role == "user":
+                if block.tool_use_id not in previous:
+                    raise ApiError(400, f"{where}[{j}]: a tool_result block must answer a tool_use "
+                                        f"block of the previous message, and {block.tool_use_id!r} "
+                                        "answers none", param=f"{where}[{j}].tool_use_id")
+                result = {"role": "tool", "tool_call_id": block.tool_use_id, "name": called[block.tool_use_id],
                           "content": _text(block.content, f"{where}[{j}].content")}
-                if block.tool_use_id in called:
-                    result["name"] = called[block.tool_use_id]
                 out.append(result)
             else:
                 raise ApiError(400, f"{where}[{j}]: {block.type} blocks are not supported in "
                                     f"{message.role} messages", param=f"{where}[{j}]")
+        previous = uses
         if text or calls or message.role == "assistant":
             turn = {"role": message.role, "content": "".join(text)}
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)
-    return out
+    prefill = body.messages[last].role == "assistant" and "tool_calls" not in out[-1]
+    if prefill and not out[-1]["content"]:
+        out.pop()  # an empty final assistant turn: the model's turn opens as usual
+        return out, False
+    if prefill and out[-1]["content"] != out[-1]["content"].rstrip():
+        raise ApiError(400, f"messages[{last}]: final assistant content cannot end with trailing "
+                            "whitespace", param=f"messages[{last}].content")
+    return out, prefill
 
 
 def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
@@ -243,7 +280,8 @@ def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect
         check_request(body, queued)
         body.refuse_unsupported()
         plan = tool_plan(body, syntax)
-        return body, plan, await chat_ids(template_messages(body), plan, queued)
+        messages, prefill = template_messages(body)
+        return body, plan, await chat_ids(messages, plan, queued, continue_final=prefill)
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
@@ -283,12 +321,15 @@ def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect
         splitter = CallSplitter(plan)
         index, open_text = 0, False
         try:
-            yield event("message_start", {"message": {
-                "id": mid, "type": "message", "role": "assistant", "model": options.model_name,
-                "content": [], "stop_reason": None, "stop_sequence": None,
-                "usage": usage(len(job.prompt_ids), 0, 0)}})
+            item = await job.events.get()
+            # After the first event the prompt's split into input and cache reads is known:
+            # it goes here, once, as in Anthropic's stream (message_delta adds output tokens).
+            if not isinstance(item, Failed):
+                yield event("message_start", {"message": {
+                    "id": mid, "type": "message", "role": "assistant", "model": options.model_name,
+                    "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": usage(len(job.prompt_ids), 0, job.cached_tokens or 0)}})
             while True:
-                item = await job.events.get()
                 if isinstance(item, Failed):
                     kind = ERROR_TYPES.get(item.status, "api_error")
                     yield event("error", {"error": {"type": kind, "message": item.message}})
@@ -318,9 +359,9 @@ def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect
                     yield event("message_delta", {
                         "delta": {"stop_reason": stop_reason(item, splitter.calls),
                                   "stop_sequence": item.stop_string},
-                        "usage": {"output_tokens": counts[1], "cache_read_input_tokens": counts[2]},
-                        "mlx_spec": extra(item)})
+                        "usage": {"output_tokens": counts[1]}, "mlx_spec": extra(item)})
                     yield event("message_stop", {})
                     return
+                item = await job.events.get()
         finally:
             cancel(job)  # the client went away, or the answer is complete

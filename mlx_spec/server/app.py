@@ -32,6 +32,7 @@ from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
 from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
 from mlx_spec.server.metrics import CountResponses
+from mlx_spec.server.prompt import ChatPrompts
 from mlx_spec.server.protocol import (
     AnswerBytes, ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object,
     logprobs_object, new_id, parse_body, sse, token_describer, usage, usage_chunk,
@@ -39,7 +40,9 @@ from mlx_spec.server.protocol import (
 from mlx_spec.server.tools import (
     Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages, tool_syntax,
 )
-from mlx_spec.server.worker import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker
+from mlx_spec.server.worker import (
+    SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker, cached_count,
+)
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 
@@ -66,6 +69,9 @@ class ServerOptions:
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
         cors_origins: origins whose browser pages may call the API (none by default).
+        parse_special_in_text: read control-token text in messages ("<start_of_turn>") as
+            control tokens; off, it is text and only the chat template writes them
+            (`prompt.ChatPrompts`).
     """
 
     model_name: str
@@ -80,6 +86,7 @@ class ServerOptions:
     public_name: Optional[str] = None
     cache_budget: Optional[int] = None
     cors_origins: tuple[str, ...] = ()
+    parse_special_in_text: bool = False
 
 
 def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
@@ -96,6 +103,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     syntax = tool_syntax(tokenizer)
     describe = token_describer(tokenizer, engine.eos_ids)
     trims = trims_first_space(tokenizer)
+    prompts = ChatPrompts(tokenizer, parse_special=options.parse_special_in_text)
     # One thread: the tokenizer is not shared between request threads, only with the worker.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
 
@@ -198,8 +206,11 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         body = parse_body(await request.body(), ChatRequest)
         check_request(body)
         plan = openai_plan(body, syntax)
-        messages = template_messages(body.messages)
-        return await serve(request, body, await chat_ids(messages, plan), chat=True, plan=plan)
+        messages = template_messages(body.messages, syntax)
+        continue_final, generation_prompt = body.prompt_mode()
+        ids = await chat_ids(messages, plan, continue_final=continue_final,
+                             generation_prompt=generation_prompt)
+        return await serve(request, body, ids, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -215,11 +226,14 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
         return await serve(request, body, ids, chat=False)
 
-    async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True) -> list[int]:
-        """The conversation's prompt ids, tokenized off the event loop once its text could
-        fit the context (and, `queued`, once the queue has room: see `tokenized`)."""
+    async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True,
+                       continue_final: bool = False, generation_prompt: bool = True) -> list[int]:
+        """The conversation's prompt ids (`ChatPrompts.ids`), tokenized off the event loop
+        once its text could fit the context (and, `queued`, once the queue has room: see
+        `tokenized`)."""
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        return await tokenized(chat_prompt, tokenizer, messages, plan, queued=queued)
+        return await tokenized(prompts.ids, messages, plan, continue_final, generation_prompt,
+                               queued=queued)
 
     def check_length(characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -368,36 +382,6 @@ async def next_event(job: Job, request: Request, checked: list):
             pass
 
 
-def chat_prompt(tokenizer, messages: list[dict], plan: ToolPlan = ToolPlan()) -> list[int]:
-    """The messages (and the plan's tools) through the model's chat template, as `mlx-spec
-    generate --chat` encodes a single user message (`stream.encode_prompt`): rendered, then
-    encoded without special tokens, as mlx-lm's and transformers' `apply_chat_template` do;
-    a forced tool call's start marker ends the prompt. A system or user message the
-    template leaves out (Gemma's puts a system turn into the first user turn, and with no
-    user turn drops it) is refused rather than silently unanswered; assistant and tool
-    turns are not checked, as templates may rewrite them on purpose (reasoning dropped from
-    history, results re-serialized)."""
-    try:
-        tools = {"tools": plan.tools} if plan.tools else {}
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **tools)
-    except Exception as error:  # jinja's TemplateError (roles must alternate, ...), ValueError
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ApiError(400, f"messages: the chat template rejected them: {reason}",
-                       param="messages") from None
-    for i, message in enumerate(messages):
-        if message["role"] in ("system", "user") and message["content"].strip() not in text:
-            hint = ""
-            if message["role"] == "system" and all(m["role"] != "user" for m in messages):
-                hint = " (a system message needs a user message after it)"
-            raise ApiError(400, f"messages[{i}]: the model's chat template leaves this "
-                                f"{message['role']} message out{hint}", param=f"messages[{i}]")
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if plan.forced:
-        ids += tokenizer.encode(plan.syntax.start, add_special_tokens=False)
-    return ids
-
-
 def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,
                       param: str) -> int:
     """Tokens the answer may have: the request's (or the server's default), within context."""
@@ -418,10 +402,7 @@ def usage_of(job: Job, done: Done) -> dict:
 
 def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of a finished job."""
-    prompt = len(job.prompt_ids)
-    # The target prefills all but the prompt's last token (the first verify pass feeds it).
-    cached = max(0, prompt - 1 - done.prefilled_target)
-    return prompt, done.completion_tokens, cached
+    return len(job.prompt_ids), done.completion_tokens, cached_count(job, done.prefilled_target)
 
 
 def statistics(done: Done) -> dict:

@@ -77,10 +77,15 @@ def content_text(content: Content, where: str) -> str:
     """The text of a message's content: a string, or a list of text parts joined."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not content:  # OpenAI's own message and code
+        raise ApiError(400, f"Invalid '{where}': empty array. Expected an array with minimum "
+                            "length 1, but got an empty array instead.", param=where, code="empty_array")
     for i, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            kind = part.type if part.type != "text" else "text part without text"
-            raise ApiError(400, f"{where}[{i}]: {kind} content is not supported; this server "
+        if part.type == "text" and part.text is None:
+            raise ApiError(400, f"{where}[{i}]: a text part needs a string `text`",
+                           param=f"{where}[{i}].text")
+        if part.type != "text":
+            raise ApiError(400, f"{where}[{i}]: {part.type} content is not supported; this server "
                                 "takes text only", param=f"{where}[{i}]", code="unsupported_content")
     return "".join(part.text for part in content)
 
@@ -208,6 +213,25 @@ class ChatRequest(_Common):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # vLLM's and transformers' names: continue the final assistant message (a prefill).
+    continue_final_message: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
+
+    def prompt_mode(self) -> tuple[bool, bool]:
+        """(continue the final message, open a model turn) for the chat template."""
+        if not self.continue_final_message:
+            return False, self.add_generation_prompt is not False
+        if self.add_generation_prompt:  # vLLM refuses the pair too
+            raise ApiError(400, "continue_final_message: cannot be true together with "
+                                "add_generation_prompt true", param="continue_final_message")
+        last = len(self.messages) - 1
+        final = self.messages[last]
+        text = content_text(final.content, f"messages[{last}].content")
+        if final.role != "assistant" or final.tool_calls or not text:
+            raise ApiError(400, f"messages[{last}]: continue_final_message needs a final assistant "
+                                "message with text (and no tool_calls) to continue",
+                           param=f"messages[{last}]")
+        return True, False
 
     def logprob_count(self) -> Optional[int]:
         """Alternatives per token when log-probs are asked for; None when they are not."""
@@ -261,9 +285,23 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        param = _param_path(first["loc"])
-        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param) from None
+        message, param = _validation_message(error.errors())
+        raise ApiError(400, message, param=param) from None
+
+
+def _validation_message(errors: list) -> tuple[str, Optional[str]]:
+    """(message, param) for pydantic's first error. A union (content: a string or a list of
+    blocks) reports a failure per member: the deepest names what is wrong ("content[0].text:
+    Input should be a valid string", not "content: Input should be a valid string"), and
+    members failing at one place are all named."""
+    param = _param_path(errors[0]["loc"])
+    within = [(_param_path(e["loc"]) or "", e["msg"]) for e in errors]
+    within = [(path, msg) for path, msg in within if path.startswith(param or "")]
+    deepest = max((path for path, _ in within), key=len)
+    messages = list(dict.fromkeys(msg for path, msg in within if path == deepest))
+    param = deepest or None
+    said = messages[0] + "".join(f" or {m[:1].lower()}{m[1:]}" for m in messages[1:])
+    return f"{param or 'body'}: {said}", param
 
 
 def load_json(raw: bytes):

@@ -65,6 +65,9 @@ def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax]
         if tool["function"].get("strict"):  # would need decoding constrained to the schema
             raise ApiError(400, f"{param}[{i}].function.strict: strict schemas are not supported",
                            param=f"{param}[{i}].function.strict", code="unsupported_parameter")
+    if not tools and choice not in (None, "auto", "none"):
+        raise ApiError(400, "tool_choice: forcing a tool call needs tools, and the request has none",
+                       param="tool_choice")
     if not tools or choice == "none":
         return ToolPlan()
     if syntax is None:
@@ -86,14 +89,25 @@ def openai_plan(body: ChatRequest, syntax: Optional[ToolSyntax]) -> ToolPlan:
     return plan_tools(tools, choice, syntax, single=body.parallel_tool_calls is False)
 
 
-def template_messages(messages: list[Message]) -> list[dict]:
+def template_messages(messages: list[Message], syntax: Optional[ToolSyntax]) -> list[dict]:
     """OpenAI messages as chat templates take them (Hugging Face's convention): an
     assistant's calls with their arguments as objects, a tool's answer with the name of the
-    function it answers."""
+    function it answers. As OpenAI's API, a tool message must answer a call of the
+    assistant message before it (tool messages between); calls and results are history the
+    template shows even without `tools` (OpenAI takes them so too), but a template with no
+    tool-call format (`syntax` None) cannot show them: refused."""
     called: dict[str, str] = {}  # call id -> function name
+    answerable: set[str] = set()  # the latest assistant's call ids, while tool messages follow
     out = []
     for i, message in enumerate(messages):
         turn = message.as_template_message(f"messages[{i}].content")
+        if (message.tool_calls or message.role == "tool") and syntax is None:
+            field = "tool_calls" if message.tool_calls else "role"
+            raise ApiError(400, f"messages[{i}].{field}: this model's chat template has no tool-call "
+                                "format, so it cannot show tool calls or results",
+                           param=f"messages[{i}].{field}", code="unsupported_parameter")
+        if message.role != "tool":
+            answerable = {call.id for call in message.tool_calls or []}
         if message.tool_calls:
             turn["tool_calls"] = []
             for j, call in enumerate(message.tool_calls):
@@ -105,6 +119,13 @@ def template_messages(messages: list[Message]) -> list[dict]:
             if message.tool_call_id is None:
                 raise ApiError(400, f"messages[{i}].tool_call_id: a tool message needs the id of "
                                     "the call it answers", param=f"messages[{i}].tool_call_id")
+            if not answerable:
+                raise ApiError(400, f"messages[{i}]: a message with role 'tool' must answer a "
+                                    "preceding assistant message with tool_calls", param=f"messages[{i}].role")
+            if message.tool_call_id not in answerable:
+                raise ApiError(400, f"messages[{i}].tool_call_id: {message.tool_call_id!r} is not "
+                                    "among the tool_calls of the preceding assistant message",
+                               param=f"messages[{i}].tool_call_id")
             turn["tool_call_id"] = message.tool_call_id
             name = message.name or called.get(message.tool_call_id)
             if name is not None:

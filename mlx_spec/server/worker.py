@@ -75,6 +75,9 @@ class Job:
     stop: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
     logprobs: Optional[int] = None  # top alternatives per token; None: no log-probs
+    # Prompt tokens read from the prompt cache: set by the worker before its first Piece or
+    # Done (a stream's first event can report the prompt's usage whole, as Anthropic's does).
+    cached_tokens: Optional[int] = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -268,6 +271,7 @@ class Worker:
                     scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
                 # An EOS is released too: counted in usage, it has its log-prob entry.
                 released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
+                job.cached_tokens = cached_count(job, prefilled[0])  # the prefill is done
                 if response.text or released:
                     job.emit(Piece(response.text, released))
                 if job.cancelled.is_set() and finish is None:
@@ -275,9 +279,15 @@ class Worker:
         finally:
             responses.close()  # between rounds: the caches hold exactly what was committed
         self.counts["completed" if finish else "cancelled"] += 1
-        # The target prefills all but the prompt's last token (the first verify pass feeds it).
-        self.metrics.observe(stats, max(0, len(job.prompt_ids) - 1 - prefilled[0]))
+        job.cached_tokens = cached_count(job, prefilled[0])
+        self.metrics.observe(stats, job.cached_tokens)
         if finish is None and self._stopping:
             job.emit(SHUTTING_DOWN)
         else:
             job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string))
+
+
+def cached_count(job: Job, prefilled_target: int) -> int:
+    """Prompt tokens the target's cache held: it prefills all but the prompt's last token
+    (the first verify pass feeds it)."""
+    return max(0, len(job.prompt_ids) - 1 - prefilled_target)
