@@ -1,6 +1,6 @@
-"""Re-run the README's example commands and write their fresh output into it.
+"""Re-run the example commands of README.md and docs/*.md and write their fresh output in.
 
-    python scripts/readme_examples.py            # rewrite README.md's example blocks
+    python scripts/readme_examples.py            # rewrite every example block of those pages
     python scripts/readme_examples.py --only chat --dry-run
 
 A ```console block right after a `<!-- example: NAME KIND -->` comment is generated here;
@@ -17,7 +17,8 @@ checkout's, so a `--plot docs/...` lands in the repository), with a private cach
 by one `generate` first (the import of the embedded model and its cost curve, which a
 first run adds), and with stdout and stderr together, as a terminal shows them. Progress
 lines, which a terminal shows as a transient bar, are dropped, and so are trailing spaces. Re-run this whenever the
-output of a command changes, and commit README.md with the code that changed it.
+output of a command changes, and commit the pages with the code that changed it. Example
+names are unique across the pages, so `--only NAME` picks one block.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # every page whose commands are checked
 MARKER = re.compile(r"^<!-- example: (?P<name>[\w-]+) (?P<kind>run|chat|excerpt) -->$")
 FENCE = re.compile(r"^\s*```")
 PROGRESS = re.compile(r"^(\[\d+/\d+\] |calibrating the cost curve|Importing |downloading )")
@@ -125,7 +127,7 @@ def inline_commands(text: str) -> list[str]:
 
 
 def every_command(text: str) -> list[list[str]]:
-    """Argument lists of every mlx-spec command the README shows, in code blocks and inline."""
+    """Argument lists of every mlx-spec command a page shows, in code blocks and inline."""
     found = []
     for block in code_blocks(text):
         for command in commands(block):
@@ -217,25 +219,28 @@ def _like(old: str, value) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="Regenerate only this example (repeatable).")
-    parser.add_argument("--dry-run", action="store_true", help="Print the new blocks; leave README.md alone.")
+    parser.add_argument("--dry-run", action="store_true", help="Print the new blocks; leave the pages alone.")
     args = parser.parse_args()
 
-    text = README.read_text()
-    lines = text.splitlines()
-    examples = [b for b in code_blocks(text) if b.example and (not args.only or b.example[0] in args.only)]
-    if not examples:
+    chosen = {page: [b for b in code_blocks(page.read_text()) if b.example
+                     and (not args.only or b.example[0] in args.only)] for page in PAGES}
+    if not any(chosen.values()):
         raise SystemExit("no example blocks matched")
     with tempfile.TemporaryDirectory(prefix="readme-examples-") as scratch:
         runner = Runner(Path(scratch))
-        for block in reversed(examples):  # from the end, so earlier line numbers stay valid
-            print(f"running example {block.example[0]} ...", file=sys.stderr)
-            new = regenerate(block, runner)
-            if args.dry_run:
-                print("\n".join(new))
-            lines[block.start:block.start + len(block.lines)] = new
-    if not args.dry_run:
-        README.write_text("\n".join(lines) + "\n")
-        print(f"rewrote {len(examples)} example block(s) in {README}", file=sys.stderr)
+        for page, examples in chosen.items():
+            if not examples:
+                continue
+            lines = page.read_text().splitlines()
+            for block in reversed(examples):  # from the end, so earlier line numbers stay valid
+                print(f"running example {block.example[0]} ({page.relative_to(ROOT)}) ...", file=sys.stderr)
+                new = regenerate(block, runner)
+                if args.dry_run:
+                    print("\n".join(new))
+                lines[block.start:block.start + len(block.lines)] = new
+            if not args.dry_run:
+                page.write_text("\n".join(lines) + "\n")
+                print(f"rewrote {len(examples)} example block(s) in {page}", file=sys.stderr)
 
 
 if __name__ == "__main__":
