@@ -59,7 +59,7 @@ def _cell(text: str) -> str:
 
 def _section(command, ctx, path: list[str]) -> list[str]:
     name = " ".join(path)
-    out = [f"## `{name}`", ""]
+    out = [f"## {name}", ""]  # no code span: a heading names a command, it is no invocation to check
     if command.help:
         out += [command.help.strip().split("\f")[0].strip(), ""]
     usage = " ".join(command.collect_usage_pieces(ctx))

@@ -175,8 +175,9 @@ def regenerate(block: Block, runner: Runner) -> list[str]:
         (command,) = commands(block)
         typed = [line[4:] for line in block.lines if line.startswith(">>> ")]
         output = runner.run(command, stdin="".join(f"{line}\n" for line in typed))
-        for line in typed:  # piped, input() shows its prompt but not what was typed
-            output = output.replace(">>> ", f">>>\0{line}\n", 1)
+        for line in typed:  # piped, input() shows its prompt but not what was typed (the
+            # last prompt ends the output, its trailing space stripped)
+            output = re.sub(r">>>(?: |$)", lambda _: f">>>\0{line}\n", output, count=1, flags=re.M)
         return [f"$ {command}"] + output.replace(">>>\0", ">>> ").rstrip("\n").splitlines()
     if kind == "excerpt":
         (command,) = commands(block)

@@ -34,10 +34,10 @@ def test_the_page_names_every_command_and_flag():
 
     def walk(command, path):
         nonlocal seen
-        assert f"## `{' '.join(path)}`" in page, path
+        assert f"## {' '.join(path)}\n" in page, path
         for param in command.params:
             for flag in param.opts if param.param_type_name == "option" else []:
-                assert f"{flag}" in page.split(f"## `{' '.join(path)}`")[1].split("\n## ")[0], (path, flag)
+                assert f"{flag}" in page.split(f"## {' '.join(path)}\n")[1].split("\n## ")[0], (path, flag)
                 seen += 1
         for name, sub in getattr(command, "commands", {}).items():
             walk(sub, [*path, name])
