@@ -44,7 +44,7 @@ COLUMNS = "400"  # Rich wraps at this width when output is not a terminal: lines
 
 
 # ---------------------------------------------------------------------------------------
-# Reading the README
+# Reading the pages
 # ---------------------------------------------------------------------------------------
 
 @dataclass
