@@ -99,11 +99,20 @@ def test_example_outputs_are_generated_by_the_script():
     assert found["README.md"] == [("generate", "run"), ("chat", "chat"), ("bench", "run")]
     assert found["docs/performance.md"] == [("generate-json", "excerpt"), ("chat-stats", "chat"),
                                             ("bench-full", "run")]
+    assert found["docs/server.md"] == [("serve-completion", "server"), ("serve-openai", "server"),
+                                       ("serve-agents", "server"), ("serve-tools", "server")]
     names = [example[0] for blocks in found.values() for example in blocks]
     assert len(names) == len(set(names)), names  # --only NAME picks one block
     for text in PAGES.values():
-        for block in (b for b in examples.code_blocks(text) if b.example):
-            assert block.language == "console" and block.lines[0].startswith("$ mlx-spec "), block
+        blocks = examples.code_blocks(text)
+        for i, block in enumerate(blocks):
+            if not block.example:
+                continue
+            assert block.language == "console", block
+            if block.example[1] != "server":
+                assert block.lines[0].startswith("$ mlx-spec "), block
+            elif not block.lines[0].startswith("$ curl "):  # a program's output: the program is right above
+                assert blocks[i - 1].language == "python", block
     # the first run shows what drafting is for (a passage to copy), beside an ordinary prompt
     first = examples.code_blocks(README)[0]
     assert first.lines == [f'pip install -e ".[demo]" && mlx-spec generate -n 48 {COPY_PROMPT}']
