@@ -6,7 +6,7 @@ positions), under the wheel's reference BLAS and the optimised one mlx-spec load
 Each BLAS runs in its own worker process (it is chosen when mlx.core loads); workers
 alternate. Medians of the repeats after a warm-up.
 
-Also recorded, for the figures README quotes:
+Also recorded, for the figures docs/performance.md quotes:
 - how far row 0 of an M-row float32 product is from the 1-row product of the same row
   (MKL picks other kernels for more rows, so a verify can round a logit differently from
   a decode step; `row_difference`);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Re-run every benchmark behind a README number, one at a time (they share the CPU), and
+# Re-run every benchmark behind a figure in README.md or docs/, one at a time (they share the CPU), and
 # write bench/results/*.json. About 3 hours on a 2-core CPU (blas.py 35 min, exactness 15, the shaped run 45, across ranks 30).
 set -euo pipefail
 cd "$(dirname "$0")"

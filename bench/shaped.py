@@ -184,7 +184,7 @@ def print_table(results: dict) -> None:
 
 
 def markdown_table(results: dict, profile: str = "seed") -> str:
-    """README's table: speedup over γ = 0 per γ at one profile, measured (cost model)."""
+    """docs/performance.md's table: speedup over γ = 0 per γ at one profile, measured (cost model)."""
     fixed = [s["setting"] for s in results["pairs"][0]["profiles"][profile]["settings"] if s["setting"] != "γ=0"]
     head = ["pair", "c", "verify 2 / 4 / 7 rows ÷ step", *fixed, "measured ÷ predicted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -110,7 +110,7 @@ def test_speedup_is_shown_only_when_something_was_drafted(models):
     assert "speedup" not in summary_line(parked)
     drafting = View(Stats(rounds=3, drafted=6, accepted=4, generated=7, decode_time=1.0), "ngram", "auto", 2,
                     1e9, predicted_speedup=2.1, measured_speedup=7 / 3.0, plain_tps=3.0)
-    assert "speedup 2.33× vs plain ≈ 3.0 tok/s from the cost curve (predicted 2.10×)" in summary_line(drafting)
+    assert "speedup 2.33× vs plain ≈ 3.0 tok/s from the cost curve (predicted 2.10× now, from the cost curve and this run's acceptance)" in summary_line(drafting)
 
 
 def test_an_interrupted_run_says_so(models, monkeypatch):

@@ -168,11 +168,11 @@ def test_render_stats_is_a_pure_function_of_the_snapshot():
     stats.peak_memory = 3 << 20
     view = View(stats=stats, drafter="model", gamma_mode="auto", gamma_now=3, bandwidth=2.5e9,
                 predicted_speedup=1.8, measured_speedup=1.6, plain_tps=20.0)
-    console = Console(record=True, width=100, file=open("/dev/null", "w"))
+    console = Console(record=True, width=160, file=open("/dev/null", "w"))
     console.print(render_stats(view))
     text = console.export_text()
     assert "auto (now 3)" in text and "position 3" in text and "2.50 GB/s" in text
-    assert "│ 1.60× vs plain ≈ 20.0 tok/s from the cost curve (predicted 1.80×)" in text
+    assert "│ 1.60× vs plain ≈ 20.0 tok/s from the cost curve (predicted 1.80× now, from the cost curve and this run's acceptance)" in text
     assert text.count("speedup") == 1  # the row's label, not said twice
     assert "3.0 MB" in text
     assert bar(1.0).strip() == "█" * 20 and bar(0.0).strip() == ""

@@ -105,7 +105,7 @@ def test_scripted_acceptance_exact_output_and_loop_efficiency(pair, reference, q
     assert costs["verify_over_step"][0] == 1.0 and len(costs["verify_over_step"]) == 7
     assert costs["target_weight_bytes"] == weight_bytes(pair["gemma3-12b"])
     assert costs["nominal_bandwidth_bytes_per_s"] is None  # a CPU: no nominal figure
-    # the outputs people read: README's table row and the plot, from the results file
+    # the outputs people read: docs/performance.md's table row and the plot, from the results file
     table = markdown_table(results, "flat0.8").splitlines()
     assert table[0].startswith("| pair | c |") and table[2].startswith("| gemma3-12b/270m |")
     assert f"{settings[1]['speedup']:.2f}×" in table[2]

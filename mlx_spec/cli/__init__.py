@@ -112,7 +112,7 @@ app = typer.Typer(
         "Exact speculative decoding on MLX: a small draft proposes γ tokens, the target "
         "verifies them in one forward pass, and the output keeps the target's distribution "
         "(identical text at temperature 0). Under `mlx.launch` the target is sharded across "
-        "the ranks (tensor parallel); see the README's 'Past one Mac'."
+        "the ranks (tensor parallel); see docs/distributed.md."
     ),
     no_args_is_help=True,
     add_completion=False,

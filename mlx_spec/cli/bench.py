@@ -328,7 +328,7 @@ def _print_store_note(model: str, store) -> None:
     name = model.removeprefix("ollama:")
     print(f"{model}'s model file drafts with its draft layer at γ = {store.gamma} (draft_num_predict). "
           f"Ollama's own numbers for the same weights: `ollama run {name} --verbose` prints the eval rate "
-          "(decode tok/s); `/set parameter draft_num_predict 0` turns its draft off (README: Side by side with Ollama).")
+          "(decode tok/s); `/set parameter draft_num_predict 0` turns its draft off (docs/models.md: Side by side with Ollama).")
 
 
 def recommendation_text(result: SweepResult) -> str:

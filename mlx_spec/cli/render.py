@@ -164,10 +164,11 @@ def render_stats(view: View, title: str = "speculative decoding") -> Table:
 def speedup_text(view: View) -> str:
     """Measured speedup and what it is measured against: the plain decoding speed of this
     run's plain rounds, else the cost curve's as this run corrected it (shown only once
-    tokens were drafted)."""
+    tokens were drafted). "Predicted" is the cost model's speedup for the γ chosen last, not
+    for the run so far (which mixes plain rounds and probes), so the two can differ."""
     source = "measured in this run" if view.plain_measured else "from the cost curve"
     return (f"{view.measured_speedup:.2f}× vs plain ≈ {view.plain_tps:.1f} tok/s {source} "
-            f"(predicted {view.predicted_speedup:.2f}×)")
+            f"(predicted {view.predicted_speedup:.2f}× now, from the cost curve and this run's acceptance)")
 
 
 def summary_line(view: View) -> str:
