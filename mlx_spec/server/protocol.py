@@ -7,12 +7,13 @@ objects (counted on its bytes before it is parsed), whose strings are valid Unic
 surrogate such as "\\ud800" cannot be tokenized) and whose integers Python can read
 (`parse_json`, which also reads the JSON that a call's `arguments` string holds); known
 fields must have the right types, every list within its `MAX_*` length (checked before its
-items are), and sampling values go through `SamplingParams`. Parsing is CPU work of up to
-~1 s for a 16 MiB body: the app runs `parse_body` off the event loop. Fields that would change the answer's meaning
-and that we do not implement (`logit_bias`, `echo`, a JSON `response_format`, ...) are
-refused; other unknown fields are ignored, as clients send many we have no use for. Every
-failure becomes an `ApiError`, which the app turns into OpenAI's error shape
-`{"error": {"message", "type", "param", "code"}}`.
+items are), and sampling values go through `SamplingParams` (temperature within the API's
+range). Parsing a 16 MiB body is up to ~0.5 s of CPU work: the app runs `parse_body` off
+the event loop. Fields that would change the answer's meaning and that we do not implement
+(`logit_bias`, `echo`, a JSON `response_format`, ...) are refused; other unknown fields
+are ignored, as clients send many we have no use for. Every failure becomes an `ApiError`,
+which the app turns into OpenAI's error shape `{"error": {"message", "type", "param",
+"code"}}`.
 """
 
 from __future__ import annotations
