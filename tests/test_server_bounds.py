@@ -88,6 +88,56 @@ def _message(path: str, response: httpx.Response) -> str:
     return assert_openai_error(response, 400)["message"]
 
 
+# -- the shape of a body, counted before it is parsed -------------------------------------
+
+
+def _document(rng, depth=0):
+    """A random JSON value whose strings are full of what the byte count must skip."""
+    kind = rng.choice(["list", "dict", "str", "num"] if depth < 6 else ["str", "num"])
+    if kind == "list":
+        return [_document(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "dict":
+        return {_text(rng): _document(rng, depth + 1) for _ in range(rng.randrange(4))}
+    return _text(rng) if kind == "str" else rng.choice([0, -1.5, True, None, 12345])
+
+
+def _text(rng) -> str:
+    return "".join(rng.choice('a"\\,[]{}:é\n') for _ in range(rng.randrange(6)))
+
+
+def _shape(value, depth=1) -> tuple[int, int, int, int]:
+    """(items and members, empty containers, objects, depth) of a parsed value."""
+    if not isinstance(value, (list, dict)):
+        return 0, 0, 0, depth - 1
+    children = list(value.values()) if isinstance(value, dict) else value
+    shapes = [_shape(child, depth + 1) for child in children]
+    return (len(children) + sum(s[0] for s in shapes), (not children) + sum(s[1] for s in shapes),
+            isinstance(value, dict) + sum(s[2] for s in shapes), max([depth] + [s[3] for s in shapes]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_counts_taken_before_parsing_are_json_loads_own(seed, monkeypatch):
+    """Each limit is met exactly at the count json.loads' own result has (a value per item
+    or member, plus the body; an empty container counts one) and refused one below."""
+    import random
+
+    from mlx_spec.server import protocol
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        document = {"messages": [_document(rng) for _ in range(3)]}
+        raw = json.dumps(document, ensure_ascii=rng.random() < 0.5).encode()
+        members, empty, objects, depth = _shape(document)
+        for name, count in [("MAX_JSON_VALUES", 1 + members + empty),
+                            ("MAX_JSON_OBJECTS", objects), ("MAX_JSON_DEPTH", depth)]:
+            monkeypatch.setattr(protocol, name, count)
+            assert protocol.load_json(raw) == document
+            monkeypatch.setattr(protocol, name, count - 1)
+            with pytest.raises(protocol.ApiError):
+                protocol.load_json(raw)
+            monkeypatch.undo()
+
+
 # -- defect 2: huge legal bodies do not freeze the server ---------------------------------
 
 
