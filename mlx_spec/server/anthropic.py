@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -82,7 +82,7 @@ class MessagesRequest(_Common):
     # Features this server cannot give: refused by name rather than quietly ignored.
     thinking: Optional[dict] = None
     output_config: Optional[dict] = None
-    mcp_servers: Optional[Items(dict, MAX_TOOLS)] = None
+    mcp_servers: Optional[Items(Any, MAX_TOOLS)] = None
     container: Union[str, dict, None] = None
     context_management: Optional[dict] = None
 

@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 from dataclasses import replace
-from typing import Annotated, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -176,7 +176,7 @@ class _Common(_Strict):
     # Accepted only at their no-op values (checked in `sampling`): each changes the answer.
     logit_bias: Optional[dict] = None
     response_format: Optional[dict] = None
-    functions: Optional[Items(dict, MAX_TOOLS)] = None
+    functions: Optional[Items(Any, MAX_TOOLS)] = None
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
