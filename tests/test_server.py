@@ -253,7 +253,7 @@ MALFORMED = [
     ({"model": "MODEL", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": "MODEL", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": "MODEL", "prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ({"model": "MODEL", "prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0"),
+    ({"model": "MODEL", "prompt": "hi", "temperature": -1}, 400, "temperature: must be between 0 and 2"),
     ({"model": "MODEL", "prompt": "hi", "top_p": 0}, 400, "top-p"),
     ({"model": "MODEL", "prompt": "hi", "top_p": 1.5}, 400, "top-p"),
     ({"model": "MODEL", "prompt": "hi", "min_p": 1}, 400, "min-p"),
@@ -295,7 +295,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(path, cases
         assert_openai_error(response, 404 if route == "/nope" else 405)
     with pytest.raises(openai.BadRequestError) as error:  # the official client sees the same
         spec_server.client().completions.create(model=tiny_dirs[0], prompt="hi", temperature=-1)
-    assert error.value.body["message"] == "temperature must be >= 0"
+    assert error.value.body["message"] == "temperature: must be between 0 and 2, not -1"
     answer = spec_server.client().completions.create(model=tiny_dirs[0], prompt="hi", max_tokens=4)
     assert answer.usage.completion_tokens >= 1
     assert spec_server.health()["failed"] == 0 and "Traceback" not in spec_server.log

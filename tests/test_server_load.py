@@ -106,7 +106,17 @@ MALFORMED = [("/completions", b"{"), ("/chat/completions", b"null"),
              ("/completions", b'{"model": "M", "prompt": "\xc3\x28"}'),
              ("/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\udfff"}]}'),
              ("/chat/completions", b'{"model": "M", "messages": [{"role": "user"}], "max_tokens": -5}'),
-             ("/completions", b'{"model": "M", "prompt": "x", "stop": 5}')]
+             ("/completions", b'{"model": "M", "prompt": "x", "stop": 5}'),
+             # issue 32: past Python's int digits, arguments past its recursion, a body past
+             # the values limit, a list past its own, temperature past OpenAI's range
+             ("/completions", b'{"model": "M", "prompt": "x", "ignored": %s}' % (b"7" * 5000)),
+             ("/chat/completions", b'{"model": "M", "messages": [{"role": "assistant", "tool_calls": [{"id": '
+              b'"c", "type": "function", "function": {"name": "f", "arguments": "%s"}}]}]}'
+              % (b"[" * 100_000 + b"]" * 100_000)),
+             ("/completions", b'{"model": "M", "prompt": "x", "ignored": [%s0]}' % (b"0," * 1_100_000)),
+             ("/messages", b'{"model": "M", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}], '
+              b'"stop_sequences": [%s""]}' % (b'"", ' * 300)),
+             ("/completions", b'{"model": "M", "prompt": "x", "temperature": 1e30}')]
 
 
 def _malformed(server, model, i):
@@ -123,6 +133,7 @@ def test_disconnects_and_malformed_bodies_leave_the_server_exact(server, tiny_di
         tasks += [lambda: _stream_then_leave(server, model),
                   lambda i=i: _malformed(server, model, 2 * i),
                   lambda i=i: _malformed(server, model, 2 * i + 1)]
+    tasks += [lambda i=i: _malformed(server, model, i) for i in range(8, len(MALFORMED))]
     tasks += [lambda: _time_out(server, model), lambda: _greedy(server, model, PROMPTS[0])]
     results = _run_all(tasks)
     outcomes = [r if isinstance(r, (str, int)) else r.status_code for r in results

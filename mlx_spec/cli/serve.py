@@ -83,6 +83,15 @@ def serve(
         help="Read special-token text in messages (e.g. '<start_of_turn>') as those control "
              "tokens, so a message can write turn markers. Off by default: it is plain text "
              "and only the chat template writes control tokens.")] = False,
+    body_timeout: Annotated[float, typer.Option(
+        "--body-timeout", rich_help_panel=SERVER, min=0.1, metavar="SECONDS",
+        help="A request's whole body must arrive within this many seconds of its headers, or "
+             "it is answered 408 and its connection closed, so clients that trickle bytes "
+             "cannot hold connections; 60 s is 16 MiB (the largest body) at 2.3 Mbit/s.")] = 60.0,
+    timeout_keep_alive: Annotated[float, typer.Option(
+        "--timeout-keep-alive", rich_help_panel=SERVER, min=0.1, metavar="SECONDS",
+        help="Close a kept-alive connection that sends no new request for this many "
+             "seconds (uvicorn's option).")] = 5.0,
     model: ModelOpt = None,
     draft_model: DraftOpt = None,
     drafter: DrafterOpt = None,
@@ -158,6 +167,7 @@ def serve(
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
+        body_timeout=body_timeout,
     )
     application = create_app(engine, setup.pair.tokenizer, options)
     bound_host, bound_port = sock.getsockname()[:2]
@@ -165,7 +175,8 @@ def serve(
     drafter_name = engine.drafter.name if engine.drafter is not None else "none"
     print(f"mlx-spec serve: {options.model_name!r} (drafter {drafter_name}, γ {gamma_mode}) "
           f"at http://{shown}:{bound_port}/v1  (Ctrl-C stops)", file=sys.stderr, flush=True)
-    config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=timeout_keep_alive)
     _run(config, application.state.worker, sock)
 
 

@@ -13,20 +13,19 @@ may come as `x-api-key` or `Authorization: Bearer`.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from typing import Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field
 
-from mlx_spec.sampling import SamplingParams
-from mlx_spec.server.protocol import ApiError, _Common, _Strict, bounded_stops, parse_body
+from mlx_spec.server.protocol import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, ApiError, Items, _Common, _Strict,
+    bounded_stops, parse_body,
+)
 from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, template_call
 from mlx_spec.server.worker import Done, Failed, Piece
-
-log = logging.getLogger("mlx_spec.server")
 
 PATH = "/v1/messages"  # and what lies under it (count_tokens)
 
@@ -49,13 +48,13 @@ class Block(_Strict):
     name: Optional[str] = None
     input: Optional[dict] = None
     tool_use_id: Optional[str] = None  # tool_result
-    content: Union[str, list["Block"], None] = None
+    content: Union[str, Items("Block", MAX_CONTENT_PARTS), None] = None
     is_error: Optional[bool] = None
 
 
 class AnthropicMessage(_Strict):
     role: Literal["user", "assistant"]
-    content: Union[str, list[Block]]
+    content: Union[str, Items(Block, MAX_CONTENT_PARTS)]
 
 
 class AnthropicTool(_Strict):
@@ -72,17 +71,18 @@ class ToolChoice(_Strict):
 
 
 class MessagesRequest(_Common):
+    MAX_TEMPERATURE: ClassVar[float] = 1.0  # Anthropic's API range
     max_tokens: int = Field(ge=1)  # required by the Messages API
-    messages: list[AnthropicMessage] = Field(min_length=1)
-    system: Union[str, list[Block], None] = None
-    stop_sequences: Optional[list[str]] = None
-    tools: Optional[list[AnthropicTool]] = None
+    messages: Items(AnthropicMessage, MAX_MESSAGES, min_length=1)
+    system: Union[str, Items(Block, MAX_CONTENT_PARTS), None] = None
+    stop_sequences: Optional[Items(str, MAX_STOP_SEQUENCES)] = None
+    tools: Optional[Items(AnthropicTool, MAX_TOOLS)] = None
     tool_choice: Optional[ToolChoice] = None
     metadata: Optional[dict] = None
     # Features this server cannot give: refused by name rather than quietly ignored.
     thinking: Optional[dict] = None
     output_config: Optional[dict] = None
-    mcp_servers: Optional[list] = None
+    mcp_servers: Optional[Items(Any, MAX_TOOLS)] = None
     container: Union[str, dict, None] = None
     context_management: Optional[dict] = None
 
@@ -105,11 +105,6 @@ class MessagesRequest(_Common):
 
     def logprob_count(self) -> None:
         return None
-
-    def sampling(self, defaults: SamplingParams) -> SamplingParams:
-        if self.temperature is not None and not 0 <= self.temperature <= 1:
-            raise ApiError(400, "temperature: must be between 0 and 1", param="temperature")
-        return super().sampling(defaults)
 
 
 class CountRequest(MessagesRequest):
@@ -267,37 +262,38 @@ def event(kind: str, data: dict) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect, cancel,
+def add_routes(app, *, options, syntax, parsed, check_request, chat_ids, submit, collect, cancel,
                usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
-    (`chat_ids(messages, plan, queued)` -> prompt ids, off the event loop, refused while
+    (`parsed(request, read)` -> `read(the raw body)`, off the event loop;
+    `chat_ids(messages, plan, queued)` -> prompt ids, off the event loop, refused while
     the queue is full if `queued`; `cancel(job)` stops a job;
     `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
     `mlx_spec` statistics field)."""
 
-    async def prompt_of(raw: bytes, model: type, queued: bool) -> tuple:
-        body = parse_body(raw, model)
-        check_request(body, queued)
-        body.refuse_unsupported()
-        plan = tool_plan(body, syntax)
-        messages, prefill = template_messages(body)
+    async def prompt_of(request: Request, model: type, queued: bool) -> tuple:
+        def read(raw: bytes) -> tuple:
+            body = parse_body(raw, model)
+            check_request(body, queued)
+            body.refuse_unsupported()
+            plan = tool_plan(body, syntax)
+            return (body, plan, *template_messages(body))
+
+        body, plan, messages, prefill = await parsed(request, read)
         return body, plan, await chat_ids(messages, plan, queued, continue_final=prefill)
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
         try:
-            _, _, ids = await prompt_of(await request.body(), CountRequest, queued=False)
+            _, _, ids = await prompt_of(request, CountRequest, queued=False)
         except ApiError as error:
             return error_response(error)
-        except Exception:  # never the OpenAI shape on this route
-            log.exception("count_tokens request failed")
-            return error_response(ApiError(500, "internal server error"))
         return {"input_tokens": len(ids)}
 
     @app.post(PATH)
     async def messages(request: Request):
         try:
-            body, plan, ids = await prompt_of(await request.body(), MessagesRequest, queued=True)
+            body, plan, ids = await prompt_of(request, MessagesRequest, queued=True)
             job = submit(body, ids, "messages")
             mid = "msg_" + uuid.uuid4().hex[:24]
             if body.stream:
@@ -306,9 +302,6 @@ def add_routes(app, *, options, syntax, check_request, chat_ids, submit, collect
             pieces, done = await collect(job, request)
         except ApiError as error:
             return error_response(error)
-        except Exception:  # never the OpenAI shape on this route
-            log.exception("messages request failed")
-            return error_response(ApiError(500, "internal server error"))
         splitter = CallSplitter(plan)
         parts = splitter.feed("".join(p.text for p in pieces)) + splitter.finish()
         counts = usage_counts(job, done)

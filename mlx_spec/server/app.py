@@ -3,10 +3,11 @@
 streaming as Server-Sent Events.
 
 Every request first passes `guards.RequestGuards` (Host, API key, content type, body
-size), inside CORSMiddleware when `--cors-origin` is given. Handlers run on the event loop and never touch MLX: they parse and check the
-request, tokenize the prompt (on a tokenizer thread, so a big prompt does not stall other
-clients, and before queueing, so errors such as a prompt over the context are answered at
-once), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
+size and time), inside `guards.CorsGuard` when `--cors-origin` is given. Handlers run on
+the event loop and never touch MLX: they parse and check the request and build its
+template messages (on a parsing thread: a 16 MiB body is up to a second of CPU work),
+tokenize the prompt (on a tokenizer thread, so a big prompt does not stall other clients,
+and before queueing, so errors such as a prompt over the context are answered at once), hand a `Job` to the `Worker` and relay its events. A full queue is a 503 with
 Retry-After, checked before tokenizing: a prompt being tokenized holds its place in the
 queue, and count_tokens' prompts wait for the tokenizer only while fewer than
 `queue_size` do, so a burst of big prompts cannot line up more tokenizer work than the
@@ -23,14 +24,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from mlx_spec.models.fast_tokenizer import trims_first_space
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
-from mlx_spec.server.guards import RequestGuards, check_api_key, error_body
+from mlx_spec.server.guards import (
+    BODY_TIMEOUT_S, AnswerErrors, CorsGuard, RequestGuards, check_api_key, error_body,
+)
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.prompt import ChatPrompts
 from mlx_spec.server.protocol import (
@@ -72,6 +74,7 @@ class ServerOptions:
         parse_special_in_text: read control-token text in messages ("<start_of_turn>") as
             control tokens; off, it is text and only the chat template writes them
             (`prompt.ChatPrompts`).
+        body_timeout: seconds a request's whole body may take to arrive (then 408).
     """
 
     model_name: str
@@ -87,6 +90,7 @@ class ServerOptions:
     cache_budget: Optional[int] = None
     cors_origins: tuple[str, ...] = ()
     parse_special_in_text: bool = False
+    body_timeout: float = BODY_TIMEOUT_S
 
 
 def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
@@ -106,6 +110,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     prompts = ChatPrompts(tokenizer, parse_special=options.parse_special_in_text)
     # One thread: the tokenizer is not shared between request threads, only with the worker.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
+    # One thread: parsing holds the GIL for most of its work, so more would not be faster,
+    # only hold more parsed bodies at once.
+    parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-parse")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -113,18 +120,23 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         yield
         worker.stop()
         tokenizing.shutdown(wait=False, cancel_futures=True)
+        parsing.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="mlx-spec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.worker = worker
     # The last added is the outermost: responses are counted, then CORS headers go on every
-    # answer to an allowed origin (the guards' refusals too, so a page can read why), then
-    # the guards run before any route. A preflight is answered by CORSMiddleware itself.
+    # answer to an allowed origin (the guards' refusals and 500s too, so a page can read
+    # why), then unhandled errors become 500s, then the guards run before any route. A
+    # preflight is answered by CorsGuard itself.
     error_bodies = {anthropic.PATH: anthropic.error_body}  # OpenAI's shape elsewhere
     app.add_middleware(RequestGuards, allowed_hosts=options.allowed_hosts,
-                       api_key=check_api_key(options.api_key), error_bodies=error_bodies)
+                       api_key=check_api_key(options.api_key), body_timeout=options.body_timeout,
+                       error_bodies=error_bodies)
+    app.add_middleware(AnswerErrors, error_bodies=error_bodies)
     if options.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(options.cors_origins),
+        app.add_middleware(CorsGuard, error_bodies=error_bodies,
+                           allow_origins=list(options.cors_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
     app.add_middleware(CountResponses, metrics=worker.metrics)
 
@@ -177,10 +189,6 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return error_response(request, ApiError(error.status_code, str(error.detail),
                                                 headers=getattr(error, "headers", None)))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request, error: Exception):
-        return error_response(request, ApiError(500, "internal server error", type="server_error"))
-
     # -- routes --------------------------------------------------------------------------
 
     @app.get("/health")
@@ -201,21 +209,33 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             {"id": name, "object": "model", "created": created, "owned_by": "mlx-spec"}
             for name in (options.model_name, *options.aliases)]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = parse_body(await request.body(), ChatRequest)
+    async def parsed(request: Request, read):
+        """`read(the request's body)` on the parsing thread: parsing, checks and templating,
+        none of which may hold the event loop."""
+        raw = await request.body()
+        return await asyncio.get_running_loop().run_in_executor(parsing, read, raw)
+
+    def read_chat(raw: bytes) -> tuple:
+        body = parse_body(raw, ChatRequest)
         check_request(body)
         plan = openai_plan(body, syntax)
-        messages = template_messages(body.messages, syntax)
-        continue_final, generation_prompt = body.prompt_mode()
+        return body, plan, template_messages(body.messages, syntax), body.prompt_mode()
+
+    def read_completion(raw: bytes) -> CompletionRequest:
+        body = parse_body(raw, CompletionRequest)
+        check_request(body)
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body, plan, messages, (continue_final, generation_prompt) = await parsed(request, read_chat)
         ids = await chat_ids(messages, plan, continue_final=continue_final,
                              generation_prompt=generation_prompt)
         return await serve(request, body, ids, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionRequest)
-        check_request(body)
+        body = await parsed(request, read_completion)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
@@ -311,7 +331,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return answer
 
     anthropic.add_routes(
-        app, options=options, syntax=syntax, check_request=check_request, chat_ids=chat_ids,
+        app, options=options, syntax=syntax, parsed=parsed, check_request=check_request, chat_ids=chat_ids,
         submit=submit, collect=collect, cancel=worker.cancel, usage_counts=token_counts,
         extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 

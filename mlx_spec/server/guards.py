@@ -14,25 +14,52 @@ shape (Anthropic's under /v1/messages):
 3. the content type of a request with a body (415): browsers send a cross-origin
    `text/plain` POST without a CORS preflight, so only `application/json` is read;
 4. the body size (413), counted while the body arrives, so a huge or chunked body is
-   refused after at most `max_body` bytes instead of being buffered whole.
+   refused after at most `max_body` bytes instead of being buffered whole, and its time
+   (408): a client that trickles its body holds a connection and a buffer, so the whole
+   body must arrive within `body_timeout` seconds of the request's head.
 
 Routes read the body as usual (`await request.body()`); it was read here and is handed on.
-The guards send no CORS headers: unless `--cors-origin` adds Starlette's CORSMiddleware
-around them, a browser page from another origin cannot read any answer.
+The guards send no CORS headers: unless `--cors-origin` adds `CorsGuard` (Starlette's
+CORSMiddleware, refusing in JSON) around them, a browser page from another origin cannot
+read any answer. Inside them, `AnswerErrors` turns an exception no route handled into a
+500 in the route's shape, the connection kept.
 """
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import hmac
 import ipaddress
+import logging
 from typing import Callable, Iterable, Mapping, Optional
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from mlx_spec.errors import UsageError
 from mlx_spec.server.protocol import ApiError
 
+log = logging.getLogger("mlx_spec.server")
+
 MAX_BODY_BYTES = 16 * 1024 * 1024
+BODY_TIMEOUT_S = 60.0  # 16 MiB at 2.3 Mbit/s; a typical 100 kB agent request at 14 kbit/s
+TRIM_AFTER_BYTES = 1 << 20
+TRIM_DELAY_S = 0.5
+
+
+def _libc_malloc_trim():
+    """glibc's malloc_trim, or None (macOS's allocator returns free pages by itself). glibc
+    keeps the pages a big body's copies and parse freed (its mmap threshold rises to their
+    size): ~90 MiB for a 16 MiB body until trimmed, which takes a few milliseconds."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
 LOOPBACK_NAMES = ("localhost",)  # IP literals are checked with `ipaddress`
 ANY_HOST = "*"
 OPEN_PATHS = ("/health",)  # load balancers and supervisors probe it without a key
@@ -87,12 +114,14 @@ class RequestGuards:
         allowed_hosts: Host names served besides loopback ones; None (or "*") serves any.
         api_key: bytes every request but /health must send (see the module docstring).
         max_body: the largest request body read, in bytes.
+        body_timeout: seconds the whole body may take to arrive, from the request's head.
         error_bodies: path -> the error body for a refusal on that path or under it (an
             `ApiError` in, a JSON object out); other paths get `ApiError.body`.
     """
 
     def __init__(self, app, allowed_hosts: Optional[Iterable[str]] = (),
                  api_key: Optional[bytes] = None, max_body: int = MAX_BODY_BYTES,
+                 body_timeout: float = BODY_TIMEOUT_S,
                  error_bodies: Mapping[str, Callable[[ApiError], dict]] = {}):
         self.app = app
         self.error_bodies = dict(error_bodies)
@@ -100,6 +129,7 @@ class RequestGuards:
             host_name(h) if h != ANY_HOST else h for h in allowed_hosts)
         self.api_key = api_key
         self.max_body = max_body
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -125,16 +155,22 @@ class RequestGuards:
         if body is None:
             return await self.app(scope, receive, send)
 
-        handed_on = False
+        handed_on, size = False, len(body)
 
         async def replay():
-            nonlocal handed_on
-            if not handed_on:
-                handed_on = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            nonlocal handed_on, body
+            if not handed_on:  # handed on once, and not kept here for the rest of the request
+                handed_on, message, body = True, {"type": "http.request", "body": body,
+                                                  "more_body": False}, None
+                return message
             return await receive()  # later: the disconnect, which streaming answers wait for
 
-        return await self.app(scope, replay, send)
+        try:
+            return await self.app(scope, replay, send)
+        finally:
+            if size >= TRIM_AFTER_BYTES and _malloc_trim is not None:
+                # later: the server's own copies of the body go with the connection
+                asyncio.get_running_loop().call_later(TRIM_DELAY_S, _malloc_trim, 0)
 
     def _check_host(self, headers: dict) -> None:
         host = headers.get(b"host")
@@ -163,15 +199,22 @@ class RequestGuards:
                                 f"{shown})", code="unsupported_media_type")
 
     async def _read_body(self, headers: dict, receive) -> Optional[bytes]:
-        """The whole body, or an `ApiError` (413) as soon as it passes `max_body`."""
+        """The whole body, or an `ApiError`: 413 as soon as it passes `max_body`, 408 once
+        `body_timeout` has passed."""
         too_big = ApiError(413, f"the request body is larger than {self.max_body // 2**20} MiB",
                            code="request_too_large")
         declared = headers.get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_body:
             raise too_big
         body = bytearray()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                    f"({len(body)} bytes came)", code="request_timeout") from None
             if message["type"] == "http.disconnect":
                 return None
             body += message.get("body", b"")
@@ -179,3 +222,61 @@ class RequestGuards:
                 raise too_big
             if not message.get("more_body", False):
                 return bytes(body)
+
+
+class AnswerErrors:
+    """ASGI middleware: an exception that no route handled becomes a 500 in the route's
+    API shape (logged) and goes no further. Past Starlette's own handler it would reach
+    uvicorn, which closes the connection without a word once a response was sent, so the
+    client's next request on it, and any it pipelined, would be lost. After a response has
+    started only closing can tell the client: the exception is raised on."""
+
+    def __init__(self, app, error_bodies: Mapping[str, Callable[[ApiError], dict]] = {}):
+        self.app = app
+        self.error_bodies = dict(error_bodies)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            if started:
+                raise
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            error = ApiError(500, "internal server error", type="server_error")
+            await JSONResponse(error_body(self.error_bodies, scope["path"], error),
+                               status_code=500)(scope, receive, send)
+
+
+class CorsGuard(CORSMiddleware):
+    """Starlette's CORSMiddleware, but a preflight it refuses (an origin, method or header
+    not allowed) is answered in the route's API error shape, as every other refusal is,
+    instead of text/plain."""
+
+    def __init__(self, app, error_bodies: Mapping[str, Callable[[ApiError], dict]] = {},
+                 **options):
+        super().__init__(app, **options)
+        self.error_bodies = dict(error_bodies)
+
+    async def __call__(self, scope, receive, send):
+        headers = Headers(scope=scope) if scope["type"] == "http" else {}
+        if (scope["type"] != "http" or scope["method"] != "OPTIONS" or "origin" not in headers
+                or "access-control-request-method" not in headers):  # not a preflight
+            return await super().__call__(scope, receive, send)
+        response = self.preflight_response(request_headers=headers)
+        if response.status_code == 400:  # its body: "Disallowed CORS origin, headers"
+            refused = response.body.decode().removeprefix("Disallowed CORS ")
+            error = ApiError(400, f"CORS preflight refused (not allowed: {refused}); "
+                                  "--cors-origin names the origins served", code="cors_refused")
+            kept = {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
+            response = JSONResponse(error_body(self.error_bodies, scope["path"], error),
+                                    status_code=400, headers=kept)
+        await response(scope, receive, send)

@@ -2,14 +2,18 @@
 
 Requests are checked here before they reach the device (the Host, key, content type and
 size were checked before, in `guards`): the body must be UTF-8 JSON, nested at most
-`MAX_JSON_DEPTH` deep, whose strings are valid Unicode (a lone surrogate such as "\\ud800"
-cannot be tokenized) and whose integers Python can read (`parse_json`, which also reads the
-JSON that a call's `arguments` string holds); known fields must have the right types, and
-sampling values go through `SamplingParams`. Fields that would change the answer's meaning
-and that we do not implement (`logit_bias`, `echo`, a JSON `response_format`, ...) are
-refused; other unknown fields are ignored, as clients send many we have no use for. Every
-failure becomes an `ApiError`, which the app turns into OpenAI's error shape
-`{"error": {"message", "type", "param", "code"}}`.
+`MAX_JSON_DEPTH` deep, with at most `MAX_JSON_VALUES` values and `MAX_JSON_OBJECTS`
+objects (counted on its bytes before it is parsed), whose strings are valid Unicode (a lone
+surrogate such as "\\ud800" cannot be tokenized) and whose integers Python can read
+(`parse_json`, which also reads the JSON that a call's `arguments` string holds); known
+fields must have the right types, every list within its `MAX_*` length (checked before its
+items are), and sampling values go through `SamplingParams` (temperature within the API's
+range). Parsing a 16 MiB body is up to ~0.5 s of CPU work: the app runs `parse_body` off
+the event loop. Fields that would change the answer's meaning and that we do not implement
+(`logit_bias`, `echo`, a JSON `response_format`, ...) are refused; other unknown fields
+are ignored, as clients send many we have no use for. Every failure becomes an `ApiError`,
+which the app turns into OpenAI's error shape `{"error": {"message", "type", "param",
+"code"}}`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import sys
 import time
 import uuid
 from dataclasses import replace
-from typing import Callable, Literal, Optional, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Union
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mlx_spec.errors import MlxSpecError
@@ -32,6 +37,18 @@ from mlx_spec.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_JSON_DEPTH = 64  # no request nests deeper; json.loads would recurse past Python's limit
+# What one body may hold. json.loads keeps the GIL while it builds every value (~0.1-0.2 µs
+# each; 16 MiB of "[]," is 5.6M values, ~1 s) and so does pydantic while it makes most
+# objects a model (~3-10 µs each): these keep each step near 0.2 s, and lie well above a
+# long agent session (a few thousand objects: messages, blocks, calls, tool schemas).
+MAX_JSON_VALUES = 1 << 20  # list items and object members, all together
+MAX_JSON_OBJECTS = 1 << 15
+MAX_PROMPT_IDS = 1 << 18  # a completions prompt of token ids: a 256k context, twice Gemma 3's
+MAX_MESSAGES = 20_000
+MAX_CONTENT_PARTS = 10_000  # in one message's content (or Anthropic's system, a tool result)
+MAX_TOOLS = 1024  # OpenAI's API takes 128; agents with many MCP servers send more
+MAX_TOOL_CALLS = 1024  # in one assistant message
+MAX_STOP_SEQUENCES = 256  # Anthropic's stop_sequences (OpenAI's stop: MAX_STOPS)
 MAX_STOPS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 256  # the matcher holds back up to this much text per round
 MAX_STOP_TEXT = MAX_STOPS * MAX_STOP_CHARS  # all stop strings together (Anthropic's have no count limit)
@@ -62,6 +79,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+def Items(item, limit: Optional[int] = None, min_length: int = 0):
+    """A list of `min_length` to `limit` items (its length is checked before any item),
+    read up to its first bad item: a union over lists would otherwise report every item of
+    each member, millions of errors for a long list."""
+    return Annotated[list[item], Field(min_length=min_length, max_length=limit, fail_fast=True)]
+
+
 class ContentPart(_Strict):
     # Any part type parses, so a non-text part is refused by name (`content_text`), not with
     # pydantic's union report.
@@ -70,7 +94,7 @@ class ContentPart(_Strict):
     text: Optional[str] = None
 
 
-Content = Union[str, list[ContentPart], None]
+Content = Union[str, Items(ContentPart, MAX_CONTENT_PARTS), None]
 
 
 def content_text(content: Content, where: str) -> str:
@@ -104,7 +128,7 @@ class ToolCall(_Strict):
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_calls: Optional[Items(ToolCall, MAX_TOOL_CALLS)] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message answers this call
     name: Optional[str] = None
 
@@ -140,6 +164,7 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
+    MAX_TEMPERATURE: ClassVar[float] = 2.0  # OpenAI's API range (Anthropic's: 1)
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -149,7 +174,7 @@ class _Common(_Strict):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, Items(str), None] = None  # at most MAX_STOPS: `stops`
     # Clients send null for options they leave unset, so every optional field accepts it.
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
@@ -159,7 +184,7 @@ class _Common(_Strict):
     # Accepted only at their no-op values (checked in `sampling`): each changes the answer.
     logit_bias: Optional[dict] = None
     response_format: Optional[dict] = None
-    functions: Optional[list] = None
+    functions: Optional[Items(Any, MAX_TOOLS)] = None
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -197,6 +222,9 @@ class _Common(_Strict):
         for param, bad, message in unsupported:
             if bad:
                 raise ApiError(400, message, param=param, code="unsupported_parameter")
+        if self.temperature is not None and not 0 <= self.temperature <= self.MAX_TEMPERATURE:
+            raise ApiError(400, f"temperature: must be between 0 and {self.MAX_TEMPERATURE:g}, not "
+                                f"{self.temperature:g}", param="temperature", code="invalid_value")
         names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         try:
@@ -207,10 +235,10 @@ class _Common(_Strict):
 
 
 class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: Items(Message, MAX_MESSAGES, min_length=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Items(Tool, MAX_TOOLS)] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     # vLLM's and transformers' names: continue the final assistant message (a prefill).
@@ -242,7 +270,8 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     # A list holding one prompt is what LangChain's client sends; more would be n > 1.
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, Items(int, MAX_PROMPT_IDS), Items(str, MAX_PROMPT_IDS),
+                  Items(Items(int, MAX_PROMPT_IDS), MAX_PROMPT_IDS)]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def single_prompt(self) -> Union[str, list[int]]:
@@ -285,8 +314,22 @@ def parse_body(raw: bytes, model: type[_Common]) -> _Common:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        message, param = _validation_message(error.errors())
-        raise ApiError(400, message, param=param) from None
+        failure = _validation_error(error)
+    del data  # not kept alive by the error's traceback
+    raise failure
+
+
+def _validation_error(error: ValidationError) -> ApiError:
+    """The 400 for pydantic's errors: a list past its limit first (a union over lists also
+    reports that the list is not a string), else `_validation_message`'s."""
+    errors = error.errors(include_url=False, include_input=False)
+    too_long = next((e for e in errors if e["type"] == "too_long"), None)
+    if too_long is None:
+        message, param = _validation_message(errors)
+        return ApiError(400, message, param=param)
+    param = _param_path(too_long["loc"])
+    return ApiError(400, f"{param or 'body'}: at most {too_long['ctx']['max_length']} items are allowed, "
+                         f"not {too_long['ctx']['actual_length']}", param=param, code="too_many_items")
 
 
 def _validation_message(errors: list) -> tuple[str, Optional[str]]:
@@ -310,18 +353,20 @@ def load_json(raw: bytes):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ApiError(400, f"the request body is not valid UTF-8 (byte {error.start})") from None
-    return parse_json(text)
+    return parse_json(text, encoded=raw)
 
 
-def parse_json(text: str, where: Optional[str] = None):
+def parse_json(text: str, where: Optional[str] = None, encoded: Optional[bytes] = None):
     """The value of strict JSON `text`: no NaN or Infinity, no integer past Python's digit
-    limit, at most `MAX_JSON_DEPTH` deep, and valid Unicode throughout. `where` names the
-    field whose string holds the text (OpenAI's call arguments); None: the request body."""
+    limit, at most `MAX_JSON_DEPTH` deep, `MAX_JSON_VALUES` values and `MAX_JSON_OBJECTS`
+    objects, and valid Unicode throughout. `where` names the field whose string holds the
+    text (OpenAI's call arguments); None: the request body. `encoded`: `text` in UTF-8."""
     subject = where or "the request body"
 
-    def refuse(reason: str):
-        raise ApiError(400, f"{subject} {reason}", param=where)
+    def refuse(reason: str, code: Optional[str] = None):
+        raise ApiError(400, f"{subject} {reason}", param=where, code=code)
 
+    _check_shape(encoded if encoded is not None else text.encode("utf-8", "surrogatepass"), refuse)
     try:
         data = json.loads(text, parse_constant=lambda name: refuse(f"is not valid JSON: {name} "
                                                                    "is not a JSON number"))
@@ -329,10 +374,39 @@ def parse_json(text: str, where: Optional[str] = None):
         refuse(f"is not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})")
     except ValueError:  # int("...") past sys.get_int_max_str_digits(), which json.loads calls
         refuse(f"holds an integer of more than {sys.get_int_max_str_digits()} digits")
-    except RecursionError:  # deeper than Python recurses: surely past MAX_JSON_DEPTH
+    except RecursionError:  # unbalanced, so `_check_shape` could not tell its depth
         refuse(f"is nested deeper than {MAX_JSON_DEPTH} levels")
-    _check_values(data, refuse, where)
+    if _SURROGATE.search(text):  # only then can a string hold a lone one: find it
+        _check_strings(data, where)
     return data
+
+
+_BYTE = {name: ord(name) for name in '",[]{}'}
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")  # an escape that may make one, or one
+
+
+def _check_shape(raw: bytes, refuse) -> None:
+    """Values, objects and depth of the JSON text `raw`, counted before json.loads builds
+    them (it keeps the GIL throughout): on the bytes outside strings, with numpy (which
+    lets go of the GIL), so it is exact for valid JSON. A value follows each comma or
+    opening bracket (or is the whole text); escaped backslashes and quotes go first, so
+    every quote left opens or closes a string."""
+    chars = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    quotes = chars == _BYTE['"']
+    outside = (np.cumsum(quotes, dtype=np.uint8) & 1) == 0  # an even count of quotes before (mod 256)
+    structure = chars[outside & ~quotes]
+    count = {name: int(np.count_nonzero(structure == code)) for name, code in _BYTE.items() if name != '"'}
+    opens, closes = count["["] + count["{"], count["]"] + count["}"]
+    if 1 + count[","] + opens > MAX_JSON_VALUES:
+        refuse(f"holds more than {MAX_JSON_VALUES} values (list items and object members)",
+               "too_many_items")
+    if opens and closes <= opens:  # more closes than opens: json.loads fails at once
+        brackets = structure[np.isin(structure, (_BYTE["["], _BYTE["{"], _BYTE["]"], _BYTE["}"]))]
+        steps = np.isin(brackets, (_BYTE["["], _BYTE["{"])).astype(np.int8) * 2 - 1
+        if int(np.cumsum(steps, dtype=np.int32).max()) > MAX_JSON_DEPTH:
+            refuse(f"is nested deeper than {MAX_JSON_DEPTH} levels")
+    if count["{"] > MAX_JSON_OBJECTS:
+        refuse(f"holds more than {MAX_JSON_OBJECTS} objects", "too_many_items")
 
 
 def _json_kind(value) -> str:
@@ -342,26 +416,23 @@ def _json_kind(value) -> str:
     return {str: "a string", list: "a list"}.get(type(value), "a number")
 
 
-def _check_values(data, refuse, where: Optional[str]) -> None:
-    """Depth and Unicode, walked with a stack: a recursive walk would fail where it matters.
-    Surrogates are reported at their path in the body, or at `where`."""
-    stack = [(data, "", 1)]
+def _check_strings(data, where: Optional[str]) -> None:
+    """Every string valid Unicode, walked with a stack (no recursion); a lone surrogate is
+    reported at its path in the body, or at `where`."""
+    stack = [(data, "")]
     while stack:
-        value, path, depth = stack.pop()
+        value, path = stack.pop()
         if isinstance(value, str):
             _check_unicode(value, where or path)
             continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            refuse(f"is nested deeper than {MAX_JSON_DEPTH} levels")
         if isinstance(value, dict):
             for key in value:
                 _check_unicode(key, where or path)
-            children = [(item, f"{path}.{key}" if path else str(key), depth + 1)
-                        for key, item in value.items()]
+            children = [(item, f"{path}.{key}" if path else str(key)) for key, item in value.items()]
+        elif isinstance(value, list):
+            children = [(item, f"{path}[{i}]") for i, item in enumerate(value)]
         else:
-            children = [(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+            continue
         stack += reversed(children)  # popped in document order: the first error is reported
 
 
