@@ -349,11 +349,11 @@ def test_a_cache_that_cannot_take_the_float32_copy_still_loads(tiny_gguf_path, t
 
 
 def test_an_import_stored_in_float32_gets_no_second_float32_copy(tiny_gguf_path, tmp_path, monkeypatch):
-    from mlx_spec.models import gguf_import
+    from mlx_spec.models import gguf_tensors
     from mlx_spec.models.loader import FLOAT32_COPY, load_model
 
     monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    monkeypatch.setattr(gguf_tensors, "STORAGE_DTYPE", mx.float32)
     loaded = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
     assert not (loaded.path / FLOAT32_COPY).exists()
     assert {v.dtype for _, v in tree_flatten(loaded.model.parameters())} == {mx.float32}
