@@ -304,7 +304,7 @@ def test_concurrent_first_runs_of_the_embedded_model_all_succeed(tmp_path):
     (cache_dir / "embedded" / ".tmp-killed" / package.MODEL_NAME).write_bytes(b"GGUF")
     env = {**os.environ, "HOME": str(home), "MLX_SPEC_CACHE": str(cache_dir)}
     env.pop("XDG_CACHE_HOME", None)
-    code = "from mlx_spec.models.loader import embedded_folder; print(embedded_folder())"
+    code = "from mlx_spec.models.sources import embedded_folder; print(embedded_folder())"
     runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [(run.wait(timeout=600), *run.communicate()) for run in runs]

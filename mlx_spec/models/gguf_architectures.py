@@ -143,7 +143,7 @@ def _gemma4_text_config(meta: dict, shapes: dict, read, prefix: str) -> dict:
 
 def _gemma4_config(meta: dict, shapes: dict, read) -> dict:
     config = _gemma4_text_config(meta, shapes, read, "gemma4")
-    config["eos_token_id"] = [meta.get("tokenizer.ggml.eos_token_id", 1)]  # + <turn|>: loader
+    config["eos_token_id"] = [meta.get("tokenizer.ggml.eos_token_id", 1)]  # + <turn|>: tokenizer_loading
     return config
 
 
