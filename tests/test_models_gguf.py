@@ -15,6 +15,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_spec.models.gguf_import as gguf_import
+import mlx_spec.models.gguf_tensors as gguf_tensors
+import mlx_spec.models.gguf_tokenizer as gguf_tokenizer
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.models import load_model
 from mlx_spec.testing.tiny import SPECIAL_TOKENS, tiny_gemma3
@@ -108,7 +110,7 @@ def tiny_gguf(tmp_path_factory):
 def test_tiny_gguf_imports_to_the_same_model(tiny_gguf, cache, monkeypatch):
     # float32 storage makes the import exact, so any renaming or norm-shift slip shows;
     # the float16 default is checked on real weights by the 270M perplexity test.
-    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    monkeypatch.setattr(gguf_tensors, "STORAGE_DTYPE", mx.float32)
     path, reference = tiny_gguf
     loaded = load_model(str(path), progress=False)
     assert loaded.kind == "gguf" and loaded.path.parent == cache / "gguf"
@@ -147,7 +149,7 @@ def test_interrupted_import_leaves_no_folder(tiny_gguf, cache, monkeypatch):
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_import, "_write_tokenizer", crash)
+    monkeypatch.setattr(gguf_tokenizer, "write_tokenizer", crash)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(tiny_gguf[0]), progress=False)
     leftovers = [p.name for p in (cache / "gguf").iterdir() if p.name != "hashes.json"]
@@ -302,7 +304,7 @@ def test_concurrent_first_runs_of_the_embedded_model_all_succeed(tmp_path):
     (cache_dir / "embedded" / ".tmp-killed" / package.MODEL_NAME).write_bytes(b"GGUF")
     env = {**os.environ, "HOME": str(home), "MLX_SPEC_CACHE": str(cache_dir)}
     env.pop("XDG_CACHE_HOME", None)
-    code = "from mlx_spec.models.loader import embedded_folder; print(embedded_folder())"
+    code = "from mlx_spec.models.sources import embedded_folder; print(embedded_folder())"
     runs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [(run.wait(timeout=600), *run.communicate()) for run in runs]
@@ -349,10 +351,10 @@ def test_exact_types_re_encode_to_the_values_gguf_decodes(type_name):
 
     raw = random_blocks(type_name, 4, 512, np.random.default_rng(1))
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(4, 512)
-    weight, scales, biases = gguf_import._exact_affine(raw, type_name, 512)
-    bits = gguf_import._EXACT_BITS[type_name]
+    weight, scales, biases = gguf_tensors._exact_affine(raw, type_name, 512)
+    bits = gguf_tensors._EXACT_BITS[type_name]
     got = mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32),
-                        group_size=gguf_import.EXACT_GROUP_SIZE, bits=bits)
+                        group_size=gguf_tensors.EXACT_GROUP_SIZE, bits=bits)
     assert np.abs(np.array(got) - expected).max() <= 1e-3 * np.abs(expected).max()
 
 

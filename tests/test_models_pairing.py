@@ -6,7 +6,7 @@ import pytest
 
 from mlx_spec.errors import IncompatibleModelsError
 from mlx_spec.models import check_compatible, load_model, load_pair
-from mlx_spec.models.loader import load_tokenizer
+from mlx_spec.models.tokenizer_loading import load_tokenizer
 from mlx_spec.testing.tiny import TINY_VOCAB, perturbed_copy, save_tiny_model, tiny_gemma3
 
 

@@ -14,6 +14,7 @@ import mlx_spec.models.gguf_import as gguf_import
 from cli_support import assert_one_line_error, invoke, invoke_json
 from conftest import greedy_reference
 from mlx_spec.models import load_model
+from mlx_spec.models.gguf_architectures import ARCHITECTURES
 from mlx_spec.models.gguf_header import gguf_problem, read_gguf_header
 from mlx_spec.models.stores import locate
 from mlx_spec.sweep import token_md5
@@ -84,7 +85,7 @@ def test_models_list_local_shows_the_draft_and_gamma(env):
 def test_the_stores_pre_check_accepts_gemma4_and_its_assistant(tmp_path):
     for name in ("12b", "12b-assistant"):
         header = read_gguf_header(gguf_file(name))
-        assert header.architecture in gguf_import.ARCHITECTURES and gguf_problem(header) is None
+        assert header.architecture in ARCHITECTURES and gguf_problem(header) is None
     assert read_gguf_header(gguf_file("12b-assistant")).architecture == "gemma4-assistant"
 
 

@@ -16,7 +16,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_spec.models.fast_tokenizer import FastTokenizer
-from mlx_spec.models.loader import load_folder, load_tokenizer
+from mlx_spec.models.checkpoints import load_folder
+from mlx_spec.models.tokenizer_loading import load_tokenizer
 from test_models_gguf import TINY_GGUF_CONFIG, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,7 +300,8 @@ def _assert_same_parameters(model, expected: dict):
 
 
 def test_a_float32_cpu_load_writes_a_float32_copy_that_later_loads_read(tiny_gguf_path, tmp_path, monkeypatch):
-    from mlx_spec.models.loader import FLOAT32_COPY, load_model
+    from mlx_spec.models.checkpoints import FLOAT32_COPY
+    from mlx_spec.models.loader import load_model
 
     monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
     first = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
@@ -320,7 +322,8 @@ def test_a_float32_cpu_load_writes_a_float32_copy_that_later_loads_read(tiny_ggu
 
 def test_no_float32_copy_for_other_dtypes_and_an_incomplete_one_is_rewritten(tiny_gguf_path, tmp_path,
                                                                             monkeypatch):
-    from mlx_spec.models.loader import FLOAT32_COPY, load_model
+    from mlx_spec.models.checkpoints import FLOAT32_COPY
+    from mlx_spec.models.loader import load_model
 
     monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
     folder = load_model(str(tiny_gguf_path), dtype="bfloat16", progress=False).path
@@ -336,7 +339,7 @@ def test_no_float32_copy_for_other_dtypes_and_an_incomplete_one_is_rewritten(tin
 
 
 def test_a_cache_that_cannot_take_the_float32_copy_still_loads(tiny_gguf_path, tmp_path, monkeypatch):
-    from mlx_spec.models import loader
+    from mlx_spec.models import checkpoints, loader
 
     monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
     folder = loader.load_model(str(tiny_gguf_path), dtype="bfloat16", progress=False).path
@@ -344,19 +347,20 @@ def test_a_cache_that_cannot_take_the_float32_copy_still_loads(tiny_gguf_path, t
     def disk_full(*args, **kwargs):  # what MLX's safetensors writer raises when a write fails
         raise RuntimeError("[save_safetensors] Failed to write to file")
 
-    monkeypatch.setattr(loader.mx, "save_safetensors", disk_full)
+    monkeypatch.setattr(checkpoints.mx, "save_safetensors", disk_full)
     with pytest.warns(UserWarning, match="could not write a float32 copy"):
         loaded = loader.load_model(str(tiny_gguf_path), dtype="float32", progress=False)
     _assert_same_parameters(loaded.model, _cast_by_mlx_lm(folder))
-    assert not (folder / loader.FLOAT32_COPY).exists() and not list(folder.glob(".tmp-*"))
+    assert not (folder / checkpoints.FLOAT32_COPY).exists() and not list(folder.glob(".tmp-*"))
 
 
 def test_an_import_stored_in_float32_gets_no_second_float32_copy(tiny_gguf_path, tmp_path, monkeypatch):
-    from mlx_spec.models import gguf_import
-    from mlx_spec.models.loader import FLOAT32_COPY, load_model
+    from mlx_spec.models import gguf_tensors
+    from mlx_spec.models.checkpoints import FLOAT32_COPY
+    from mlx_spec.models.loader import load_model
 
     monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    monkeypatch.setattr(gguf_tensors, "STORAGE_DTYPE", mx.float32)
     loaded = load_model(str(tiny_gguf_path), dtype="float32", progress=False)
     assert not (loaded.path / FLOAT32_COPY).exists()
     assert {v.dtype for _, v in tree_flatten(loaded.model.parameters())} == {mx.float32}

@@ -7,7 +7,7 @@ import json
 import mlx.core as mx
 import pytest
 
-import mlx_spec.models.gguf_import as gguf_import
+import mlx_spec.models.gguf_tensors as gguf_tensors
 from cli_support import assert_one_line_error, invoke, invoke_json
 from conftest import greedy_reference
 from mlx_spec.errors import ModelLoadError
@@ -44,7 +44,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(paths["hf"]))
     monkeypatch.setenv("MLX_SPEC_CACHE", str(paths["cache"]))
     monkeypatch.delenv("MLX_SPEC_DEBUG", raising=False)
-    monkeypatch.setattr(gguf_import, "STORAGE_DTYPE", mx.float32)
+    monkeypatch.setattr(gguf_tensors, "STORAGE_DTYPE", mx.float32)
     return paths
 
 

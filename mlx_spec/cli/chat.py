@@ -102,7 +102,7 @@ def _line_editing():
     except ImportError:  # piped, or a Python built without readline: plain input()
         yield
         return
-    from mlx_spec.models.loader import cache_root
+    from mlx_spec.models.sources import cache_root
 
     history = cache_root() / HISTORY_FILE
     if "libedit" not in (readline.__doc__ or ""):  # macOS's libedit has no such setting

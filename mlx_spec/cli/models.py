@@ -217,7 +217,7 @@ def import_command(
     (loading it later is then instant)."""
     from mlx_spec.errors import ModelLoadError
     from mlx_spec.models.gguf_import import STORAGES
-    from mlx_spec.models.loader import resolve_source
+    from mlx_spec.models.sources import resolve_source
     from mlx_spec.models.stores import drafting_defaults, is_store_source
 
     if storage not in STORAGES:

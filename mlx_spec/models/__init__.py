@@ -18,9 +18,9 @@ from importlib import import_module
 _EXPORTS = {
     "LoadedModel": "loader",
     "load_model": "loader",
-    "check_source": "loader",
+    "check_source": "sources",
     "default_dtype": "loader",
-    "cache_root": "loader",
+    "cache_root": "sources",
     "ModelPair": "pairing",
     "load_pair": "pairing",
     "check_compatible": "pairing",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_spec.errors import ModelLoadError
+from mlx_spec.models.gguf_architectures import ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,6 @@ def _read_header(path: str, _mtime: int) -> GGUFHeader:
 
 def gguf_problem(header: GGUFHeader) -> str | None:
     """Why our GGUF import cannot read a file with this header, or None if it can."""
-    from mlx_spec.models.gguf_import import ARCHITECTURES
-
     if header.architecture in ARCHITECTURES:
         return None
     return (f"a GGUF of architecture '{header.architecture}', which mlx-spec cannot import "

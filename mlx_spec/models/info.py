@@ -12,7 +12,9 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.gemma4_assistant import is_assistant_config
-from mlx_spec.models.loader import DEFAULT_SOURCE, load_folder, load_tokenizer, resolve_source
+from mlx_spec.models.checkpoints import load_folder
+from mlx_spec.models.sources import DEFAULT_SOURCE, resolve_source
+from mlx_spec.models.tokenizer_loading import load_tokenizer
 
 
 def model_info(source: str | None, *, progress: bool = True, download: bool = True) -> dict:

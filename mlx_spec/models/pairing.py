@@ -18,7 +18,8 @@ import mlx.core as mx
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
-from mlx_spec.models.loader import DEFAULT_SOURCE, LoadedModel, assistant_as_target, load_model
+from mlx_spec.models.loader import LoadedModel, load_model
+from mlx_spec.models.sources import DEFAULT_SOURCE, assistant_as_target
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
     from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -146,12 +146,12 @@ def _child(gguf_path: str, cache_root: str, storage: str, shard_bytes: int, chun
     import mlx_lm.models.gemma3_text  # noqa: F401  (what the import loads, before the baseline)
     import transformers.integrations.gguf.gguf_tokenizer_mapping  # noqa: F401
 
-    from mlx_spec.models import gguf_import
+    from mlx_spec.models import gguf_import, gguf_tensors
 
     if shard_bytes:
         gguf_import._SHARD_BYTES = shard_bytes
     if chunk_values:
-        gguf_import._CHUNK_VALUES = chunk_values
+        gguf_tensors._CHUNK_VALUES = chunk_values
     before = _rss_bytes("VmRSS")
     start = time.perf_counter()
     folder = gguf_import.import_gguf(Path(gguf_path), Path(cache_root), storage=storage, progress=False)
