@@ -15,7 +15,7 @@ from mlx_spec.costs import load_or_measure
 from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
-from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.errors import UsageError
 from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy, TreePolicy
 
 MAX_AUTO_GAMMA = 6

@@ -12,7 +12,7 @@ import typer
 
 from mlx_spec import distributed
 from mlx_spec.distributed import world
-from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.errors import UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
 from mlx_spec.runner import Choice, gamma_policy, resolve_choice

@@ -12,8 +12,7 @@ from importlib import import_module
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 
 from mlx_spec.models.arrays import evaluate_all
