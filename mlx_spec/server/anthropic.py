@@ -24,7 +24,7 @@ from mlx_spec.server.protocol import (
     MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, ApiError, Items, _Common, _Strict,
     bounded_stops, parse_body,
 )
-from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, template_call
+from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, template_call, template_result
 from mlx_spec.server.worker import Done, Failed, Piece
 
 PATH = "/v1/messages"  # and what lies under it (count_tokens)
@@ -171,9 +171,8 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
                     raise ApiError(400, f"{where}[{j}]: a tool_result block must answer a tool_use "
                                         f"block of the previous message, and {block.tool_use_id!r} "
                                         "answers none", param=f"{where}[{j}].tool_use_id")
-                result = {"role": "tool", "tool_call_id": block.tool_use_id, "name": called[block.tool_use_id],
-                          "content": _text(block.content, f"{where}[{j}].content")}
-                out.append(result)
+                out.append(template_result(block.tool_use_id, called[block.tool_use_id],
+                                           _text(block.content, f"{where}[{j}].content")))
             else:
                 raise ApiError(400, f"{where}[{j}]: {block.type} blocks are not supported in "
                                     f"{message.role} messages", param=f"{where}[{j}]")

@@ -126,16 +126,21 @@ def template_messages(messages: list[Message], syntax: Optional[ToolSyntax]) -> 
                 raise ApiError(400, f"messages[{i}].tool_call_id: {message.tool_call_id!r} is not "
                                     "among the tool_calls of the preceding assistant message",
                                param=f"messages[{i}].tool_call_id")
-            turn["tool_call_id"] = message.tool_call_id
-            name = message.name or called.get(message.tool_call_id)
-            if name is not None:
-                turn["name"] = name
+            turn = template_result(message.tool_call_id, message.name or called.get(message.tool_call_id),
+                                   turn["content"])
         out.append(turn)
     return out
 
 
 def template_call(call_id: str, name: str, arguments: dict) -> dict:
+    """An assistant's call as templates take it (Hugging Face's convention), from either API."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def template_result(call_id: str, name: Optional[str], content) -> dict:
+    """A tool's answer to a call as templates take it, from either API: a `tool` turn with
+    the call's id and its function's name."""
+    return {"role": "tool", "content": content, "tool_call_id": call_id, **({"name": name} if name else {})}
 
 
 def _arguments(text: str, where: str) -> dict:
