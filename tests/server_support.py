@@ -153,6 +153,19 @@ def start_long_stream(server: Server, model: str):
     return client, response, lines
 
 
+
+def server_port(server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def server_rss_mib(server) -> float:
+    """The server process's resident memory, MiB (Linux)."""
+    with open(f"/proc/{server.proc.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
-from server_support import (anthropic_error, assert_openai_error, server_env, serving,
-                            start_long_stream)
+from server_support import (anthropic_error, assert_openai_error, server_env, server_port, server_rss_mib,
+                            serving, start_long_stream)
 
 from mlx_spec.engine import Engine
 from mlx_lm.utils import load_tokenizer
@@ -40,16 +40,6 @@ def server(tiny_dirs, cost_cache):
                         BODY_TIMEOUT_S, "--timeout-keep-alive", KEEP_ALIVE_S], server_env(cost_cache))
 
 
-def _port(server) -> int:
-    return int(server.url.rsplit(":", 1)[1])
-
-
-def _rss_mib(server) -> float:
-    with open(f"/proc/{server.proc.pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def _bodies(model: str) -> list:
@@ -188,11 +178,11 @@ def test_huge_bodies_are_refused_by_their_counts_while_others_are_answered(serve
 def test_memory_comes_back_after_huge_bodies(server, huge_bodies):
     """Before: +90 MiB held after these bodies (glibc keeps what their copies freed)."""
     server.wait_idle(30)
-    before = _rss_mib(server)
+    before = server_rss_mib(server)
     for name, path, body, said in huge_bodies:
         assert said in _message(path, server.post(path, body)), name
     time.sleep(1.5)
-    after = _rss_mib(server)
+    after = server_rss_mib(server)
     assert after - before < 32, (before, after)
 
 
@@ -265,7 +255,7 @@ def test_a_long_integer_anywhere_is_a_400_on_every_route_and_the_connection_live
               "/v1/chat/completions": f'{{"model": "{model}", "messages": {user}, "x": [{LONG_INT}]}}',
               "/v1/messages": f'{{"model": "{model}", "max_tokens": 2, "messages": {user}, "x": {LONG_INT}}}',
               "/v1/messages/count_tokens": f'{{"model": "{model}", "messages": {user}, "metadata": {{"n": {LONG_INT}}}}}'}
-    connection = http.client.HTTPConnection("127.0.0.1", _port(server), timeout=30)
+    connection = http.client.HTTPConnection("127.0.0.1", server_port(server), timeout=30)
     for path, body in bodies.items():  # one after another on a kept-alive connection
         connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         response = connection.getresponse()
@@ -276,7 +266,7 @@ def test_a_long_integer_anywhere_is_a_400_on_every_route_and_the_connection_live
     connection.request("GET", "/v1/models")
     assert connection.getresponse().status == 200
     connection.close()
-    with socket.create_connection(("127.0.0.1", _port(server))) as sock:  # pipelined
+    with socket.create_connection(("127.0.0.1", server_port(server))) as sock:  # pipelined
         sock.sendall(b"".join(_request("POST", path, body.encode()) for path, body in bodies.items())
                      + _request("GET", "/v1/models"))
         statuses = [status for status, _, _ in _responses(sock, len(bodies) + 1)]
@@ -329,7 +319,7 @@ def test_after_a_500_the_connection_still_answers(tokenizer, monkeypatch):
 
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(server, tiny_dirs):
-    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", server_port(server)), timeout=30) as sock:
         sock.sendall(_request("POST", "/v1/completions", b'{"model": ', length=100))
         started = time.perf_counter()
         (status, headers, body), = _responses(sock, 1, timeout=BODY_TIMEOUT_S + 10)
@@ -339,7 +329,7 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(
         assert BODY_TIMEOUT_S - 0.5 < waited < BODY_TIMEOUT_S + 5, waited
         assert sock.recv(1) == b""  # closed
     # a client that sends its body in time, slowly, is served
-    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", server_port(server)), timeout=30) as sock:
         body = json.dumps({"model": tiny_dirs[0], "prompt": "hi", "max_tokens": 2}).encode()
         sock.sendall(_request("POST", "/v1/completions", length=len(body)))
         for i in range(8):  # over 0.8 s of the 2 allowed
@@ -350,7 +340,7 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(
 
 
 def test_an_idle_kept_alive_connection_is_closed(server):
-    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+    with socket.create_connection(("127.0.0.1", server_port(server)), timeout=30) as sock:
         sock.sendall(_request("GET", "/health"))
         (status, _, _), = _responses(sock, 1)
         assert status == 200

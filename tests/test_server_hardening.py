@@ -18,8 +18,8 @@ import openai
 import pytest
 from mlx_lm import generate, load
 
-from server_support import (LONG_PROMPT, Server, anthropic_error, assert_openai_error, server_env, serving,
-                            start_long_stream, wait_for)
+from server_support import (LONG_PROMPT, Server, anthropic_error, assert_openai_error, server_env, server_port,
+                            server_rss_mib, serving, start_long_stream, wait_for)
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
@@ -44,16 +44,6 @@ def mlx_lm_target(tiny_dirs):
     return load(tiny_dirs[0])
 
 
-def _port(server) -> int:
-    return int(server.url.rsplit(":", 1)[1])
-
-
-def _rss_mib(server) -> float:
-    with open(f"/proc/{server.proc.pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 # -- 1. a client that leaves the queue frees its place ------------------------------------
@@ -239,7 +229,7 @@ def test_stop_strings_are_bounded_in_count_and_length(server, tiny_dirs):
 def _raw_post(server, head_extra: bytes, chunks, timeout: float = 30) -> tuple[int, bytes]:
     """POST /v1/completions over a socket, sending `chunks` one by one and watching for an
     early answer after each (a server that refuses a body answers before it is all sent)."""
-    sock = socket.create_connection(("127.0.0.1", _port(server)), timeout=timeout)
+    sock = socket.create_connection(("127.0.0.1", server_port(server)), timeout=timeout)
     answer = b""
     try:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -269,7 +259,7 @@ def _raw_post(server, head_extra: bytes, chunks, timeout: float = 30) -> tuple[i
 
 def test_a_huge_chunked_body_is_refused_while_it_arrives(server):
     server.wait_idle(30)
-    before = _rss_mib(server)
+    before = server_rss_mib(server)
     piece = b"x" * 65536
     sent = [0]
 
@@ -282,7 +272,7 @@ def test_a_huge_chunked_body_is_refused_while_it_arrives(server):
     status, answer = _raw_post(server, b"Transfer-Encoding: chunked\r\n", chunks())
     assert status == 413 and b"larger than 16 MiB" in answer
     assert sent[0] < 40 * 2**20, f"the whole body was read ({sent[0] >> 20} MiB sent)"
-    assert _rss_mib(server) - before < 48, (before, _rss_mib(server))
+    assert server_rss_mib(server) - before < 48, (before, server_rss_mib(server))
     # a declared length over the limit is refused before any of the body is read
     status, answer = _raw_post(server, b"Content-Length: 104857600\r\n", [b"{"], timeout=10)
     assert status == 413
@@ -294,7 +284,7 @@ def test_a_10_mb_message_is_refused_at_once_and_memory_returns(server, tiny_dirs
     server.wait_idle(30)
     client = server.client(timeout=60)
     client.completions.create(model=model, prompt="warm", max_tokens=2)
-    before = _rss_mib(server)
+    before = server_rss_mib(server)
     results, health_s = [], []
 
     def big(i):
@@ -321,7 +311,7 @@ def test_a_10_mb_message_is_refused_at_once_and_memory_returns(server, tiny_dirs
     assert "needs at least" in results[0]["message"]
     assert max(health_s) < 2.0, health_s  # /health was never stuck behind tokenizing
     time.sleep(0.5)
-    after = _rss_mib(server)
+    after = server_rss_mib(server)
     assert after - before < 64, (before, after)  # four 10 MB bodies; +400 MiB before the fix
 
 
@@ -329,7 +319,7 @@ def test_a_10_mb_message_is_refused_at_once_and_memory_returns(server, tiny_dirs
 
 
 def test_rebinding_host_names_are_refused(server, tiny_dirs):
-    port = _port(server)
+    port = server_port(server)
     for host in ["attacker.example", f"attacker.example:{port}", "127.0.0.1.nip.io",
                  "localhost.attacker.example", "models.example.test"]:
         response = httpx.get(server.url + "/health", headers={"Host": host})
@@ -369,7 +359,7 @@ def _this_machine() -> list[str]:
 
 def _status(server, host: str, address: str) -> int:
     """GET /health over a connection to `address` with `Host: host`."""
-    url = f"http://{address}:{_port(server)}/health"
+    url = f"http://{address}:{server_port(server)}/health"
     return httpx.get(url, headers={"Host": host}, timeout=10).status_code
 
 
@@ -381,7 +371,7 @@ def test_a_public_host_answers_this_machines_names_only(tiny_dirs, env, bind):
         pytest.skip("no IPv6 on this machine")
     server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", bind], env)
     try:
-        port, loopback = _port(server), "127.0.0.1" if bind == "0.0.0.0" else "[::1]"
+        port, loopback = server_port(server), "127.0.0.1" if bind == "0.0.0.0" else "[::1]"
         shown = bind if bind == "0.0.0.0" else f"[{bind}]"
         served = [f"{shown}:{port}", "localhost", f"127.0.0.1:{port}", f"[::1]:{port}",
                   f"{socket.gethostname().upper()}:{port}"]
@@ -402,7 +392,7 @@ def test_allowed_hosts_adds_names(tiny_dirs, env, bind):
     server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--host", bind,
                      "--allowed-hosts", "models.example.test, other.example.test"], env)
     try:
-        port = _port(server)
+        port = server_port(server)
         cases = [(f"models.example.test:{port}", 200), ("other.example.test", 200),
                  ("localhost", 200), ("attacker.example", 403)]
         if bind == "0.0.0.0":  # this machine's own names are still answered
