@@ -18,10 +18,13 @@ class ChatSession:
     prompt is tokenized again and the caches keep their longest common prefix.
     """
 
-    def __init__(self, engine: Engine, tokenizer, system: Optional[str] = None):
+    def __init__(self, engine: Engine, tokenizer, system: Optional[str] = None,
+                 template_kwargs: Optional[dict] = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.system = system
+        self.template_kwargs = template_kwargs or {}  # e.g. enable_thinking
+        self.prompt_ids: list[int] = []  # the latest turn's prompt
         self.reset()
 
     def reset(self) -> None:
@@ -31,7 +34,8 @@ class ChatSession:
         self.rendered = ""  # the template's text for exactly those ids
 
     def _prompt_ids(self, messages: list[dict]) -> tuple[list[int], str]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **self.template_kwargs)
         if self.ids and text.startswith(self.rendered):
             suffix = text[len(self.rendered) :]
             return self.ids + list(self.tokenizer.encode(suffix, add_special_tokens=False)), text
@@ -43,6 +47,7 @@ class ChatSession:
         (Ctrl-C) keeps the partial answer and leaves the caches consistent."""
         messages = self.messages + [{"role": "user", "content": content}]
         prompt_ids, text = self._prompt_ids(messages)
+        self.prompt_ids = prompt_ids
         shown: list[str] = []
         generated: list[int] = []
         try:

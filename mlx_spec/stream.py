@@ -49,15 +49,18 @@ class Result:
     rounds: list[Round] = field(default_factory=list, repr=False)
 
 
-def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat: bool = False) -> list[int]:
+def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat: bool = False,
+                  template_kwargs: Optional[dict] = None) -> list[int]:
     """Token ids for `prompt`; with chat=True it is wrapped as one user turn in the
-    tokenizer's chat template, ending with the assistant's turn opener."""
+    tokenizer's chat template (given `template_kwargs`, such as enable_thinking), ending
+    with the assistant's turn opener."""
     if not isinstance(prompt, str):
         return list(prompt)
     prompt = valid_text(prompt)[0]  # lone surrogates (undecodable bytes) would break the tokenizer
     if chat:
         messages = [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **(template_kwargs or {})))
     return list(tokenizer.encode(prompt))
 
 

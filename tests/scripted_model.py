@@ -84,9 +84,9 @@ class ScriptedModel(nn.Module):
         return out
 
 
-def save_tokenizer(path: Path, chat_template: str = TOOL_TEMPLATE) -> Path:
+def save_tokenizer(path: Path, chat_template: str = TOOL_TEMPLATE, special_tokens=SPECIAL_TOKENS) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(SPECIAL_TOKENS)))
+    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(special_tokens)))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
         "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": chat_template}))

@@ -26,7 +26,8 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
-    StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
+    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
+    template_kwargs, thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -39,6 +40,7 @@ MORE = "... "  # inside a triple-quoted message
 FENCE = '"""'
 HISTORY_FILE = "chat_history"  # in the cache folder
 HISTORY_LENGTH = 1000
+THOUGHT_STYLE = "dim"  # a thought, before the answer
 HELP = """commands:
   /gamma N|auto   set γ, the draft tokens per round (0 = plain decoding)
   /temp X         set the sampling temperature (0 = greedy)
@@ -200,9 +202,21 @@ class ChatRepl:
 
     # -- one turn ------------------------------------------------------------------------
 
+    def show(self, thought: str, answer: str, from_draft: bool) -> None:
+        """A piece of the answer: its thought dimmed, then the answer on a line of its own."""
+        if thought:
+            self.write(thought, THOUGHT_STYLE)
+            self.thinking = True
+        if answer:
+            if self.thinking:
+                self.write("\n\n" if not thought.endswith("\n") else "\n")
+                self.thinking = False
+            self.write(answer, "green" if (self.color and from_draft) else None)
+
     def answer(self, text: str) -> None:
         stats = Stats()
         stopped = False
+        splitter, self.thinking = None, False
         # Across ranks every rank must stop at the same round, so Ctrl-C ends the run there.
         alone = not world().active
         with (_Interrupt() if alone else nullcontext(_Interrupt())) as interrupt, _no_echo():
@@ -210,13 +224,17 @@ class ChatRepl:
                                          max_tokens=self.max_tokens, stop=self.stop, stats=stats)
             try:
                 for response in responses:
+                    if splitter is None:  # the turn's prompt is known once it streams
+                        splitter = thought_splitter(self.session.tokenizer, True, self.session.prompt_ids)
                     for piece, from_draft in response.segments():
-                        self.write(piece, "green" if (self.color and from_draft) else None)
+                        self.show(*splitter.feed(piece), from_draft)
                     if interrupt.hit:
                         stopped = True
                         break
             finally:
                 responses.close()  # ChatSession keeps the caches consistent on close
+        if splitter is not None:
+            self.show(*splitter.finish(), False)
         self.turns += 1
         self.write("\n")
         self.last_view = self.views(stats)
@@ -294,6 +312,7 @@ def chat(
     stop: StopOpt = None,
     system: Annotated[Optional[str], typer.Option(
         "--system", help="A system message for the conversation.")] = None,
+    think: ThinkOpt = None,
     color_drafts: ColorOpt = False,
 ) -> None:
     """Chat with the model in the terminal (multi-turn, caches reused across turns).
@@ -311,5 +330,6 @@ def chat(
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
-    session = ChatSession(engine, setup.pair.tokenizer, system=system)
+    session = ChatSession(engine, setup.pair.tokenizer, system=system,
+                          template_kwargs=template_kwargs(think, True))
     ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts).run()

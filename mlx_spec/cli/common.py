@@ -106,6 +106,10 @@ ChatOpt = Annotated[Optional[bool], typer.Option(
     help="Wrap the prompt in the model's chat template, or send it as raw text. "
          "Default: chat when the tokenizer has a template, except for base-model presets "
          "such as the embedded default.")]
+ThinkOpt = Annotated[Optional[bool], typer.Option(
+    "--think/--no-think", rich_help_panel=SAMPLING,
+    help="Let the model think before it answers (the chat template's enable_thinking), or "
+         "not. Default: the template's own choice (mlx-lm's: on for a model that can think).")]
 ColorOpt = Annotated[bool, typer.Option(
     "--color-drafts", rich_help_panel=OUTPUT,
     help="Colour text that came from accepted draft tokens (on a terminal).")]
@@ -216,6 +220,25 @@ def sampling_params(
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
         seed=seed,
     )
+
+
+def template_kwargs(think: Optional[bool], chat: bool) -> dict:
+    """The chat template's variables for --think/--no-think (none when not given)."""
+    if think is None:
+        return {}
+    if not chat:
+        raise UsageError("--think/--no-think switches the chat template's thinking, so it "
+                         "needs --chat")
+    return {"enable_thinking": think}
+
+
+def thought_splitter(tokenizer, chat: bool, prompt_ids: list[int]):
+    """A `ThoughtSplitter` for an answer to `prompt_ids`: a chat's thoughts (in the model's
+    markers) apart from its answer; raw text is all answer."""
+    from mlx_spec.thinking import ThoughtSplitter, opens_thought, think_syntax
+
+    syntax = think_syntax(tokenizer) if chat else None
+    return ThoughtSplitter(syntax, opens_thought(tokenizer, syntax, prompt_ids))
 
 
 def use_chat(tokenizer, chat: Optional[bool], preset=None) -> bool:

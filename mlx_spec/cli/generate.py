@@ -1,7 +1,10 @@
 """`mlx-spec generate`: one prompt, one answer.
 
 On a terminal the text streams above a live stats panel; piped, stdout gets only the text
-and stderr one summary line; `--json` prints one JSON object.
+and stderr one summary line; `--json` prints one JSON object. A chat answer's thought
+(`--think`) is shown dimmed before the answer on a terminal; piped, it goes to stderr, so
+stdout holds the answer alone, as a script reading it expects (`> file`, `| jq`), while
+whoever watches still sees the model think; `--json` has it as "reasoning".
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
-    RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, TopKOpt, TopPOpt, calibrate_gamma, read_prompt,
-    setup_models, use_chat,
+    RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
+    read_prompt, setup_models, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -32,6 +35,7 @@ from mlx_spec.stream import encode_prompt, stream_generate
 
 REFRESH_S = 0.1  # live panel refresh throttle
 DRAFT_STYLE = "green"
+THOUGHT_STYLE = "dim"
 
 
 @app.command()
@@ -58,6 +62,7 @@ def generate(
     max_tokens: MaxTokensOpt = 256,
     stop: StopOpt = None,
     chat: ChatOpt = None,
+    think: ThinkOpt = None,
     color_drafts: ColorOpt = False,
     json_out: Annotated[bool, typer.Option(
         "--json", rich_help_panel=OUTPUT, help="Print one JSON object: text, finish reason, models, "
@@ -79,7 +84,8 @@ def generate(
     engine = build_engine(setup.pair, setup.drafter)
     tokenizer = setup.pair.tokenizer
     chat = use_chat(tokenizer, chat, setup.preset)
-    prompt_ids = encode_prompt(tokenizer, text, chat)
+    prompt_ids = encode_prompt(tokenizer, text, chat, template_kwargs(think, chat))
+    splitter = thought_splitter(tokenizer, chat, prompt_ids)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids), reproducible=params.seed is not None)
@@ -93,16 +99,20 @@ def generate(
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:
-            pieces, finish = [], None
+            thoughts, pieces, finish = [], [], None
             try:
                 for response in responses(progress.task("prefill")):
-                    pieces.append(response.text)
+                    thought, answer = splitter.feed(response.text)
+                    thoughts.append(thought)
+                    pieces.append(answer)
                     finish = response.finish_reason
             except KeyboardInterrupt:
                 finish = "interrupted"
+            thought, answer = splitter.finish()
         view = views(stats, interrupted=finish == "interrupted")
         out = {
-            "text": "".join(pieces),
+            "text": "".join(pieces) + answer,
+            "reasoning": "".join(thoughts) + thought,
             "finish_reason": finish,
             "prompt_tokens": len(prompt_ids),
             "generated_tokens": stats.generated,
@@ -119,9 +129,9 @@ def generate(
         print(json.dumps(out, ensure_ascii=False))
         interrupted = view.interrupted
     elif sys.stdout.isatty():
-        interrupted = _live(responses, views, stats, color_drafts)
+        interrupted = _live(responses, views, stats, color_drafts, splitter)
     else:
-        interrupted = _piped(responses, views, stats)
+        interrupted = _piped(responses, views, stats, splitter)
     if interrupted:
         raise typer.Exit(130)  # what a shell reports for Ctrl-C
 
@@ -131,18 +141,32 @@ def _bars_only() -> str:
     return "bars" if sys.stderr.isatty() else "off"
 
 
-def _piped(responses, views, stats) -> bool:
-    """Plain text on stdout as it comes; one summary line on stderr; no control codes.
-    Returns whether Ctrl-C stopped it."""
-    interrupted, ended_line = False, True
+def _piped(responses, views, stats, splitter) -> bool:
+    """Plain text on stdout as it comes, a thought on stderr (dimmed on a terminal); one
+    summary line on stderr; no control codes on a pipe. Returns whether Ctrl-C stopped it."""
+    interrupted, ended_line, thought_line = False, True, True
+    dim = ("\x1b[2m", "\x1b[0m") if sys.stderr.isatty() else ("", "")
+
+    def show(thought: str, answer: str) -> None:
+        nonlocal ended_line, thought_line
+        if thought:
+            sys.stderr.write(dim[0] + thought + dim[1])
+            sys.stderr.flush()
+            thought_line = thought.endswith("\n")
+        if answer:
+            sys.stdout.write(answer)
+            sys.stdout.flush()
+            ended_line = answer.endswith("\n")
+
     with StderrProgress(_bars_only()) as progress:
         try:
             for response in responses(progress.task("prefill")):
-                sys.stdout.write(response.text)
-                sys.stdout.flush()
-                ended_line = response.text.endswith("\n") if response.text else ended_line
+                show(*splitter.feed(response.text))
         except KeyboardInterrupt:
             interrupted = True
+    show(*splitter.finish())
+    if not thought_line:
+        sys.stderr.write("\n")
     if not ended_line:
         sys.stdout.write("\n")
     sys.stdout.flush()
@@ -150,7 +174,7 @@ def _piped(responses, views, stats) -> bool:
     return interrupted
 
 
-def _live(responses, views, stats, color_drafts: bool) -> bool:
+def _live(responses, views, stats, color_drafts: bool, splitter) -> bool:
     """Streamed text above a live stats panel. Completed screen rows are printed above the
     panel (they scroll normally); the row in progress stays inside the live region.
     Returns whether Ctrl-C stopped it."""
@@ -184,7 +208,14 @@ def _live(responses, views, stats, color_drafts: bool) -> bool:
         try:
             for response in responses(on_prefill):
                 for piece, from_draft in response.segments():
-                    tail.append(piece, style=DRAFT_STYLE if (color_drafts and from_draft) else None)
+                    thought, answer = splitter.feed(piece)
+                    style = DRAFT_STYLE if (color_drafts and from_draft) else None
+                    tail.append(thought, style=THOUGHT_STYLE if style is None else f"{THOUGHT_STYLE} {style}")
+                    tail.append(answer, style=style)
+                if response.finish_reason:
+                    thought, answer = splitter.finish()
+                    tail.append(thought, style=THOUGHT_STYLE)
+                    tail.append(answer)
                 # Move finished rows (explicit newlines, or full terminal rows) out of the live region.
                 if "\n" in tail.plain:
                     cut = tail.plain.rindex("\n")

@@ -28,6 +28,7 @@ from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, temp
 from mlx_spec.server.worker import Done, Failed, Piece
 
 PATH = "/v1/messages"  # and what lies under it (count_tokens)
+SIGNATURE = ""  # a thinking block's: Anthropic's verifies thoughts sent back; ours are not checked
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -47,6 +48,8 @@ class Block(_Strict):
     id: Optional[str] = None  # tool_use
     name: Optional[str] = None
     input: Optional[dict] = None
+    thinking: Optional[str] = None  # thinking
+    signature: Optional[str] = None
     tool_use_id: Optional[str] = None  # tool_result
     content: Union[str, Items("Block", MAX_CONTENT_PARTS), None] = None
     is_error: Optional[bool] = None
@@ -70,6 +73,11 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: Optional[bool] = None
 
 
+class ThinkingConfig(_Strict):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Optional[int] = None
+
+
 class MessagesRequest(_Common):
     MAX_TEMPERATURE: ClassVar[float] = 1.0  # Anthropic's API range
     max_tokens: int = Field(ge=1)  # required by the Messages API
@@ -79,17 +87,15 @@ class MessagesRequest(_Common):
     tools: Optional[Items(AnthropicTool, MAX_TOOLS)] = None
     tool_choice: Optional[ToolChoice] = None
     metadata: Optional[dict] = None
+    thinking: Optional[ThinkingConfig] = None
     # Features this server cannot give: refused by name rather than quietly ignored.
-    thinking: Optional[dict] = None
     output_config: Optional[dict] = None
     mcp_servers: Optional[Items(Any, MAX_TOOLS)] = None
     container: Union[str, dict, None] = None
     context_management: Optional[dict] = None
 
     def refuse_unsupported(self) -> None:
-        unsupported = [("thinking", self.thinking and self.thinking.get("type") != "disabled",
-                        "extended thinking is not supported"),
-                       ("output_config.format", (self.output_config or {}).get("format") is not None,
+        unsupported = [("output_config.format", (self.output_config or {}).get("format") is not None,
                         "structured output formats are not supported"),
                        ("mcp_servers", bool(self.mcp_servers), "MCP servers are not supported"),
                        ("container", self.container is not None, "containers are not supported"),
@@ -98,6 +104,30 @@ class MessagesRequest(_Common):
         for param, bad, message in unsupported:
             if bad:
                 raise ApiError(400, f"{param}: {message}", param=param)
+
+    def thinking_on(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "enabled"
+
+    def template_kwargs(self, think) -> dict:
+        """enable_thinking for the template: on with `thinking` enabled, else off (Anthropic's
+        default, whatever the tokenizer's). A model with no thought markers cannot think."""
+        if self.thinking_on() and think is None:
+            raise ApiError(400, "thinking: this model does not think (its tokenizer has no "
+                                "thought markers)", param="thinking")
+        return {"enable_thinking": self.thinking_on()} if think is not None else {}
+
+    def thought_budget(self) -> Optional[int]:
+        """Thought tokens before the thought is closed: less than max_tokens, as Anthropic's
+        API requires (its minimum of 1024 is not kept, so small models can take small ones)."""
+        if not self.thinking_on():
+            return None
+        budget = self.thinking.budget_tokens
+        if budget is None:
+            raise ApiError(400, "thinking.budget_tokens: Field required", param="thinking.budget_tokens")
+        if not 1 <= budget < self.max_tokens:
+            raise ApiError(400, "thinking.budget_tokens: must be at least 1 and less than max_tokens",
+                           param="thinking.budget_tokens")
+        return budget
 
     def stops(self) -> tuple[str, ...]:
         # Anthropic sets no count limit, so only their total length is bounded.
@@ -151,7 +181,7 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
             out.append({"role": message.role, "content": message.content})
             previous = set()
             continue
-        text, calls, uses = [], [], set()
+        text, calls, uses, thought = [], [], set(), []
         for j, block in enumerate(message.content):
             if block.type in ("tool_use", "tool_result") and not body.tools:
                 raise ApiError(400, f"{where}[{j}]: requests which include `tool_use` or "
@@ -159,6 +189,11 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
             if block.type == "text":
                 _check_text(block, f"{where}[{j}]")
                 text.append(block.text)
+            elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
+                # An earlier thought, for templates that show them (Gemma 4's drops them);
+                # a redacted one is Anthropic's ciphertext, which no template can read.
+                if block.type == "thinking" and block.thinking:
+                    thought.append(block.thinking)
             elif block.type == "tool_use" and message.role == "assistant":
                 if not (block.id and block.name):
                     raise ApiError(400, f"{where}[{j}]: a tool_use block needs an `id` and a `name`",
@@ -179,6 +214,8 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
         previous = uses
         if text or calls or message.role == "assistant":
             turn = {"role": message.role, "content": "".join(text)}
+            if thought:
+                turn["reasoning_content"] = "".join(thought)
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)
@@ -246,6 +283,10 @@ def content_blocks(parts: list) -> list[dict]:
     return blocks
 
 
+def thinking_block(thought: str) -> dict:
+    return {"type": "thinking", "thinking": thought, "signature": SIGNATURE}
+
+
 def tool_use(call: Call, input: Optional[dict] = None) -> dict:
     return {"type": "tool_use", "id": "toolu_" + call.id.split("_", 1)[1], "name": call.name,
             "input": call.arguments if input is None else input}
@@ -261,14 +302,14 @@ def event(kind: str, data: dict) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-def add_routes(app, *, options, syntax, parsed, check_request, chat_ids, submit, collect, cancel,
+def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, submit, collect, cancel,
                usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
     (`parsed(request, read)` -> `read(the raw body)`, off the event loop;
     `chat_ids(messages, plan, queued)` -> prompt ids, off the event loop, refused while
     the queue is full if `queued`; `cancel(job)` stops a job;
     `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
-    `mlx_spec` statistics field)."""
+    `mlx_spec` statistics field; `think`: the model's `ThinkSyntax` or None)."""
 
     async def prompt_of(request: Request, model: type, queued: bool) -> tuple:
         def read(raw: bytes) -> tuple:
@@ -276,10 +317,11 @@ def add_routes(app, *, options, syntax, parsed, check_request, chat_ids, submit,
             check_request(body, queued)
             body.refuse_unsupported()
             plan = tool_plan(body, syntax)
-            return (body, plan, *template_messages(body))
+            return (body, plan, *template_messages(body), body.template_kwargs(think))
 
-        body, plan, messages, prefill = await parsed(request, read)
-        return body, plan, await chat_ids(messages, plan, queued, continue_final=prefill)
+        body, plan, messages, prefill, kwargs = await parsed(request, read)
+        return body, plan, await chat_ids(messages, plan, queued, continue_final=prefill,
+                                          template_kwargs=kwargs)
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
@@ -293,7 +335,7 @@ def add_routes(app, *, options, syntax, parsed, check_request, chat_ids, submit,
     async def messages(request: Request):
         try:
             body, plan, ids = await prompt_of(request, MessagesRequest, queued=True)
-            job = submit(body, ids, "messages")
+            job = submit(body, ids, "messages", thought_budget=body.thought_budget())
             mid = "msg_" + uuid.uuid4().hex[:24]
             if body.stream:
                 return StreamingResponse(stream(job, mid, plan), media_type="text/event-stream",
@@ -304,14 +346,36 @@ def add_routes(app, *, options, syntax, parsed, check_request, chat_ids, submit,
         splitter = CallSplitter(plan)
         parts = splitter.feed("".join(p.text for p in pieces)) + splitter.finish()
         counts = usage_counts(job, done)
+        thought = "".join(p.reasoning for p in pieces)
         return {"id": mid, "type": "message", "role": "assistant", "model": options.model_name,
-                "content": content_blocks(parts), "stop_reason": stop_reason(done, splitter.calls),
+                "content": [thinking_block(thought)] * bool(thought) + content_blocks(parts), "stop_reason": stop_reason(done, splitter.calls),
                 "stop_sequence": done.stop_string, "usage": usage(*counts),
                 "mlx_spec": extra(done)}
 
     async def stream(job, mid: str, plan: ToolPlan):
         splitter = CallSplitter(plan)
-        index, open_text = 0, False
+        index, open_block = 0, None  # the kind of the block being streamed: "text", "thinking"
+
+        def close():
+            nonlocal index, open_block
+            if open_block == "thinking":  # Anthropic's stream signs a thought before its stop
+                yield event("content_block_delta", {"index": index, "delta": {
+                    "type": "signature_delta", "signature": SIGNATURE}})
+            if open_block is not None:
+                yield event("content_block_stop", {"index": index})
+                index, open_block = index + 1, None
+
+        def delta(kind: str, text: str):
+            nonlocal open_block
+            if open_block != kind:
+                yield from close()
+                start = {"type": "text", "text": ""} if kind == "text" else thinking_block("")
+                yield event("content_block_start", {"index": index, "content_block": start})
+                open_block = kind
+            yield event("content_block_delta", {"index": index, "delta": (
+                {"type": "text_delta", "text": text} if kind == "text"
+                else {"type": "thinking_delta", "thinking": text})})
+
         try:
             item = await job.events.get()
             # After the first event the prompt's split into input and cache reads is known:
@@ -326,27 +390,25 @@ def add_routes(app, *, options, syntax, parsed, check_request, chat_ids, submit,
                     kind = ERROR_TYPES.get(item.status, "api_error")
                     yield event("error", {"error": {"type": kind, "message": item.message}})
                     return
+                if isinstance(item, Piece) and item.reasoning:
+                    for out in delta("thinking", item.reasoning):
+                        yield out
                 parts = splitter.feed(item.text) if isinstance(item, Piece) else splitter.finish()
                 for part in parts:
                     if isinstance(part, str):
-                        if not open_text:
-                            yield event("content_block_start", {"index": index,
-                                                                "content_block": {"type": "text", "text": ""}})
-                            open_text = True
-                        yield event("content_block_delta", {"index": index,
-                                                            "delta": {"type": "text_delta", "text": part}})
+                        for out in delta("text", part):
+                            yield out
                         continue
-                    if open_text:
-                        yield event("content_block_stop", {"index": index})
-                        index, open_text = index + 1, False
+                    for out in close():
+                        yield out
                     yield event("content_block_start", {"index": index, "content_block": tool_use(part, {})})
                     yield event("content_block_delta", {"index": index, "delta": {
                         "type": "input_json_delta", "partial_json": json.dumps(part.arguments, ensure_ascii=False)}})
                     yield event("content_block_stop", {"index": index})
                     index += 1
                 if isinstance(item, Done):
-                    if open_text:
-                        yield event("content_block_stop", {"index": index})
+                    for out in close():
+                        yield out
                     counts = usage_counts(job, item)
                     yield event("message_delta", {
                         "delta": {"stop_reason": stop_reason(item, splitter.calls),

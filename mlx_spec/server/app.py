@@ -45,6 +45,7 @@ from mlx_spec.server.tools import (
 from mlx_spec.server.worker import (
     SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker, cached_count,
 )
+from mlx_spec.thinking import opens_thought, think_syntax
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 
@@ -105,6 +106,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     longest_token = max(len(piece.encode("utf-8")) for piece in vocab)
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
+    think = think_syntax(tokenizer)
     describe = token_describer(tokenizer, engine.eos_ids)
     trims = trims_first_space(tokenizer)
     prompts = ChatPrompts(tokenizer, parse_special=options.parse_special_in_text)
@@ -219,7 +221,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         body = parse_body(raw, ChatRequest)
         check_request(body)
         plan = openai_plan(body, syntax)
-        return body, plan, template_messages(body.messages, syntax), body.prompt_mode()
+        return (body, plan, template_messages(body.messages, syntax), body.prompt_mode(),
+                body.template_kwargs())
 
     def read_completion(raw: bytes) -> CompletionRequest:
         body = parse_body(raw, CompletionRequest)
@@ -228,9 +231,9 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body, plan, messages, (continue_final, generation_prompt) = await parsed(request, read_chat)
+        body, plan, messages, (continue_final, generation_prompt), kwargs = await parsed(request, read_chat)
         ids = await chat_ids(messages, plan, continue_final=continue_final,
-                             generation_prompt=generation_prompt)
+                             generation_prompt=generation_prompt, template_kwargs=kwargs)
         return await serve(request, body, ids, chat=True, plan=plan)
 
     @app.post("/v1/completions")
@@ -247,13 +250,14 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return await serve(request, body, ids, chat=False)
 
     async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True,
-                       continue_final: bool = False, generation_prompt: bool = True) -> list[int]:
+                       continue_final: bool = False, generation_prompt: bool = True,
+                       template_kwargs: Optional[dict] = None) -> list[int]:
         """The conversation's prompt ids (`ChatPrompts.ids`), tokenized off the event loop
         once its text could fit the context (and, `queued`, once the queue has room: see
         `tokenized`)."""
         check_length(sum(len(m["content"]) for m in messages), "messages")
         return await tokenized(prompts.ids, messages, plan, continue_final, generation_prompt,
-                               queued=queued)
+                               template_kwargs, queued=queued)
 
     def check_length(characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -276,12 +280,16 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             body.stops()
             body.logprob_count()
 
-    def submit(body, prompt_ids: list[int], param: str) -> Job:
-        """Queue a generation for `body` (its sampling fields, stops and budget checked)."""
+    def submit(body, prompt_ids: list[int], param: str, thought_budget: Optional[int] = None) -> Job:
+        """Queue a generation for `body` (its sampling fields, stops and budget checked);
+        a chat's thoughts are split from its answer (`thinking`)."""
         params = body.sampling(options.defaults)
         max_tokens = completion_budget(len(prompt_ids), body.requested_tokens(), options, param)
+        chat = param == "messages"
         job = Job(prompt_ids, params, max_tokens, body.stops(), asyncio.get_running_loop(),
-                  logprobs=body.logprob_count())
+                  logprobs=body.logprob_count(), think=think if chat else None,
+                  thinking=chat and opens_thought(tokenizer, think, prompt_ids),
+                  thought_budget=thought_budget)
         try:
             worker.submit(job)
         except (Busy, ShuttingDown) as error:
@@ -323,7 +331,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         scored = [lp for p in pieces for lp in p.logprobs]
         answer = completion_object(chat, rid, options.model_name, text,
                                    "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason,
-                                   usage_of(job, event), {**extra_base, **statistics(event)})
+                                   usage_of(job, event), {**extra_base, **statistics(event)},
+                                   reasoning="".join(p.reasoning for p in pieces))
         if job.logprobs is not None:
             answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe, AnswerBytes(trims))
         if calls:
@@ -331,7 +340,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         return answer
 
     anthropic.add_routes(
-        app, options=options, syntax=syntax, parsed=parsed, check_request=check_request, chat_ids=chat_ids,
+        app, options=options, syntax=syntax, think=think, parsed=parsed, check_request=check_request, chat_ids=chat_ids,
         submit=submit, collect=collect, cancel=worker.cancel, usage_counts=token_counts,
         extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 
@@ -341,11 +350,12 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         name = options.model_name
         splitter, calls, answer = CallSplitter(plan), 0, AnswerBytes(trims)
 
-        def pieces(parts: list, scored: list):
+        def pieces(parts: list, scored: list, reasoning: str = ""):
             nonlocal calls
             text = "".join(p for p in parts if isinstance(p, str))
-            if text or scored:
-                chunk = chunk_object(chat, rid, name, created, text=text)
+            if text or scored or reasoning:
+                chunk = chunk_object(chat, rid, name, created, text=text if text or not reasoning else None,
+                                     reasoning=reasoning)
                 if job.logprobs is not None:
                     chunk["choices"][0]["logprobs"] = logprobs_object(chat, scored, describe, answer)
                 yield sse(chunk)
@@ -361,7 +371,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             while True:
                 event = await job.events.get()
                 if isinstance(event, Piece):
-                    for out in pieces(splitter.feed(event.text), event.logprobs):
+                    for out in pieces(splitter.feed(event.text), event.logprobs, event.reasoning):
                         yield out
                 elif isinstance(event, Failed):
                     yield sse(ApiError(event.status, event.message, type="server_error").body())
@@ -426,5 +436,13 @@ def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
 
 
 def statistics(done: Done) -> dict:
-    """The speculative statistics in the response's extra `mlx_spec` field."""
-    return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target}
+    """The speculative statistics in the response's extra `mlx_spec` field, with acceptance
+    apart for the rounds that began in a thought and the others (they differ: a drafter
+    guesses reasoning and answers unequally well)."""
+    def acceptance(drafted: int, accepted: int) -> dict:
+        return {"drafted": drafted, "accepted": accepted,
+                "acceptance_rate": accepted / drafted if drafted else 0.0}
+
+    return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target,
+            "thought_acceptance": acceptance(*done.phases["thought"]),
+            "answer_acceptance": acceptance(*done.phases["answer"])}

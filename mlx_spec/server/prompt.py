@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from functools import cached_property
-from typing import Iterator
+from typing import Iterator, Optional
 
 from mlx_spec.server.protocol import ApiError
 from mlx_spec.server.tools import ToolPlan
@@ -67,12 +67,13 @@ class ChatPrompts:
         return ControlTokens(self.tokenizer)
 
     def ids(self, messages: list[dict], plan: ToolPlan = ToolPlan(), continue_final: bool = False,
-            generation_prompt: bool = True) -> list[int]:
+            generation_prompt: bool = True, template_kwargs: Optional[dict] = None) -> list[int]:
         """The messages (and the plan's tools) through the model's chat template, encoded
         without special tokens added, as mlx-lm's and transformers' `apply_chat_template`
         do; a forced tool call's start marker ends the prompt. `continue_final`: the last
         (assistant) message stays open and the answer continues it (transformers'
         `continue_final_message`); else `generation_prompt` opens the model's turn.
+        `template_kwargs`: more variables for the template (`enable_thinking`).
 
         A system or user message the template leaves out (Gemma's puts a system turn into
         the first user turn, and with no user turn drops it) is refused rather than silently
@@ -83,7 +84,8 @@ class ChatPrompts:
                                 "assistant message", param="tool_choice")
         messages, tools, restore = ((messages, plan.tools, {}) if self.parse_special
                                     else self._defused([messages, plan.tools]))
-        text = self._render(messages, tools, continue_final, generation_prompt and not continue_final)
+        text = self._render(messages, tools, continue_final, generation_prompt and not continue_final,
+                            template_kwargs or {})
         for i, message in enumerate(messages):
             if message["role"] in ("system", "user") and message["content"].strip() not in text:
                 hint = ""
@@ -96,9 +98,10 @@ class ChatPrompts:
             ids += self.tokenizer.encode(plan.syntax.start, add_special_tokens=False)
         return ids
 
-    def _render(self, messages, tools, continue_final: bool, generation_prompt: bool) -> str:
+    def _render(self, messages, tools, continue_final: bool, generation_prompt: bool,
+                template_kwargs: dict) -> str:
         try:
-            extra = {"tools": tools} if tools else {}
+            extra = {**template_kwargs, **({"tools": tools} if tools else {})}
             if continue_final:
                 extra["continue_final_message"] = True
             return self.tokenizer.apply_chat_template(

@@ -131,11 +131,17 @@ class Message(_Strict):
     tool_calls: Optional[Items(ToolCall, MAX_TOOL_CALLS)] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool message answers this call
     name: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an assistant's earlier thought (as we answer it)
 
     def as_template_message(self, where: str = "content") -> dict:
-        """The message as chat templates take it: "developer" is OpenAI's newer "system"."""
+        """The message as chat templates take it: "developer" is OpenAI's newer "system"; an
+        earlier thought goes as `reasoning_content`, which templates that show thoughts of
+        history read (Gemma 4's drops them)."""
         content = content_text(self.content, where)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.reasoning_content and self.role == "assistant":
+            turn["reasoning_content"] = self.reasoning_content
+        return turn
 
 
 class FunctionSpec(_Strict):
@@ -244,6 +250,11 @@ class ChatRequest(_Common):
     # vLLM's and transformers' names: continue the final assistant message (a prefill).
     continue_final_message: Optional[bool] = None
     add_generation_prompt: Optional[bool] = None
+    # vLLM's and llama.cpp's: extra variables for the chat template ({"enable_thinking": true})
+    chat_template_kwargs: Optional[dict] = None
+
+    def template_kwargs(self) -> dict:
+        return checked_template_kwargs(self.chat_template_kwargs)
 
     def prompt_mode(self) -> tuple[bool, bool]:
         """(continue the final message, open a model turn) for the chat template."""
@@ -285,6 +296,21 @@ class CompletionRequest(_Common):
 
     def logprob_count(self) -> Optional[int]:
         return self.logprobs
+
+
+# Variables the server sets itself, so a request's chat_template_kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize",
+                                      "continue_final_message", "documents", "return_dict",
+                                      "chat_template", "tokenizer", "bos_token", "eos_token"})
+
+
+def checked_template_kwargs(kwargs: Optional[dict]) -> dict:
+    """A request's chat_template_kwargs, refused where they name what the server sets."""
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise ApiError(400, f"chat_template_kwargs.{key}: this template variable cannot be "
+                                "set by a request", param=f"chat_template_kwargs.{key}")
+    return dict(kwargs or {})
 
 
 def bounded_stops(stops: tuple[str, ...], param: str) -> tuple[str, ...]:
@@ -477,11 +503,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_object(chat: bool, rid: str, model: str, text: str, finish: Optional[str],
-                      usage_: dict, extra: dict) -> dict:
-    """A whole answer: `chat.completion` or `text_completion`; `extra` is the mlx_spec field."""
+                      usage_: dict, extra: dict, reasoning: str = "") -> dict:
+    """A whole answer: `chat.completion` or `text_completion`; `extra` is the mlx_spec field,
+    `reasoning` the thought (a chat message's `reasoning_content`, as vLLM and llama.cpp)."""
     choice = {"index": 0, "finish_reason": finish, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if reasoning:
+            choice["message"]["reasoning_content"] = reasoning
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -490,11 +519,13 @@ def completion_object(chat: bool, rid: str, model: str, text: str, finish: Optio
 
 
 def chunk_object(chat: bool, rid: str, model: str, created: int, *, text: Optional[str] = None,
-                 role: bool = False, finish: Optional[str] = None) -> dict:
+                 role: bool = False, finish: Optional[str] = None, reasoning: str = "") -> dict:
     """One streamed piece: `chat.completion.chunk` (a delta) or `text_completion`."""
     choice: dict = {"index": 0, "finish_reason": finish, "logprobs": None}
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         choice["delta"] = delta

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from mlx_spec.server.protocol import ApiError, ChatRequest, Message, parse_json
+from mlx_spec.thinking import partial_suffix
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class CallSplitter:
             else:
                 start = self.buffer.find(self.syntax.start)
                 if start < 0:
-                    keep = _partial_suffix(self.buffer, self.syntax.start)
+                    keep = partial_suffix(self.buffer, self.syntax.start)
                     text, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                     return out + ([text] if text else [])
                 if start:
@@ -239,14 +240,6 @@ def _strict_json(value):
     `json.loads` and `ast.literal_eval` also give NaN, Infinity, sets, bytes, complex numbers
     and lone surrogates, which have no such form: ValueError or TypeError."""
     return json.loads(json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8"))
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def openai_call(call: Call, index: Optional[int] = None) -> dict:

@@ -34,6 +34,7 @@ from mlx_spec.server.caches import CachePool, default_budget
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
 from mlx_spec.stream import stream_generate
+from mlx_spec.thinking import ThinkSyntax, ThoughtSplitter
 
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
@@ -42,9 +43,10 @@ MAX_RETRY_AFTER_S = 60
 
 @dataclass
 class Piece:
-    text: str  # new text (may be empty)
+    text: str  # new answer text (may be empty)
     # with Job.logprobs: (token id, log-prob, top alternatives) per token released with text
     logprobs: list = field(default_factory=list)
+    reasoning: str = ""  # new thought text (`thinking.ThoughtSplitter`), markers left out
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Done:
     prefilled_target: int  # prompt tokens the target processed (the rest came from its cache)
     stats: Stats
     stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
+    # (drafted, accepted) of the rounds that began inside a thought, and of the others
+    phases: dict = field(default_factory=lambda: {"thought": [0, 0], "answer": [0, 0]})
 
 
 @dataclass
@@ -78,6 +82,9 @@ class Job:
     # Prompt tokens read from the prompt cache: set by the worker before its first Piece or
     # Done (a stream's first event can report the prompt's usage whole, as Anthropic's does).
     cached_tokens: Optional[int] = None
+    think: Optional[ThinkSyntax] = None  # the model's thought markers: thoughts split out
+    thinking: bool = False  # the prompt ends inside a thought
+    thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -247,44 +254,88 @@ class Worker:
 
     def _generate(self, job: Job, cache) -> None:
         stats = Stats()
-        prefilled = [0]
-
-        def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
-            prefilled[0] = total
-
+        prefilled = [0]  # prompt tokens the target's prefill processed
         policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids),
                               reproducible=job.params.seed is not None)
-        responses = stream_generate(
-            self.engine, self.tokenizer, job.prompt_ids, job.params, gamma=policy,
-            max_tokens=job.max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
-            prefill_progress=on_prefill, logprobs=job.logprobs,
-        )
-        tokens, finish, stop_string = 0, None, None
-        scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
-        try:
-            for response in responses:
-                # The ids released with the text: a stop string and what followed it are
-                # neither shown nor counted.
-                tokens += len(response.tokens)
-                finish, stop_string = response.finish_reason, response.stop_string
-                if response.round.logprobs is not None:
-                    scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
-                # An EOS is released too: counted in usage, it has its log-prob entry.
-                released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
-                job.cached_tokens = cached_count(job, prefilled[0])  # the prefill is done
-                if response.text or released:
-                    job.emit(Piece(response.text, released))
-                if job.cancelled.is_set() and finish is None:
+        splitter = ThoughtSplitter(job.think, job.thinking)
+        phases = {"thought": [0, 0], "answer": [0, 0]}
+        prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
+        budget = room
+        if job.thought_budget is not None and job.think is not None:
+            budget = min(room, job.thought_budget)  # then see whether the thought has ended
+        while True:
+            limited, generated = budget < room, []
+            finish, stop_string = self._stream(job, cache, prompt, budget, policy, stats,
+                                               prefilled if prompt is job.prompt_ids else None,
+                                               splitter, phases, generated)
+            tokens, room = tokens + len(generated), room - len(generated)
+            if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
+                break
+            # The thought budget is spent. A thought still open is closed by its end marker,
+            # forced: what follows is the target's distribution given that forced text (the
+            # thought's end itself is not sampled). Either way generation goes on from what
+            # was committed, which the caches keep.
+            prompt = prompt + generated
+            if splitter.thinking:
+                forced = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
+                reasoning, text = splitter.feed(job.think.end)
+                job.emit(Piece(text, [], reasoning))
+                prompt, tokens, room = prompt + forced, tokens + len(forced), room - len(forced)
+                if room <= 0:
                     break
-        finally:
-            responses.close()  # between rounds: the caches hold exactly what was committed
+            budget = room
         self.counts["completed" if finish else "cancelled"] += 1
         job.cached_tokens = cached_count(job, prefilled[0])
         self.metrics.observe(stats, job.cached_tokens)
         if finish is None and self._stopping:
             job.emit(SHUTTING_DOWN)
-        else:
-            job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string))
+            return
+        reasoning, text = splitter.finish()
+        if reasoning or text:
+            job.emit(Piece(text, [], reasoning))
+        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases))
+
+    def _stream(self, job: Job, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
+                prefilled: Optional[list], splitter: ThoughtSplitter, phases: dict,
+                generated: list[int]):
+        """One `stream_generate` run from `prompt`, its text split and emitted; the ids it
+        released go into `generated`, the target's prefill count into `prefilled` (unless
+        None: a run that continues the job's own tokens). Returns (finish reason, stop string)."""
+
+        def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
+            prefilled[0] = total
+
+        responses = stream_generate(
+            self.engine, self.tokenizer, prompt, job.params, gamma=policy,
+            max_tokens=max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
+            prefill_progress=on_prefill if prefilled is not None else None, logprobs=job.logprobs,
+        )
+        finish, stop_string = None, None
+        scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
+        try:
+            for response in responses:
+                # The ids released with the text: a stop string and what followed it are
+                # neither shown nor counted.
+                generated += response.tokens
+                finish, stop_string = response.finish_reason, response.stop_string
+                # A round counts for the part it began in (it may cross a marker).
+                phase = phases["thought" if splitter.thinking else "answer"]
+                phase[0] += response.round.gamma
+                phase[1] += response.round.accepted
+                if response.round.logprobs is not None:
+                    scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
+                # An EOS is released too: counted in usage, it has its log-prob entry.
+                released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
+                if prefilled is not None:
+                    job.cached_tokens = cached_count(job, prefilled[0])  # the prefill is done
+                reasoning, text = splitter.feed(response.text)
+                if text or reasoning or released:
+                    job.emit(Piece(text, released, reasoning))
+                if job.cancelled.is_set() and finish is None:
+                    break
+        finally:
+            responses.close()  # between rounds: the caches hold exactly what was committed
+        return finish, stop_string
 
 
 def cached_count(job: Job, prefilled_target: int) -> int:
