@@ -198,3 +198,46 @@ def test_acceptance_apart_for_thought_and_answer(tmp_path):
     assert sum(p["drafted"] for p in parts) == stats["drafted"]
     assert sum(p["accepted"] for p in parts) == stats["accepted"]
     assert parts[0]["acceptance_rate"] == parts[0]["accepted"] / parts[0]["drafted"]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_splitter_finds_markers_split_across_pieces(step):
+    """Fed in pieces of any size, the text splits as `str.partition` splits it whole; a
+    second thought is thought too; a marker cut off at the end is answer text."""
+    from mlx_spec.thinking import ThinkSyntax, ThoughtSplitter
+
+    text = f"{START}{THOUGHT}{END}{ANSWER} {START}again{END} done <|chan"
+    splitter = ThoughtSplitter(ThinkSyntax("<|channel>thought", END))
+    pieces = [splitter.feed(text[i:i + step]) for i in range(0, len(text), step)] + [splitter.finish()]
+    thought, answer = ("".join(p[i] for p in pieces) for i in (0, 1))
+    assert thought == THOUGHT + "again"
+    assert answer == f"{ANSWER}  done <|chan"
+    opened = ThoughtSplitter(ThinkSyntax("<think>", "</think>"), thinking=True)
+    assert opened.feed("\nhm</think>ok") == ("hm", "ok")
+
+
+def test_history_thoughts_reach_a_template_that_shows_them(tmp_path):
+    """A template that renders earlier thoughts (as Qwen's and DeepSeek's do) gets them from
+    OpenAI's reasoning_content and from Anthropic's thinking blocks, as transformers renders
+    the turn with reasoning_content."""
+    shows = THINKING_TEMPLATE.replace(
+        "{{ '<|turn>' + role + '\\n' }}",
+        "{{ '<|turn>' + role + '\\n' }}{%- if message.reasoning_content -%}"
+        "{{ '<|channel>thought\\n' + message.reasoning_content + '<channel|>' }}{%- endif -%}")
+    served = Served(tokenizer_for(tmp_path, shows))
+    history = [{"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT},
+               {"role": "user", "content": "And 3+3?"}]
+    try:
+        ids, _, _ = reference(served, ASK + history, enable_thinking=True)
+        assert THOUGHT in served.tokenizer.decode(ids)
+        raw = httpx.post(f"{served.base}/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": ASK + history, "max_tokens": 200,
+            "chat_template_kwargs": {"enable_thinking": True}}).json()
+        assert raw["usage"]["prompt_tokens"] == len(ids) and served.model.seen[: len(ids)] == ids
+        served.anthropic().messages.create(model=MODEL, max_tokens=200, messages=ASK + [
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT, "signature": ""},
+                                              {"type": "text", "text": ANSWER}]},
+            history[1]], thinking={"type": "enabled", "budget_tokens": 150})
+        assert served.model.seen[: len(ids)] == ids
+    finally:
+        served.server.stop()
