@@ -11,7 +11,7 @@ drafting runs through the thought), put in place of the loaded one.
 import pytest
 
 import thinking_support
-from cli_support import assert_usage_error, has_ansi, invoke, invoke_json
+from cli_support import ANSI, assert_usage_error, has_ansi, invoke, invoke_json
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.testing.tiny_gemma4 import save_tiny_gemma4
 from thinking_support import ANSWER, ASK, THINKING_TEMPLATE, THOUGHT, thinking_engine, tokenizer_for
@@ -73,3 +73,56 @@ def test_chat_shows_the_thought_then_the_answer(model, thinker):
     assert f"{thought}\n\n{answer}\n" in result.stdout
     assert "<|channel>" not in result.stdout and "<channel|>" not in result.stdout
     assert thinker[2].target.seen[: len(ids)] == ids
+
+
+def test_chat_folds_the_thought_on_a_terminal(model, thinker):
+    """On a terminal the thought is shown dimmed, then erased (cursor up over its rows,
+    clear) and folded into one line when the answer starts; /thought shows it again."""
+    import io
+
+    from rich.console import Console
+
+    from mlx_spec.chat import ChatSession
+    from mlx_spec.cli.chat import ChatRepl
+    from mlx_spec.sampling import SamplingParams
+
+    _, tokenizer, engine = thinker
+    session = ChatSession(engine, tokenizer, template_kwargs={"enable_thinking": True})
+    repl = ChatRepl(session, None, engine, SamplingParams(), "2", 200, (), False)
+    screen = io.StringIO()
+    repl.console = Console(file=screen, force_terminal=True, width=50, height=40, highlight=False)
+    repl.tty = True
+    repl.answer(ASK[0]["content"])
+    shown = screen.getvalue()
+    rows = -(-len(THOUGHT) // 50)  # the thought's rows at 50 columns
+    before, erase, after = shown.partition(f"\r\x1b[{rows - 1}A\x1b[J")
+    assert erase and "\x1b[2m" in before and ANSI.sub("", before).endswith(THOUGHT)
+    after = ANSI.sub("", after)
+    assert after.startswith(f"[thought · {len(THOUGHT.split())} words · /thought shows it]\n{ANSWER}")
+    end = len(screen.getvalue())
+    repl.command("/thought")
+    assert " ".join(ANSI.sub("", screen.getvalue()[end:]).split()) == THOUGHT
+
+
+def test_generate_on_a_terminal_dims_the_thought_above_the_answer(thinker, monkeypatch):
+    import io
+
+    import rich.console
+
+    from mlx_spec.cli.common import thought_splitter
+    from mlx_spec.cli.generate import _live
+    from mlx_spec.cli.render import ViewMaker
+    from mlx_spec.stats import Stats
+    from mlx_spec.stream import encode_prompt, stream_generate
+
+    _, tokenizer, engine = thinker
+    screen, console = io.StringIO(), rich.console.Console
+    monkeypatch.setattr(rich.console, "Console", lambda: console(file=screen, force_terminal=True, width=200))
+    ids = encode_prompt(tokenizer, ASK[0]["content"], True, {"enable_thinking": True})
+    stats = Stats()
+    _live(lambda progress: stream_generate(engine, tokenizer, ids, gamma=2, max_tokens=200, stats=stats),
+          ViewMaker(engine, 2, "2"), stats, False, thought_splitter(tokenizer, True, ids))
+    shown = screen.getvalue()
+    assert f"\x1b[2m{THOUGHT}" in shown.replace("\x1b[0m\x1b[2m", "")
+    text = ANSI.sub("", shown)  # the live panel is redrawn between them
+    assert f"{THOUGHT}\n\n" in text and ANSWER in text.split(THOUGHT)[1]

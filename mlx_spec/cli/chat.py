@@ -45,6 +45,7 @@ HELP = """commands:
   /gamma N|auto   set γ, the draft tokens per round (0 = plain decoding)
   /temp X         set the sampling temperature (0 = greedy)
   /stats          full statistics of the last answer
+  /thought        the last answer's thought (on a terminal it folds when the answer starts)
   /reset          forget the conversation (clears both caches)
   /help           this help
   /quit           leave (also Ctrl-D, or Ctrl-C at the prompt)
@@ -137,6 +138,8 @@ class ChatRepl:
         self.console = Console(file=out or sys.stdout, highlight=False)
         self.tty = self.console.is_terminal
         self.last_view = None
+        self.last_thought = ""
+        self.thinking = False  # a thought is being shown
         self.turns = 0
         self.set_gamma(gamma, name="--gamma")
 
@@ -173,6 +176,8 @@ class ChatRepl:
                 raise MlxSpecError(f"/temp needs a number, not {arg!r}") from None
             self.params = replace(self.params, temperature=value)
             self.say(f"temperature set to {value:g}")
+        elif name == "thought":
+            self.say(self.last_thought.strip() or "the last answer had no thought", style=THOUGHT_STYLE)
         elif name == "stats":
             if self.last_view is None:
                 self.say("no answer yet")
@@ -203,20 +208,40 @@ class ChatRepl:
     # -- one turn ------------------------------------------------------------------------
 
     def show(self, thought: str, answer: str, from_draft: bool) -> None:
-        """A piece of the answer: its thought dimmed, then the answer on a line of its own."""
+        """A piece of the answer: its thought dimmed, then the answer on a line of its own;
+        on a terminal the thought folds into one line when the answer starts."""
         if thought:
             self.write(thought, THOUGHT_STYLE)
+            self.last_thought += thought
             self.thinking = True
         if answer:
             if self.thinking:
-                self.write("\n\n" if not thought.endswith("\n") else "\n")
                 self.thinking = False
+                if not self._fold_thought():
+                    self.write("\n" if self.last_thought.endswith("\n") else "\n\n")
             self.write(answer, "green" if (self.color and from_draft) else None)
+
+    def _fold_thought(self) -> bool:
+        """Erase the thought just shown (the rows it took, if all are still on screen) and
+        leave one dim line in its place; /thought shows it again."""
+        from rich.cells import cell_len
+
+        if not self.tty:
+            return False
+        width = max(self.console.width, 1)
+        rows = sum(max(1, -(-cell_len(line) // width)) for line in self.last_thought.split("\n"))
+        if rows >= self.console.height:
+            return False
+        up = f"\x1b[{rows - 1}A" if rows > 1 else ""
+        self.console.file.write("\r" + up + "\x1b[J")
+        words = len(self.last_thought.split())
+        self.say(f"[thought · {plural(words, 'word')} · /thought shows it]", style=THOUGHT_STYLE)
+        return True
 
     def answer(self, text: str) -> None:
         stats = Stats()
         stopped = False
-        splitter, self.thinking = None, False
+        splitter, self.thinking, self.last_thought = None, False, ""
         # Across ranks every rank must stop at the same round, so Ctrl-C ends the run there.
         alone = not world().active
         with (_Interrupt() if alone else nullcontext(_Interrupt())) as interrupt, _no_echo():
@@ -317,9 +342,9 @@ def chat(
 ) -> None:
     """Chat with the model in the terminal (multi-turn, caches reused across turns).
 
-    Slash commands: /gamma N|auto, /temp X, /stats, /reset, /help, /quit. The line is
-    edited with readline (history in the cache folder); a pasted block, or lines between
-    two lines of triple quotes, is one message; Ctrl-D leaves.
+    Slash commands: /gamma N|auto, /temp X, /stats, /thought, /reset, /help, /quit. The
+    line is edited with readline (history in the cache folder); a pasted block, or lines
+    between two lines of triple quotes, is one message; Ctrl-D leaves.
     """
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,

@@ -186,7 +186,7 @@ def _live(responses, views, stats, color_drafts: bool, splitter) -> bool:
     console = Console()
     tail = Text()
     prefill = {"done": 0, "total": 0}
-    interrupted = False
+    interrupted = thinking = False
 
     def frame(final: bool = False):
         if not stats.rounds and not final:  # before the first token there is nothing to show
@@ -207,15 +207,18 @@ def _live(responses, views, stats, color_drafts: bool, splitter) -> bool:
 
         try:
             for response in responses(on_prefill):
-                for piece, from_draft in response.segments():
-                    thought, answer = splitter.feed(piece)
-                    style = DRAFT_STYLE if (color_drafts and from_draft) else None
-                    tail.append(thought, style=THOUGHT_STYLE if style is None else f"{THOUGHT_STYLE} {style}")
-                    tail.append(answer, style=style)
+                pieces = [(*splitter.feed(piece), from_draft) for piece, from_draft in response.segments()]
                 if response.finish_reason:
-                    thought, answer = splitter.finish()
-                    tail.append(thought, style=THOUGHT_STYLE)
-                    tail.append(answer)
+                    pieces.append((*splitter.finish(), False))
+                for thought, answer, from_draft in pieces:
+                    style = DRAFT_STYLE if (color_drafts and from_draft) else None
+                    if thought:
+                        tail.append(thought, style=THOUGHT_STYLE if style is None else f"{THOUGHT_STYLE} {style}")
+                        thinking = True
+                    if answer and thinking:  # the answer starts below the thought
+                        tail.append("\n\n")
+                        thinking = False
+                    tail.append(answer, style=style)
                 # Move finished rows (explicit newlines, or full terminal rows) out of the live region.
                 if "\n" in tail.plain:
                     cut = tail.plain.rindex("\n")
