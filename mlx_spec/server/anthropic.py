@@ -3,7 +3,9 @@ same worker as the OpenAI routes.
 
 A request is turned into the chat-template messages the OpenAI route builds (`system` as a
 system turn, `tool_use` blocks as an assistant's calls, `tool_result` blocks as tool
-turns), generated the same way, and answered in Anthropic's shapes: a `message` object, or
+turns, `thinking` blocks as the turn's `reasoning_content`), generated the same way (with
+`thinking` enabled: the template's enable_thinking on and `budget_tokens` a thought budget,
+`worker`), and answered in Anthropic's shapes: a `message` object, or
 its event stream (`message_start`, `content_block_start` / `_delta` / `_stop`,
 `message_delta`, `message_stop`). Errors come as `{"type": "error", "error": {"type",
 "message"}}`, those of `guards.RequestGuards` on these paths too (`error_body`); the key

@@ -8,6 +8,11 @@ of its prompt and what a cache holds, so a conversation that grows by a turn reu
 everything before it, however many others came in between, and a request that diverges
 earlier starts from where it diverges.
 
+A chat answer's thought is split from its text here (`Piece.reasoning`), and the rounds that
+began inside it are counted apart (`Done.phases`). A thought budget ends the first run at
+that many tokens; a thought still open then gets its end marker forced, and a second run
+continues from the committed tokens (the caches hold them, so nothing is prefilled again).
+
 A request is cancelled by setting `Job.cancelled` (its client went away). A waiting job
 gives up its place in the queue at once; a running one is checked between rounds, and the
 worker closes the `stream_generate` generator, which leaves both caches holding exactly
