@@ -12,7 +12,7 @@ Gemma 4's drops them from history.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -99,3 +99,23 @@ def opens_thought(tokenizer, syntax: Optional[ThinkSyntax], prompt_ids: list[int
         return False
     tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False).rstrip()
     return tail.endswith(syntax.start)
+
+
+@dataclass
+class PhaseAcceptance:
+    """Drafted and accepted tokens of the rounds that began inside a thought and of the
+    others, apart: a drafter guesses reasoning and answers unequally well. A round that
+    crosses a marker counts for the part it began in."""
+
+    thought: list[int] = field(default_factory=lambda: [0, 0])
+    answer: list[int] = field(default_factory=lambda: [0, 0])
+
+    def observe(self, thinking: bool, drafted: int, accepted: int) -> None:
+        phase = self.thought if thinking else self.answer
+        phase[0] += drafted
+        phase[1] += accepted
+
+    def as_dict(self) -> dict:
+        """`thought_acceptance` and `answer_acceptance`: drafted, accepted, acceptance_rate."""
+        return {f"{name}_acceptance": {"drafted": d, "accepted": a, "acceptance_rate": a / d if d else 0.0}
+                for name, (d, a) in (("thought", self.thought), ("answer", self.answer))}

@@ -60,6 +60,9 @@ def test_generate_json_prompt_is_the_templates(model, thinker, think):
     assert thinker[2].target.seen[: len(ids)] == ids
     assert (out["reasoning"], out["text"]) == (thought, answer)
     assert bool(thought) == think
+    parts = out["stats"]["thought_acceptance"], out["stats"]["answer_acceptance"]
+    assert sum(p["drafted"] for p in parts) == out["stats"]["drafted"] > 0  # drafting went on
+    assert (parts[0]["drafted"] > 0) == think
 
 
 def test_think_needs_chat(model):

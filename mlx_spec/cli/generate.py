@@ -32,6 +32,7 @@ from mlx_spec.progress import StderrProgress
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
 from mlx_spec.stream import encode_prompt, stream_generate
+from mlx_spec.thinking import PhaseAcceptance
 
 REFRESH_S = 0.1  # live panel refresh throttle
 DRAFT_STYLE = "green"
@@ -99,9 +100,10 @@ def generate(
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:
-            thoughts, pieces, finish = [], [], None
+            thoughts, pieces, finish, phases = [], [], None, PhaseAcceptance()
             try:
                 for response in responses(progress.task("prefill")):
+                    phases.observe(splitter.thinking, response.round.gamma, response.round.accepted)
                     thought, answer = splitter.feed(response.text)
                     thoughts.append(thought)
                     pieces.append(answer)
@@ -124,7 +126,7 @@ def generate(
             "device": str(mx.default_device()),
             "blas": blas.describe(),  # what MLX's CPU matmuls ran with (and how many threads)
             "sampling": asdict(params),
-            "stats": {**stats.as_dict(), **view.as_dict()},
+            "stats": {**stats.as_dict(), **view.as_dict(), **phases.as_dict()},
         }
         print(json.dumps(out, ensure_ascii=False))
         interrupted = view.interrupted

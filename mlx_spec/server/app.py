@@ -436,13 +436,7 @@ def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
 
 
 def statistics(done: Done) -> dict:
-    """The speculative statistics in the response's extra `mlx_spec` field, with acceptance
-    apart for the rounds that began in a thought and the others (they differ: a drafter
-    guesses reasoning and answers unequally well)."""
-    def acceptance(drafted: int, accepted: int) -> dict:
-        return {"drafted": drafted, "accepted": accepted,
-                "acceptance_rate": accepted / drafted if drafted else 0.0}
-
+    """The speculative statistics in the response's extra `mlx_spec` field, acceptance of
+    thought and answer apart included (`thinking.PhaseAcceptance`)."""
     return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target,
-            "thought_acceptance": acceptance(*done.phases["thought"]),
-            "answer_acceptance": acceptance(*done.phases["answer"])}
+            **done.phases.as_dict()}

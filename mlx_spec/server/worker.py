@@ -39,7 +39,7 @@ from mlx_spec.server.caches import CachePool, default_budget
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
 from mlx_spec.stream import stream_generate
-from mlx_spec.thinking import ThinkSyntax, ThoughtSplitter
+from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax, ThoughtSplitter
 
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
@@ -61,8 +61,7 @@ class Done:
     prefilled_target: int  # prompt tokens the target processed (the rest came from its cache)
     stats: Stats
     stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
-    # (drafted, accepted) of the rounds that began inside a thought, and of the others
-    phases: dict = field(default_factory=lambda: {"thought": [0, 0], "answer": [0, 0]})
+    phases: PhaseAcceptance = field(default_factory=PhaseAcceptance)  # thought and answer apart
 
 
 @dataclass
@@ -263,7 +262,7 @@ class Worker:
         policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids),
                               reproducible=job.params.seed is not None)
         splitter = ThoughtSplitter(job.think, job.thinking)
-        phases = {"thought": [0, 0], "answer": [0, 0]}
+        phases = PhaseAcceptance()
         prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
         budget = room
         if job.thought_budget is not None and job.think is not None:
@@ -301,7 +300,7 @@ class Worker:
         job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases))
 
     def _stream(self, job: Job, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
-                prefilled: Optional[list], splitter: ThoughtSplitter, phases: dict,
+                prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
                 generated: list[int]):
         """One `stream_generate` run from `prompt`, its text split and emitted; the ids it
         released go into `generated`, the target's prefill count into `prefilled` (unless
@@ -323,10 +322,7 @@ class Worker:
                 # neither shown nor counted.
                 generated += response.tokens
                 finish, stop_string = response.finish_reason, response.stop_string
-                # A round counts for the part it began in (it may cross a marker).
-                phase = phases["thought" if splitter.thinking else "answer"]
-                phase[0] += response.round.gamma
-                phase[1] += response.round.accepted
+                phases.observe(splitter.thinking, response.round.gamma, response.round.accepted)
                 if response.round.logprobs is not None:
                     scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
                 # An EOS is released too: counted in usage, it has its log-prob entry.
