@@ -25,6 +25,8 @@ from mlx_spec.testing.tiny import byte_tokenizer_json
 # Gemma 4's turn tokens and tool-call markers (the real checkpoints have them as special tokens).
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool_call>",
                   "<tool_call|>", "<|tool>", "<tool|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+# With the thinking channel's markers too, which Google's own template writes (VOCAB is full).
+GOOGLE_SPECIAL_TOKENS = SPECIAL_TOKENS + ["<|channel>", "<channel|>", "<|think|>"]
 TURN_ID, END_OF_TURN_ID, EOS_ID = 4, 5, 1
 VOCAB = 272
 
@@ -84,9 +86,9 @@ class ScriptedModel(nn.Module):
         return out
 
 
-def save_tokenizer(path: Path, chat_template: str = TOOL_TEMPLATE) -> Path:
+def save_tokenizer(path: Path, chat_template: str = TOOL_TEMPLATE, special_tokens=SPECIAL_TOKENS) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(SPECIAL_TOKENS)))
+    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(special_tokens)))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
         "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": chat_template}))

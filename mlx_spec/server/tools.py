@@ -143,6 +143,35 @@ def template_result(call_id: str, name: Optional[str], content) -> dict:
     return {"role": "tool", "content": content, "tool_call_id": call_id, **({"name": name} if name else {})}
 
 
+def native_tool_turns(messages: list[dict]) -> list[dict]:
+    """Template messages in the form of templates that read `message.tool_responses`
+    (Gemma 4's own): the model writes its calls, reads their answers and goes on in one
+    turn. So the tool turns answering an assistant's calls become that message's
+    `tool_responses` ({"name", "response"}: a JSON object's text as the object, as Google's
+    examples pass it; other text as it is), and an assistant's text right after them becomes
+    the calling message's content when it has none of its own."""
+    out: list[dict] = []
+    for message in messages:
+        last = out[-1] if out else {}
+        if message["role"] == "tool" and last.get("tool_calls"):
+            last.setdefault("tool_responses", []).append(
+                {"name": message.get("name"), "response": _response(message["content"])})
+        elif (message["role"] == "assistant" and not message.get("tool_calls")
+              and last.get("tool_responses") and not last.get("content")):
+            last["content"] = message["content"]
+        else:
+            out.append(dict(message))
+    return out
+
+
+def _response(text):
+    try:
+        value = parse_json(text, "content") if isinstance(text, str) else text
+    except ApiError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
 def _arguments(text: str, where: str) -> dict:
     value = parse_json(text, where)  # as strict as a body: no NaN, depth, long integers
     if not isinstance(value, dict):
