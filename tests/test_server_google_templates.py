@@ -13,6 +13,7 @@ call is certain to come; the last test decodes a tiny random-weight Gemma 4 and 
 mlx-lm's greedy `generate` of the native prompt.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -49,6 +50,9 @@ NATIVE_TEMPLATE = (
     "{%- if add_generation_prompt and not ns.open -%}{{ '<|turn>model\\n' }}{%- endif -%}"
 )
 GOOGLE = {"gemma4": "gemma4.jinja", "gemma4-interleaved": "google-gemma-4-31B-it-interleaved.jinja"}
+SHA256 = {  # the published files, byte for byte (tests/data/templates/README.md)
+    "gemma4": "944e74c5fb3a9ae02bb1f93251ae749b2266b69cfacc1257534f9b57b3efbf11",
+    "gemma4-interleaved": "749e841c23b6c9463622b44a1bbe1f6bc5299ffba0f306d5c785799b29c6ce37"}
 MODEL = "scripted"
 TOKENS = 10
 WEATHER = {"type": "function", "function": {
@@ -68,6 +72,7 @@ def template_text(name: str) -> str:
     path = TEMPLATES / GOOGLE[name]
     if not path.exists():
         pytest.skip(f"{path} is not here (tests/data/templates/README.md says where it comes from)")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name], f"{path} is not the published file"
     return path.read_text()
 
 

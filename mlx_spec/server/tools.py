@@ -10,6 +10,9 @@ ending the prompt with the start marker, so the model's first words are a call (
 function is the only tool the template shows). Whatever fails to parse, names a function
 that was not offered, or has arguments with no strict JSON form (NaN, a set), is the model's
 text: it is returned as content, never as an error.
+
+A tool's answer reaches the template as Hugging Face's `tool` turn, except for templates that
+read it from the model's own turn (Gemma 4's `message.tool_responses`): `native_tool_turns`.
 """
 
 from __future__ import annotations
