@@ -25,6 +25,8 @@ from mlx_spec.testing.tiny import byte_tokenizer_json
 # Gemma 4's turn tokens and tool-call markers (the real checkpoints have them as special tokens).
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool_call>",
                   "<tool_call|>", "<|tool>", "<tool|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+# With the thinking channel's markers too, which Google's own template writes (VOCAB is full).
+GOOGLE_SPECIAL_TOKENS = SPECIAL_TOKENS + ["<|channel>", "<channel|>", "<|think|>"]
 TURN_ID, END_OF_TURN_ID, EOS_ID = 4, 5, 1
 VOCAB = 272
 

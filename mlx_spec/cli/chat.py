@@ -24,7 +24,7 @@ from mlx_spec import costs
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
+    ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
     StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
     template_kwargs, thought_splitter,
@@ -327,6 +327,7 @@ def chat(
     draft_quantize: DraftQuantizeOpt = None,
     draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
+    chat_template: ChatTemplateOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -350,7 +351,7 @@ def chat(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
-                         draft_on=draft_on, chat="later",
+                         draft_on=draft_on, chat="later", chat_template=chat_template,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params

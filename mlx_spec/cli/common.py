@@ -110,6 +110,10 @@ ThinkOpt = Annotated[Optional[bool], typer.Option(
     "--think/--no-think", rich_help_panel=SAMPLING,
     help="Let the model think before it answers (the chat template's enable_thinking), or "
          "not. Default: the template's own choice (mlx-lm's: on for a model that can think).")]
+ChatTemplateOpt = Annotated[Optional[str], typer.Option(
+    "--chat-template", metavar="FILE|NAME", rich_help_panel=MODELS,
+    help="Chat template replacing the model's own (for a checkpoint with none or a wrong one): "
+         "a .jinja file, or a built-in one: gemma3, gemma4.")]
 ColorOpt = Annotated[bool, typer.Option(
     "--color-drafts", rich_help_panel=OUTPUT,
     help="Colour text that came from accepted draft tokens (on a terminal).")]
@@ -148,6 +152,7 @@ def setup_models(
     preset_sampling: bool = True,
     draft_on: Optional[str] = None,
     chat: Optional[bool | str] = None,
+    chat_template: Optional[str] = None,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
@@ -161,8 +166,11 @@ def setup_models(
             that renders its first template only once the user has typed): with the
             preset's choice (`use_chat`) it says whether to load the tokenizer that renders
             chat templates at once (`load_model(for_chat=...)`).
+        chat_template: --chat-template: a built-in template's name or a file, replacing
+            the target's template.
     """
     from mlx_spec.models import check_source, load_pair
+    from mlx_spec.models.chat_templates import chat_template_text
     from mlx_spec.models.loader import check_bits
 
     w = world()
@@ -176,6 +184,7 @@ def setup_models(
         if draft_on is not None and draft_on not in distributed.DRAFT_ON:
             raise UsageError(f"--draft-on must be root or all, not {draft_on!r}")
         check_source(choice.target, "target model", as_target=True)
+        template = chat_template_text(chat_template) if chat_template is not None else None
         if choice.draft is not None:
             check_source(choice.draft, "draft model")
     kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))
@@ -184,6 +193,8 @@ def setup_models(
         chat = getattr(choice.preset, "chat", True) if choice.preset is not None else True
     if chat:
         kwargs["for_chat"] = "later" if chat == "later" else True
+    if template is not None:
+        kwargs["chat_template"] = template
     draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
     if w.active:  # launched by mlx.launch: the target sharded over the ranks
         pair = distributed.load_pair(w, choice.target, choice.draft, draft_on=draft_on or "root",

@@ -21,7 +21,7 @@ import typer
 from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    OUTPUT, ChatOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
+    OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
     RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
     read_prompt, setup_models, template_kwargs, thought_splitter, use_chat,
@@ -64,6 +64,7 @@ def generate(
     stop: StopOpt = None,
     chat: ChatOpt = None,
     think: ThinkOpt = None,
+    chat_template: ChatTemplateOpt = None,
     color_drafts: ColorOpt = False,
     json_out: Annotated[bool, typer.Option(
         "--json", rich_help_panel=OUTPUT, help="Print one JSON object: text, finish reason, models, "
@@ -78,13 +79,14 @@ def generate(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
-                         draft_on=draft_on, chat=chat,
+                         draft_on=draft_on, chat=chat, chat_template=chat_template,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
     tokenizer = setup.pair.tokenizer
-    chat = use_chat(tokenizer, chat, setup.preset)
+    # A template given on the command line is meant to be used, a base-model preset or not.
+    chat = use_chat(tokenizer, True if chat is None and chat_template else chat, setup.preset)
     prompt_ids = encode_prompt(tokenizer, text, chat, template_kwargs(think, chat))
     splitter = thought_splitter(tokenizer, chat, prompt_ids)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds

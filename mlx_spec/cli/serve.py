@@ -22,7 +22,7 @@ import typer
 from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
+    ChatTemplateOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
     PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt,
     calibrate_gamma, setup_models,
 )
@@ -102,6 +102,7 @@ def serve(
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
     group_size: GroupSizeOpt = None,
+    chat_template: ChatTemplateOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -144,7 +145,7 @@ def serve(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
-                         chat=True,  # /v1/chat/completions renders chat templates
+                         chat=True, chat_template=chat_template,  # /v1/chat/completions renders them
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params

@@ -1,8 +1,13 @@
 """Chat templates for checkpoints that ship without one.
 
 GGUF files of base models (such as the embedded Gemma 3 270M) carry no template, yet the
-Gemma family was trained on one turn format; `--chat` falls back to it.
+Gemma family was trained on one turn format; `--chat` falls back to it. `--chat-template`
+names one of `BUILT_IN` or a .jinja file (`chat_template_text`).
 """
+
+from pathlib import Path
+
+from mlx_spec.errors import UsageError
 
 # Gemma 3 turn format, text only: an optional system message is folded into the first
 # user turn, roles alternate, the assistant is called "model".
@@ -43,3 +48,19 @@ GEMMA4_CHAT_TEMPLATE = (
     "{{ '<|turn>model\n' }}"
     "{%- endif -%}"
 )
+
+BUILT_IN = {"gemma3": GEMMA_CHAT_TEMPLATE, "gemma4": GEMMA4_CHAT_TEMPLATE}
+
+
+def chat_template_text(value: str) -> str:
+    """The template `--chat-template` names: a built-in one by name, else a file's text."""
+    if value in BUILT_IN:
+        return BUILT_IN[value]
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UsageError(f"--chat-template {value!r}: no such file, and no built-in template of that "
+                         f"name ({', '.join(BUILT_IN)})")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"--chat-template {value!r}: cannot read it ({error})") from None

@@ -81,7 +81,8 @@ def check_bits(bits: int | None, flag: str | None = None) -> None:
 
 def load_model(source: str | None = None, *, dtype: str | None = None,
                quantize: int | None = None, group_size: int = 64,
-               progress: bool = True, group=None, for_chat: bool | str = False) -> LoadedModel:
+               progress: bool = True, group=None, for_chat: bool | str = False,
+               chat_template: str | None = None) -> LoadedModel:
     """Load a model and its tokenizer from any supported source.
 
     Args:
@@ -99,6 +100,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             `FastTokenizer` first. "later": it renders them once a user has typed (an
             interactive chat): a GGUF import's `FastTokenizer`, which can load mlx-lm's
             behind the prompt (`FastTokenizer.load_full_in_background`).
+        chat_template: a template's text that replaces the checkpoint's (`--chat-template`).
     Returns:
         The LoadedModel, parameters evaluated.
     Raises:
@@ -118,7 +120,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         display.task(f"loading {source or sources.DEFAULT_SOURCE}").phase()
         model, config = checkpoints.load_folder(path, dtype=dtype)
         optional = gemma4_assistant.is_assistant_config(config)
-        templates_now = for_chat is True
+        templates_now = for_chat is True or chat_template is not None
         if not templates_now and gguf_import.is_imported(path) and fast_loadable(path) is not None:
             # Reading its tokenizer (from its index ~0.1 s; a first load parses tokenizer.json
             # whole, ~1.5 s for the 270M, holding the GIL) overlaps MLX reading the weights
@@ -126,7 +128,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             reading = _InBackground(read_tokenizer, path, config, optional)
         else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
             reading = None
-            tokenizer = with_turn_ends(read_tokenizer(path, config, optional, fast=not templates_now), config)
+            tokenizer = with_turn_ends(read_tokenizer(path, config, optional, fast=not templates_now,
+                                                      chat_template=chat_template), config)
         # Cast before quantizing so the new scales/biases get the same dtype (float32 on CPU,
         # where bfloat16 scales make quantized matmuls ~8x slower).
         model.set_dtype(getattr(mx, dtype))

@@ -29,9 +29,11 @@ def load_tokenizer(path: Path, config: dict, *, optional: bool = False) -> Token
     return with_turn_ends(read_tokenizer(path, config, optional), config)
 
 
-def read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True):
+def read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True,
+                   chat_template: str | None = None):
     """The folder's tokenizer as it is stored (`fast`: a GGUF import's `FastTokenizer` where
-    it can be one); None for a folder without one when `optional`."""
+    it can be one); None for a folder without one when `optional`. `chat_template`
+    replaces the stored template (mlx-lm's tokenizer then infers its tool-call syntax from it)."""
     # Without any of these transformers silently builds an empty tokenizer for the model type.
     if not any(any(path.glob(pattern)) for pattern in _TOKENIZER_FILES):
         if optional:
@@ -39,6 +41,7 @@ def read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True):
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:
+        fast = fast and chat_template is None
         tokenizer_config = fast_loadable(path) if fast and gguf_import.is_imported(path) else None
         if tokenizer_config is not None:
             try:
@@ -47,7 +50,8 @@ def read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True):
                 pass  # mlx-lm picks its detokenizer
         from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
-        return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        extra = {"chat_template": chat_template} if chat_template is not None else None
+        return mlx_lm_load_tokenizer(path, tokenizer_config_extra=extra, eos_token_ids=config.get("eos_token_id"))
     except Exception as error:  # transformers raises many types for a bad tokenizer
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {reason}") from None

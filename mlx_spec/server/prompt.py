@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import Iterator, Optional
 
 from mlx_spec.server.protocol import ApiError
-from mlx_spec.server.tools import ToolPlan
+from mlx_spec.server.tools import ToolPlan, native_tool_turns
 
 SENTINELS = 0x100000  # Supplementary Private Use Area-B: no tokenizer gives these meaning
 
@@ -61,6 +61,9 @@ class ChatPrompts:
     def __init__(self, tokenizer, parse_special: bool = False):
         self.tokenizer = tokenizer
         self.parse_special = parse_special
+        # A template that reads `tool_responses` (Gemma 4's) takes a tool's answer inside the
+        # model's turn; others take it as a `tool` turn of its own.
+        self.native_tool_turns = "tool_responses" in str(getattr(tokenizer, "chat_template", None) or "")
 
     @cached_property
     def controls(self) -> ControlTokens:  # FastTokenizer loads transformers' tokenizer for it
@@ -84,8 +87,8 @@ class ChatPrompts:
                                 "assistant message", param="tool_choice")
         messages, tools, restore = ((messages, plan.tools, {}) if self.parse_special
                                     else self._defused([messages, plan.tools]))
-        text = self._render(messages, tools, continue_final, generation_prompt and not continue_final,
-                            template_kwargs or {})
+        text = self._render(native_tool_turns(messages) if self.native_tool_turns else messages, tools,
+                            continue_final, generation_prompt and not continue_final, template_kwargs or {})
         for i, message in enumerate(messages):
             if message["role"] in ("system", "user") and message["content"].strip() not in text:
                 hint = ""

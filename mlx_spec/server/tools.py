@@ -10,6 +10,9 @@ ending the prompt with the start marker, so the model's first words are a call (
 function is the only tool the template shows). Whatever fails to parse, names a function
 that was not offered, or has arguments with no strict JSON form (NaN, a set), is the model's
 text: it is returned as content, never as an error.
+
+A tool's answer reaches the template as Hugging Face's `tool` turn, except for templates that
+read it from the model's own turn (Gemma 4's `message.tool_responses`): `native_tool_turns`.
 """
 
 from __future__ import annotations
@@ -142,6 +145,35 @@ def template_result(call_id: str, name: Optional[str], content) -> dict:
     """A tool's answer to a call as templates take it, from either API: a `tool` turn with
     the call's id and its function's name."""
     return {"role": "tool", "content": content, "tool_call_id": call_id, **({"name": name} if name else {})}
+
+
+def native_tool_turns(messages: list[dict]) -> list[dict]:
+    """Template messages in the form of templates that read `message.tool_responses`
+    (Gemma 4's own): the model writes its calls, reads their answers and goes on in one
+    turn. So the tool turns answering an assistant's calls become that message's
+    `tool_responses` ({"name", "response"}: a JSON object's text as the object, as Google's
+    examples pass it; other text as it is), and an assistant's text right after them becomes
+    the calling message's content when it has none of its own."""
+    out: list[dict] = []
+    for message in messages:
+        last = out[-1] if out else {}
+        if message["role"] == "tool" and last.get("tool_calls"):
+            last.setdefault("tool_responses", []).append(
+                {"name": message.get("name"), "response": _response(message["content"])})
+        elif (message["role"] == "assistant" and not message.get("tool_calls")
+              and last.get("tool_responses") and not last.get("content")):
+            last["content"] = message["content"]
+        else:
+            out.append(dict(message))
+    return out
+
+
+def _response(text):
+    try:
+        value = parse_json(text, "content") if isinstance(text, str) else text
+    except ApiError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _arguments(text: str, where: str) -> dict:

@@ -23,6 +23,10 @@ from mlx_spec.testing.tiny import TINY_VOCAB, byte_tokenizer_json
 
 # Gemma 4's turn markers take the places of Gemma 3's, so ids stay as in tiny.py.
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
+# And the markers Google's own chat template writes (tools, calls, answers, thinking channel).
+TEMPLATE_SPECIAL_TOKENS = SPECIAL_TOKENS + [
+    "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+    '<|"|>', "<|channel>", "<channel|>", "<|think|>"]
 BOS_ID, EOS_ID, END_OF_TURN_ID = 2, 1, 5
 WINDOW = 16
 
@@ -83,8 +87,8 @@ def tiny_gemma4(seed: int = 0, logit_scale: float = 4.0, dtype=mx.float32, **ove
     return model
 
 
-def _write_tokenizer(path: Path, chat_template: str) -> None:
-    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(SPECIAL_TOKENS)))
+def _write_tokenizer(path: Path, chat_template: str, special_tokens: list[str] = SPECIAL_TOKENS) -> None:
+    (path / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(special_tokens)))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
@@ -93,9 +97,10 @@ def _write_tokenizer(path: Path, chat_template: str) -> None:
 
 
 def save_tiny_gemma4(path: str | Path, model=None, *, chat_template: str | None = GEMMA4_CHAT_TEMPLATE,
-                     **config_overrides) -> Path:
+                     special_tokens: list[str] = SPECIAL_TOKENS, **config_overrides) -> Path:
     """Write a tiny Gemma 4 target as a checkpoint folder (config.json, model.safetensors,
-    byte-level tokenizer with Gemma 4's turn tokens). chat_template=None writes none, so the
+    byte-level tokenizer with Gemma 4's turn tokens, or `special_tokens`: e.g.
+    TEMPLATE_SPECIAL_TOKENS for Google's own template). chat_template=None writes none, so the
     loader's fallback is exercised."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -103,7 +108,7 @@ def save_tiny_gemma4(path: str | Path, model=None, *, chat_template: str | None 
         model = tiny_gemma4(**config_overrides)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(model.config, indent=2))
-    _write_tokenizer(path, chat_template or "")
+    _write_tokenizer(path, chat_template or "", special_tokens)
     if chat_template is None:  # an empty template is still a template to transformers
         config = json.loads((path / "tokenizer_config.json").read_text())
         del config["chat_template"]
