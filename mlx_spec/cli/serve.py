@@ -92,6 +92,13 @@ def serve(
         "--timeout-keep-alive", rich_help_panel=SERVER, min=0.1, metavar="SECONDS",
         help="Close a kept-alive connection that sends no new request for this many "
              "seconds (uvicorn's option).")] = 5.0,
+    keep_alive: Annotated[str, typer.Option(
+        "--keep-alive", rich_help_panel=SERVER, metavar="DURATION",
+        help="Unload the models (and drop the cached conversations) once no request has run "
+             "or waited for this long, and load them again for the next request: e.g. 5m, "
+             "30s, 1h, or seconds; -1 or forever (default) keeps them loaded. A request's "
+             "keep_alive field (Ollama's) sets it for the time after that request. The "
+             "tokenizer stays loaded.")] = "forever",
     model: ModelOpt = None,
     draft_model: DraftOpt = None,
     drafter: DrafterOpt = None,
@@ -136,22 +143,40 @@ def serve(
         if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
             raise UsageError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
                                "(e.g. http://localhost:3000) or *")
+    from mlx_spec.server.worker import keep_alive_seconds
+
+    try:
+        idle_seconds = keep_alive_seconds(keep_alive)
+    except ValueError as error:
+        raise UsageError(f"--keep-alive: {error}") from None
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     served_hosts = _served_hosts(allowed_hosts, host, sock.getsockname()[0])
     if served_hosts is not None and not _loopback(sock.getsockname()[0]):
         print(f"answering requests for {', '.join(served_hosts)} and loopback names (more: "
               "--allowed-hosts)", file=sys.stderr)
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         chat=True, chat_template=chat_template,  # /v1/chat/completions renders them
-                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                       repetition_penalty=repetition_penalty, seed=seed))
+
+    def load_setup():
+        return setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
+                            gamma=gamma, dtype=dtype, quantize=quantize,
+                            draft_quantize=draft_quantize, group_size=group_size,
+                            chat=True, chat_template=chat_template,  # /v1/chat/completions renders them
+                            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                                          repetition_penalty=repetition_penalty, seed=seed))
+
+    setup = load_setup()
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
+
+    def load():
+        """The engine again after a keep-alive unload: the same files, flags and drafter;
+        the cost curve comes from the cache. The new tokenizer is dropped (the server keeps
+        its own)."""
+        again = build_engine(load_setup().pair, setup.drafter)
+        calibrate_gamma(again, gamma_mode, 256)
+        return again
     preset_name = getattr(setup.preset, "name", None)
     served = served_model_name.strip() if served_model_name else setup.target
     options = ServerOptions(
@@ -169,8 +194,9 @@ def serve(
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
         body_timeout=body_timeout,
+        keep_alive=idle_seconds,
     )
-    application = create_app(engine, setup.pair.tokenizer, options)
+    application = create_app(engine, setup.pair.tokenizer, options, load=load)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     drafter_name = engine.drafter.name if engine.drafter is not None else "none"
@@ -178,6 +204,9 @@ def serve(
           f"at http://{shown}:{bound_port}/v1  (Ctrl-C stops)", file=sys.stderr, flush=True)
     config = uvicorn.Config(application, log_level=log_level, timeout_graceful_shutdown=5,
                             timeout_keep_alive=timeout_keep_alive)
+    # Only the worker may hold the models, so that a keep-alive unload frees them.
+    del engine
+    setup.pair = None
     _run(config, application.state.worker, sock)
 
 

@@ -43,7 +43,7 @@ from mlx_spec.server.tools import (
     Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages, tool_syntax,
 )
 from mlx_spec.server.worker import (
-    SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker, cached_count,
+    FOREVER, SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker, cached_count,
 )
 from mlx_spec.thinking import opens_thought, think_syntax
 
@@ -76,6 +76,8 @@ class ServerOptions:
             control tokens; off, it is text and only the chat template writes them
             (`prompt.ChatPrompts`).
         body_timeout: seconds a request's whole body may take to arrive (then 408).
+        keep_alive: idle seconds before the models are unloaded (`worker.FOREVER`: never);
+            needs `create_app`'s `load`.
     """
 
     model_name: str
@@ -92,12 +94,15 @@ class ServerOptions:
     cors_origins: tuple[str, ...] = ()
     parse_special_in_text: bool = False
     body_timeout: float = BODY_TIMEOUT_S
+    keep_alive: float = FOREVER
 
 
-def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
+def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     """An ASGI app serving `engine` (run it with uvicorn). The generation worker starts and
-    stops with the app's lifespan."""
-    worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget)
+    stops with the app's lifespan. `load()` makes the engine again after a keep-alive
+    unload (None: the models stay loaded)."""
+    worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
+                    load=load, keep_alive=options.keep_alive)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
     vocab = tokenizer.get_vocab()
     vocab_size = len(vocab)  # ids the detokenizer knows
@@ -208,7 +213,8 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
     async def models():
         created = int(time.time())
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "mlx-spec"}
+            {"id": name, "object": "model", "created": created, "owned_by": "mlx-spec",
+             "loaded": worker.engine is not None}
             for name in (options.model_name, *options.aliases)]}
 
     async def parsed(request: Request, read):
@@ -279,6 +285,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
             body.sampling(options.defaults)
             body.stops()
             body.logprob_count()
+            body.keep_alive_seconds()
 
     def submit(body, prompt_ids: list[int], param: str, thought_budget: Optional[int] = None) -> Job:
         """Queue a generation for `body` (its sampling fields, stops and budget checked);
@@ -289,7 +296,7 @@ def create_app(engine, tokenizer, options: ServerOptions) -> FastAPI:
         job = Job(prompt_ids, params, max_tokens, body.stops(), asyncio.get_running_loop(),
                   logprobs=body.logprob_count(), think=think if chat else None,
                   thinking=chat and opens_thought(tokenizer, think, prompt_ids),
-                  thought_budget=thought_budget)
+                  thought_budget=thought_budget, keep_alive=body.keep_alive_seconds())
         try:
             worker.submit(job)
         except (Busy, ShuttingDown) as error:
@@ -438,5 +445,6 @@ def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
 def statistics(done: Done) -> dict:
     """The speculative statistics in the response's extra `mlx_spec` field, acceptance of
     thought and answer apart included (`thinking.PhaseAcceptance`)."""
+    loaded = {} if done.load_seconds is None else {"load_seconds": round(done.load_seconds, 3)}
     return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target,
-            **done.phases.as_dict()}
+            **done.phases.as_dict(), "loaded": done.load_seconds is not None, **loaded}

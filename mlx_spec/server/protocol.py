@@ -194,6 +194,20 @@ class _Common(_Strict):
     echo: Optional[bool] = None
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    # Ollama's: how long the model stays loaded after this request ("5m", 300, -1: always)
+    keep_alive: Union[str, float, None] = None
+
+    def keep_alive_seconds(self) -> Optional[float]:
+        """The request's keep-alive in seconds (`worker.keep_alive_seconds`), None if unset."""
+        from mlx_spec.server.worker import keep_alive_seconds
+
+        if self.keep_alive is None:
+            return None
+        try:
+            return keep_alive_seconds(self.keep_alive)
+        except ValueError as error:
+            raise ApiError(400, f"keep_alive: {error}", param="keep_alive",
+                           code="invalid_value") from None
 
     def requested_tokens(self) -> Optional[int]:
         """max_completion_tokens (OpenAI's current name) over max_tokens."""

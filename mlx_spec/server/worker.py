@@ -18,19 +18,27 @@ gives up its place in the queue at once; a running one is checked between rounds
 worker closes the `stream_generate` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
 ends the running job the same way with a 503 event and answers every waiting one 503.
+
+Keep-alive (`serve --keep-alive`, a request's `keep_alive`): once nothing has run or waited
+for that long, the worker drops the engine (both models) and its prompt caches and frees
+MLX's memory; the next job loads them again first with the CLI's own loader (`load`), and
+its `Done` says so. The tokenizer stays loaded (it is small, and the request side needs it
+to tokenize before a job reaches the worker). Reloaded weights are the same, so answers are.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
+import re
 import statistics
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import gamma_policy
@@ -44,6 +52,38 @@ from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax, ThoughtSplitter
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
 MAX_RETRY_AFTER_S = 60
+FOREVER = math.inf  # a keep-alive that never unloads
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value) -> float:
+    """Ollama's keep-alive as seconds: a number of seconds, or a Go duration such as "5m",
+    "30s", "1h30m", "500ms"; a negative one (or "forever") is `FOREVER`, 0 unloads at once.
+    Raises ValueError with a one-line message."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        if text == "forever":
+            return FOREVER
+        try:
+            seconds = float(text)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"{value!r} is not a duration (e.g. 5m, 30s, 1h, 300, -1 or "
+                                 "forever)") from None
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+    else:
+        raise ValueError(f"{value!r} is not a duration")
+    if math.isnan(seconds):
+        raise ValueError(f"{value!r} is not a duration")
+    return FOREVER if seconds < 0 else seconds
 
 
 @dataclass
@@ -62,6 +102,7 @@ class Done:
     stats: Stats
     stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
     phases: PhaseAcceptance = field(default_factory=PhaseAcceptance)  # thought and answer apart
+    load_seconds: Optional[float] = None  # set when this job first loaded the models (keep-alive)
 
 
 @dataclass
@@ -89,6 +130,7 @@ class Job:
     think: Optional[ThinkSyntax] = None  # the model's thought markers: thoughts split out
     thinking: bool = False  # the prompt ends inside a thought
     thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
+    keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -128,11 +170,18 @@ class Worker:
         queue_size: requests that may wait while one generates; more get `Busy`.
         cache_budget: bytes of KV the cached conversations may hold; None: half of the
             device memory left once the models are loaded.
+        load: makes the engine again after an unload (the CLI's loader); None: never unload.
+        keep_alive: idle seconds before unloading when a job names none (`FOREVER`: never).
     """
 
     def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8,
-                 cache_budget: Optional[int] = None):
+                 cache_budget: Optional[int] = None, load: Optional[Callable] = None,
+                 keep_alive: float = FOREVER):
         self.engine = engine
+        self.load = load
+        self.keep_alive = keep_alive if load is not None else FOREVER
+        self._idle_for = self.keep_alive  # the last job's keep-alive, or the server's
+        self._idle_since = time.monotonic()
         self.tokenizer = tokenizer
         if queue_size < 1:  # queue.Queue(0) would be unbounded
             raise ValueError("queue_size must be at least 1")
@@ -215,7 +264,7 @@ class Worker:
         with self._changed:
             self._drop_cancelled()
             queued = len(self._waiting)
-        return {"busy": self.current is not None, "queued": queued,
+        return {"loaded": self.engine is not None, "busy": self.current is not None, "queued": queued,
                 "queue_size": self.queue_size, **self.counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget}
@@ -229,19 +278,38 @@ class Worker:
 
     def _run(self) -> None:
         while True:
+            unload = False
             with self._changed:
                 while not self._waiting and not self._stopping:
-                    self._changed.wait()
-                if self._stopping:
+                    left = self._idle_since + self._idle_for - time.monotonic()
+                    if self.engine is not None and left <= 0:
+                        unload = True
+                        break
+                    self._changed.wait(None if math.isinf(left) or self.engine is None else left)
+                if unload:
+                    pass
+                elif self._stopping:
                     return
-                self._drop_cancelled()  # clients that left while they waited
-                if not self._waiting:
-                    continue
-                job = self._waiting.popleft()
-                self.current, self._started = job, time.perf_counter()
-            cache = self.caches.take(job.prompt_ids)
+                else:
+                    self._drop_cancelled()  # clients that left while they waited
+                    if not self._waiting:
+                        continue
+                    job = self._waiting.popleft()
+                    self.current, self._started = job, time.perf_counter()
+            if unload:
+                self._unload()
+                continue
             try:
-                self._generate(job, cache)
+                load_seconds = self._ensure_loaded()
+                cache = self.caches.take(job.prompt_ids)
+            except Exception as error:  # the models did not load: this job fails, the next tries again
+                log.exception("loading the models failed")
+                self.counts["failed"] += 1
+                job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
+                self._finish(job)
+                continue
+            try:
+                self._generate(job, cache, load_seconds)
             except MlxSpecError as error:
                 self.counts["failed"] += 1
                 job.emit(Failed(400, str(error)))
@@ -252,11 +320,37 @@ class Worker:
                 job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
             finally:
                 self.caches.fit()
-                with self._changed:
-                    self.current = None
-                    self._durations.append(time.perf_counter() - self._started)
+                self._finish(job)
+                del cache  # it holds the target model: an unload must find it unreferenced
 
-    def _generate(self, job: Job, cache) -> None:
+    def _finish(self, job: Job) -> None:
+        with self._changed:
+            self.current = None
+            self._durations.append(time.perf_counter() - self._started)
+            self._idle_for = self.keep_alive if job.keep_alive is None or self.load is None else job.keep_alive
+            self._idle_since = time.monotonic()
+
+    def _unload(self) -> None:
+        """Drop both models and every prompt cache, and give their memory back."""
+        import mlx.core as mx
+
+        self.engine = None
+        self.caches = CachePool(None, self.caches.budget)
+        gc.collect()
+        mx.clear_cache()
+        log.info("models unloaded after %.0f s idle", self._idle_for)
+
+    def _ensure_loaded(self) -> Optional[float]:
+        """Load the models if they were unloaded; the seconds that took, else None."""
+        if self.engine is not None:
+            return None
+        began = time.perf_counter()
+        engine = self.load()
+        self.caches = CachePool(engine.make_prompt_cache, self.caches.budget)
+        self.engine = engine
+        return time.perf_counter() - began
+
+    def _generate(self, job: Job, cache, load_seconds: Optional[float] = None) -> None:
         stats = Stats()
         prefilled = [0]  # prompt tokens the target's prefill processed
         policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids),
@@ -297,7 +391,7 @@ class Worker:
         reasoning, text = splitter.finish()
         if reasoning or text:
             job.emit(Piece(text, [], reasoning))
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases))
+        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds))
 
     def _stream(self, job: Job, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
                 prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
