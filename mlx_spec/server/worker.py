@@ -155,6 +155,7 @@ class ShuttingDown(Exception):
 
 
 SHUTTING_DOWN = Failed(503, "the server is shutting down")
+UNLOAD = object()  # `Worker._next_job`: the keep-alive ran out
 
 
 class Worker:
@@ -278,50 +279,57 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            unload = False
-            with self._changed:
+            job = self._next_job()
+            if job is None:
+                return
+            if job is UNLOAD:
+                self._unload()
+            else:
+                self._serve(job)
+
+    def _next_job(self):
+        """The next job to run, `UNLOAD` once the keep-alive has run out with nothing to
+        do, or None when the server stops."""
+        with self._changed:
+            while True:
                 while not self._waiting and not self._stopping:
                     left = self._idle_since + self._idle_for - time.monotonic()
                     if self.engine is not None and left <= 0:
-                        unload = True
-                        break
+                        return UNLOAD
                     self._changed.wait(None if math.isinf(left) or self.engine is None else left)
-                if unload:
-                    pass
-                elif self._stopping:
-                    return
-                else:
-                    self._drop_cancelled()  # clients that left while they waited
-                    if not self._waiting:
-                        continue
+                if self._stopping:
+                    return None
+                self._drop_cancelled()  # clients that left while they waited
+                if self._waiting:
                     job = self._waiting.popleft()
                     self.current, self._started = job, time.perf_counter()
-            if unload:
-                self._unload()
-                continue
-            try:
-                load_seconds = self._ensure_loaded()
-                cache = self.caches.take(job.prompt_ids)
-            except Exception as error:  # the models did not load: this job fails, the next tries again
-                log.exception("loading the models failed")
-                self.counts["failed"] += 1
-                job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
-                self._finish(job)
-                continue
-            try:
-                self._generate(job, cache, load_seconds)
-            except MlxSpecError as error:
-                self.counts["failed"] += 1
-                job.emit(Failed(400, str(error)))
-            except Exception as error:  # keep serving; the log has the traceback
-                log.exception("generation failed")
-                self.counts["failed"] += 1
-                self.caches.discard(cache)  # whatever state the error left, start clean
-                job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
-            finally:
-                self.caches.fit()
-                self._finish(job)
-                del cache  # it holds the target model: an unload must find it unreferenced
+                    return job
+
+    def _serve(self, job: Job) -> None:
+        # The cache lives in this frame only: it holds the target model, which an unload
+        # must find unreferenced once the job is done.
+        try:
+            load_seconds = self._ensure_loaded()
+            cache = self.caches.take(job.prompt_ids)
+        except Exception as error:  # the models did not load: this job fails, the next tries again
+            log.exception("loading the models failed")
+            self.counts["failed"] += 1
+            job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
+            self._finish(job)
+            return
+        try:
+            self._generate(job, cache, load_seconds)
+        except MlxSpecError as error:
+            self.counts["failed"] += 1
+            job.emit(Failed(400, str(error)))
+        except Exception as error:  # keep serving; the log has the traceback
+            log.exception("generation failed")
+            self.counts["failed"] += 1
+            self.caches.discard(cache)  # whatever state the error left, start clean
+            job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
+        finally:
+            self.caches.fit()
+            self._finish(job)
 
     def _finish(self, job: Job) -> None:
         with self._changed:
