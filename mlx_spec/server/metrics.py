@@ -96,10 +96,8 @@ class Metrics:
 class CountResponses:
     """ASGI middleware counting responses by status into `metrics` (a plain ASGI wrapper:
     Starlette's BaseHTTPMiddleware would get between a streamed answer and its client).
-
-    An exception that leaves the app before any response is answered 500 by Starlette's
-    ServerErrorMiddleware, which always sits outside every added middleware: counted here
-    as it passes."""
+    It sits outside `guards.AnswerErrors`, so an exception no route handled reaches it as
+    that middleware's 500 response and is counted like any other."""
 
     def __init__(self, app, metrics: Metrics):
         self.app = app
@@ -108,18 +106,10 @@ class CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
 
         async def counted(message):
-            nonlocal started
             if message["type"] == "http.response.start":
-                started = True
                 self.metrics.observe_response(message["status"])
             await send(message)
 
-        try:
-            await self.app(scope, receive, counted)
-        except Exception:
-            if not started:
-                self.metrics.observe_response(500)
-            raise
+        await self.app(scope, receive, counted)
