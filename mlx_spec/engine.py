@@ -107,6 +107,7 @@ class Engine:
         stats: Optional[Stats] = None,
         prefill_progress: Optional[Callable[[int, int], None]] = None,
         logprobs: Optional[int] = None,
+        images=None,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -122,6 +123,8 @@ class Engine:
                 this many top alternatives: of its logits after the repetition penalty,
                 before temperature and truncation, as mlx-lm's `generate_step` reports them
                 (so at temperature 0 the chosen token is the likeliest one shown).
+            images: an `mlx_spec.vision.ImagePrompt` whose ids are `prompt_ids`: the target's
+                prefill reads its image features; drafters see the ids as they are.
         Yields:
             `Round`s; the last has a finish_reason.
         """
@@ -141,7 +144,7 @@ class Engine:
         # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
         start = perf_counter()
         processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
-                                         hidden=self.wants_hidden)
+                                         hidden=self.wants_hidden, images=images)
         if drafter is not None:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)

@@ -1,0 +1,195 @@
+"""Images into the target's prefill, through mlx-vlm's vision towers and processors.
+
+The target stays the mlx-lm language model it always is; for a checkpoint with a vision
+tower (Gemma 3 4B and up) `load_vision` adds mlx-vlm's model of the same folder with its
+language model swapped for the target's (one copy of the weights), and its processor.
+`Vision.prompt` expands each image placeholder the chat template wrote (`<start_of_image>`)
+into the processor's image sequence; the prefill then runs on input embeddings in which
+mlx-vlm's `get_input_embeddings` put the image features at the image tokens. After the
+prefill the rounds run on token ids as always: a drafter that reads the target's states (MTP)
+drafts as before, n-gram lookup drafts from the ids, and a text-only draft model sees only
+the placeholder ids, so it stays exact with lower acceptance.
+
+A cache holds `ImagePrompt.keys`, the ids with each image token marked by its image's
+content hash, so prefix reuse never mistakes one image for another with the same
+placeholder ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_spec.errors import ModelLoadError, UsageError
+
+MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (OpenAI's limit per image)
+MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a small file can decode huge
+INSTALL_HINT = "pip install 'mlx-spec[vision]'"
+
+
+class ImageError(UsageError):
+    """An image that cannot be read: too big, not an image, not allowed to be fetched."""
+
+
+@dataclass
+class ImagePrompt:
+    """A prompt with images, ready for the prefill.
+
+    Attributes:
+        ids: the prompt's ids, each image placeholder expanded to the processor's sequence.
+        keys: `ids` with each image token as (id, its image's sha256): what caches compare.
+        pixel_values: the processor's pixel values, [images, 3, H, W].
+    """
+
+    ids: list[int]
+    keys: list
+    pixel_values: np.ndarray
+    vision: "Vision"
+    _inputs: Optional[dict] = field(default=None, repr=False)
+
+    def prefill_inputs(self) -> dict:
+        """The keyword arguments the target's forward takes for the whole prompt
+        (`input_embeddings` [1, L, H]), computed once, on the calling (MLX) thread."""
+        if self._inputs is None:
+            self._inputs = self.vision.embed(self.ids, self.pixel_values)
+        return self._inputs
+
+
+class Vision:
+    """A target's vision tower and processor (mlx-vlm's), sharing the target's embeddings."""
+
+    def __init__(self, vlm, processor):
+        self.vlm = vlm
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        self.placeholder = processor.boi_token  # what the chat template writes per image
+        self.placeholder_id = tokenizer.convert_tokens_to_ids(self.placeholder)
+        self.image_id = processor.image_token_id
+        self.sequence = tokenizer.encode(processor.full_image_sequence, add_special_tokens=False)
+
+    def prompt(self, ids: list[int], images: list) -> ImagePrompt:
+        """`ids` (a rendered prompt, one placeholder per image) with `images` (PIL images,
+        in order) as an `ImagePrompt`; a count that does not match is refused."""
+        at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
+        if len(at) != len(images):
+            raise ImageError(f"the prompt has {len(at)} image placeholder(s) for {len(images)} image(s)")
+        pixels = self.processor.image_processor(images, return_tensors="np")["pixel_values"]
+        expanded, keys = [], []
+        for n, (begin, end) in enumerate(zip([-1, *at], [*at, len(ids)])):
+            if n:  # the n-th placeholder: its image's sequence
+                digest = hashlib.sha256(np.ascontiguousarray(pixels[n - 1]).tobytes()).hexdigest()
+                expanded += self.sequence
+                keys += [(t, digest) if t == self.image_id else t for t in self.sequence]
+            expanded += ids[begin + 1:end]
+            keys += ids[begin + 1:end]
+        return ImagePrompt(expanded, keys, pixels, self)
+
+    def embed(self, ids: list[int], pixel_values: np.ndarray) -> dict:
+        """mlx-vlm's input embeddings for `ids` with the images' features merged in."""
+        tokens = mx.array(ids)[None]
+        features = self.vlm.get_input_embeddings(tokens, pixel_values=mx.array(pixel_values),
+                                                 mask=mx.ones(tokens.shape, mx.int32))
+        return {"input_embeddings": features.inputs_embeds}
+
+
+def load_vision(path: Path, config: dict, target) -> Optional[Vision]:
+    """The vision tower and processor of the checkpoint in `path` (whose config.json is
+    `config`), joined to the loaded `target`; None for a model without one."""
+    if "vision_config" not in config:
+        return None
+    if config.get("model_type") != "gemma3":
+        return None  # only Gemma 3's vision path is wired to our prefill (see docs/images.md)
+    try:
+        from mlx_vlm.utils import load_model, load_processor
+    except ImportError:
+        raise ModelLoadError(f"{path} has a vision tower, which needs mlx-vlm: {INSTALL_HINT}") from None
+    try:
+        vlm = load_model(path, lazy=True)
+        processor = load_processor(path, add_detokenizer=False)
+    except (ValueError, KeyError, OSError, RuntimeError, AttributeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"cannot load the vision tower in {path}: {reason}") from None
+    # One copy of the language model: the target's (its embeddings are what images join).
+    vlm.language_model = target.language_model
+    dtype = target.language_model.model.embed_tokens.weight.dtype
+    for name, module in vlm.children().items():
+        if name != "language_model":
+            module.set_dtype(dtype)
+            mx.eval(module.parameters())
+    return Vision(vlm, processor)
+
+
+def open_image(data: bytes, where: str):
+    """`data` as an RGB PIL image, or an `ImageError` naming `where` and the limit broken."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"{where}: the image is {len(data):,} bytes, over the limit of {MAX_IMAGE_BYTES:,}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise ImageError(f"{where}: the image is {image.width}x{image.height} pixels, over the limit of "
+                             f"{MAX_IMAGE_PIXELS:,} pixels")
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        if isinstance(error, ImageError):
+            raise
+        raise ImageError(f"{where}: not an image PIL can read") from None
+
+
+def read_image_file(path: str, where: str):
+    """An image file as a PIL image (`open_image`)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ImageError(f"{where}: no image file {path}")
+    if file.stat().st_size > MAX_IMAGE_BYTES:
+        raise ImageError(f"{where}: {path} is {file.stat().st_size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}")
+    return open_image(file.read_bytes(), where)
+
+
+def decode_base64_image(data: str, where: str):
+    """A base64 image (`open_image`); malformed base64 is refused in one line."""
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ImageError(f"{where}: the image is over the limit of {MAX_IMAGE_BYTES:,} bytes")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError(f"{where}: the image data is not valid base64") from None
+    return open_image(raw, where)
+
+
+def image_from_url(url: str, where: str, allow_remote: bool = False):
+    """An image from a data: URL, a file: URL or local path, or (when `allow_remote`, i.e.
+    `serve --allow-image-urls`) an http(s) URL; anything else is refused in one line."""
+    import urllib.request  # ~20 ms of imports, for requests with image URLs only
+
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "data":
+        head, comma, data = url.partition(",")
+        if not comma or not head.endswith(";base64"):
+            raise ImageError(f"{where}: a data URL must be data:<media type>;base64,<data>")
+        return decode_base64_image(data, where)
+    if scheme == "file":
+        return read_image_file(urllib.request.url2pathname(urllib.parse.urlsplit(url).path), where)
+    if scheme in ("http", "https"):
+        if not allow_remote:
+            raise ImageError(f"{where}: image URLs are not fetched unless the server is started with "
+                             "--allow-image-urls")
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                data = response.read(MAX_IMAGE_BYTES + 1)
+        except OSError as error:
+            raise ImageError(f"{where}: cannot fetch {url}: {error}") from None
+        return open_image(data, where)
+    if scheme and len(scheme) > 1:  # C:\... is a path, not a scheme
+        raise ImageError(f"{where}: image URLs with scheme '{scheme}' are not read")
+    return read_image_file(url, where)
