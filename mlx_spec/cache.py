@@ -368,7 +368,8 @@ class SequenceCache:
         chunk_size: int = 512,
         progress: Optional[Callable[[int, int], None]] = None,
         hidden: bool = False,
-        images=None,
+        keys: Optional[list] = None,
+        inputs: Optional[Callable[[], dict]] = None,
     ) -> int:
         """Make the cache hold exactly `ids`, reusing the longest common prefix it already
         holds (multi-turn chat prefills only the new turn). Returns tokens processed.
@@ -377,12 +378,14 @@ class SequenceCache:
         last chunk's own pass (no extra forward), in `prefill_hidden` (None if nothing was
         fed): an MTP drafter starts its first draft from it.
 
-        images: the `ImagePrompt` whose ids begin with `ids`: the prefix compared is its
-        keys (image tokens marked by image), and the rows are fed its input embeddings."""
+        keys: what is compared for prefix reuse and held, a list that begins as long as
+        `ids` (an image prompt's: image tokens marked by image); `ids` if None.
+        inputs: returns more inputs for the forward, by row over the whole of `keys`
+        (an image prompt's input embeddings); called only if there is anything to feed."""
         self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
-        keys = ids if images is None else images.keys[: len(ids)]
+        keys = ids if keys is None else keys[: len(ids)]
         common = common_prefix_length(self.ids, keys)
         surplus = len(self.ids) - common
         if surplus and surplus <= self.max_rollback():
@@ -393,7 +396,7 @@ class SequenceCache:
         todo = ids[common:]
         if progress is not None and todo:
             progress(0, len(todo))  # shown before the first chunk, which can take a while
-        inputs = images.prefill_inputs() if images is not None and todo else {}
+        inputs = inputs() if inputs is not None and todo else {}
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
             last = hidden and begin + chunk_size >= len(todo)

@@ -65,6 +65,8 @@ class Engine:
             sharing a sharded target make the same decision (e.g. rank 0's, broadcast).
         context_length: positions the target takes; a longer prompt is refused before any
             work, and generation stops ("length") where the context ends.
+        vision: the target's `mlx_spec.vision.Vision`, for prompts with images; None: it
+            reads none.
     """
 
     pipeline_plain_rounds = True
@@ -80,6 +82,7 @@ class Engine:
         profile: bool = False,
         agree: Optional[Callable[[Verdict], Verdict]] = None,
         context_length: Optional[int] = None,
+        vision=None,
     ):
         self.target = target
         self.drafter = drafter
@@ -89,6 +92,7 @@ class Engine:
         self.profile = profile
         self.agree = agree
         self.context_length = context_length
+        self.vision = vision
         # Drafters that read the target's final hidden states (MTP heads) get them with
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
@@ -143,8 +147,13 @@ class Engine:
         # first verify pass feeds. A drafter that reads hidden states gets the last prefilled
         # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
         start = perf_counter()
+        keys = inputs = None
+        if images is not None:  # the target reads the images' features; drafters, the ids
+            if self.vision is None:
+                raise MlxSpecError("the target model reads no images (it has no vision tower)")
+            keys, inputs = images.keys, lambda: self.vision.embed(images)
         processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
-                                         hidden=self.wants_hidden, images=images)
+                                         hidden=self.wants_hidden, keys=keys, inputs=inputs)
         if drafter is not None:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)

@@ -22,7 +22,7 @@ import binascii
 import hashlib
 import io
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -42,7 +42,7 @@ class ImageError(UsageError):
 
 @dataclass
 class ImagePrompt:
-    """A prompt with images, ready for the prefill.
+    """A prompt with images, ready for the prefill (`Engine.rounds(images=...)`).
 
     Attributes:
         ids: the prompt's ids, each image placeholder expanded to the processor's sequence.
@@ -53,22 +53,13 @@ class ImagePrompt:
     ids: list[int]
     keys: list
     pixel_values: np.ndarray
-    vision: "Vision"
-    _inputs: Optional[dict] = field(default=None, repr=False)
-
-    def prefill_inputs(self) -> dict:
-        """The keyword arguments the target's forward takes for the whole prompt
-        (`input_embeddings` [1, L, H]), computed once, on the calling (MLX) thread."""
-        if self._inputs is None:
-            self._inputs = self.vision.embed(self.ids, self.pixel_values)
-        return self._inputs
 
 
-class Vision:
-    """A target's vision tower and processor (mlx-vlm's), sharing the target's embeddings."""
+class ImagePrompter:
+    """A checkpoint's processor (mlx-vlm's): images and a rendered prompt into an
+    `ImagePrompt`. Needs no weights, so a server keeps it while the models are unloaded."""
 
-    def __init__(self, vlm, processor):
-        self.vlm = vlm
+    def __init__(self, processor):
         self.processor = processor
         tokenizer = processor.tokenizer
         self.placeholder = processor.boi_token  # what the chat template writes per image
@@ -91,12 +82,22 @@ class Vision:
                 keys += [(t, digest) if t == self.image_id else t for t in self.sequence]
             expanded += ids[begin + 1:end]
             keys += ids[begin + 1:end]
-        return ImagePrompt(expanded, keys, pixels, self)
+        return ImagePrompt(expanded, keys, pixels)
 
-    def embed(self, ids: list[int], pixel_values: np.ndarray) -> dict:
-        """mlx-vlm's input embeddings for `ids` with the images' features merged in."""
-        tokens = mx.array(ids)[None]
-        features = self.vlm.get_input_embeddings(tokens, pixel_values=mx.array(pixel_values),
+
+class Vision:
+    """A target's vision tower (mlx-vlm's model, its language model the target's own) and
+    its checkpoint's `ImagePrompter`."""
+
+    def __init__(self, vlm, prompter: ImagePrompter):
+        self.vlm = vlm
+        self.prompter = prompter
+
+    def embed(self, images: ImagePrompt) -> dict:
+        """The keyword arguments the target's forward takes for the whole prompt: mlx-vlm's
+        input embeddings [1, L, H] with the images' features at the image tokens."""
+        tokens = mx.array(images.ids)[None]
+        features = self.vlm.get_input_embeddings(tokens, pixel_values=mx.array(images.pixel_values),
                                                  mask=mx.ones(tokens.shape, mx.int32))
         return {"input_embeddings": features.inputs_embeds}
 
@@ -125,7 +126,7 @@ def load_vision(path: Path, config: dict, target) -> Optional[Vision]:
         if name != "language_model":
             module.set_dtype(dtype)
             mx.eval(module.parameters())
-    return Vision(vlm, processor)
+    return Vision(vlm, ImagePrompter(processor))
 
 
 def open_image(data: bytes, where: str):
@@ -149,10 +150,11 @@ def open_image(data: bytes, where: str):
 def read_image_file(path: str, where: str):
     """An image file as a PIL image (`open_image`)."""
     file = Path(path).expanduser()
+    where = f"{where} {path}"
     if not file.is_file():
-        raise ImageError(f"{where}: no image file {path}")
+        raise ImageError(f"{where}: no such file")
     if file.stat().st_size > MAX_IMAGE_BYTES:
-        raise ImageError(f"{where}: {path} is {file.stat().st_size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}")
+        raise ImageError(f"{where}: the file is {file.stat().st_size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}")
     return open_image(file.read_bytes(), where)
 
 
@@ -170,6 +172,8 @@ def decode_base64_image(data: str, where: str):
 def image_from_url(url: str, where: str, allow_remote: bool = False):
     """An image from a data: URL, a file: URL or local path, or (when `allow_remote`, i.e.
     `serve --allow-image-urls`) an http(s) URL; anything else is refused in one line."""
+    import urllib.request  # ~20 ms of imports, for requests with image URLs only
+
     import urllib.request  # ~20 ms of imports, for requests with image URLs only
 
     scheme = urllib.parse.urlsplit(url).scheme.lower()

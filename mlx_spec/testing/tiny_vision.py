@@ -11,6 +11,7 @@ Only the sizes shrink: a 32-pixel image in 8-pixel patches, pooled to 4 image to
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,7 +19,8 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
 from mlx_spec.models.arrays import evaluate_all
-from mlx_spec.testing.tiny import SPECIAL_TOKENS, TINY_VOCAB, byte_tokenizer_json, tiny_gemma3_config
+from mlx_spec.testing.tiny import (SPECIAL_TOKENS, TINY_VOCAB, byte_tokenizer_json, perturbed_copy,
+                                   save_tiny_model, tiny_gemma3_config)
 
 IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + IMAGE_TOKENS
@@ -94,4 +96,16 @@ def save_tiny_gemma3_vision(path: str | Path, model=None, seed: int = 0) -> Path
     }, indent=2))
     (path / "processor_config.json").write_text(json.dumps(
         {"processor_class": "Gemma3Processor", "image_seq_length": TOKENS_PER_IMAGE}, indent=2))
+    return path
+
+
+def save_text_draft(path: str | Path, target_dir: str | Path, noise: float = 0.02) -> Path:
+    """A text-only draft for the checkpoint in `target_dir`: its language model (as our
+    loader reads it) with `noise` added, saved with the same tokenizer."""
+    from mlx_spec.models.loader import load_model
+
+    path = Path(path)
+    save_tiny_model(path, perturbed_copy(load_model(str(target_dir), progress=False).model.language_model, noise))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(target_dir) / name, path / name)
     return path
