@@ -24,12 +24,14 @@ import io
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_spec.errors import ModelLoadError, UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (OpenAI's limit per image)
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a small file can decode huge
@@ -52,7 +54,11 @@ class ImagePrompt:
 
     ids: list[int]
     keys: list
-    pixel_values: np.ndarray
+    pixel_values: "np.ndarray"
+
+    def extended(self, ids: list[int]) -> "ImagePrompt":
+        """The same images for `ids`, which continue this prompt's ids (generated text)."""
+        return ImagePrompt(ids, self.keys + ids[len(self.ids):], self.pixel_values)
 
 
 class ImagePrompter:
@@ -70,6 +76,8 @@ class ImagePrompter:
     def prompt(self, ids: list[int], images: list) -> ImagePrompt:
         """`ids` (a rendered prompt, one placeholder per image) with `images` (PIL images,
         in order) as an `ImagePrompt`; a count that does not match is refused."""
+        import numpy as np  # not at import: the CLI starts without numpy
+
         at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(at) != len(images):
             raise ImageError(f"the prompt has {len(at)} image placeholder(s) for {len(images)} image(s)")
