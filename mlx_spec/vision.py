@@ -60,6 +60,13 @@ class ImagePrompt:
         """The same images for `ids`, which continue this prompt's ids (generated text)."""
         return ImagePrompt(ids, self.keys + ids[len(self.ids):], self.pixel_values)
 
+    def then(self, more: "ImagePrompt") -> "ImagePrompt":
+        """This prompt followed by `more` (a conversation's next turn, with its images)."""
+        import numpy as np
+
+        pixels = [p for p in (self.pixel_values, more.pixel_values) if p is not None]
+        return ImagePrompt(self.ids + more.ids, self.keys + more.keys, np.concatenate(pixels))
+
 
 class ImagePrompter:
     """A checkpoint's processor (mlx-vlm's): images and a rendered prompt into an
@@ -107,7 +114,11 @@ class Vision:
         tokens = mx.array(images.ids)[None]
         features = self.vlm.get_input_embeddings(tokens, pixel_values=mx.array(images.pixel_values),
                                                  mask=mx.ones(tokens.shape, mx.int32))
-        return {"input_embeddings": features.inputs_embeds}
+        # Image rows from mlx-vlm; text rows as a decode step embeds them (mlx-vlm's Gemma 3
+        # zeroes <pad> rows, so a generated id 0 would read differently once re-prefilled).
+        text = self.vlm.language_model.model.embed_tokens(tokens)
+        image_rows = (tokens == self.prompter.image_id)[..., None]
+        return {"input_embeddings": mx.where(image_rows, features.inputs_embeds, text)}
 
 
 def load_vision(path: Path, config: dict, target) -> Optional[Vision]:

@@ -15,6 +15,7 @@ from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.loader import load_model
+from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 from mlx_spec.testing.tiny import perturbed_copy
 from mlx_spec.testing.tiny_vision import save_text_draft, save_tiny_gemma3_vision
@@ -175,3 +176,41 @@ def test_image_limits_and_base64(monkeypatch):
     monkeypatch.setattr(vision, "MAX_IMAGE_BYTES", 100)
     with pytest.raises(vision.ImageError, match="over the limit of 100"):
         vision.decode_base64_image(encoded, "x")
+
+
+def test_a_chat_keeps_its_images_across_turns(target):
+    """Turn 2 (text only) of a chat whose turn 1 had an image, drafting with n-gram lookup,
+    equals plain decoding of its prompt from a fresh cache, with turn 1's image features,
+    and prefills only its new tokens."""
+    from mlx_spec.chat import ChatSession
+
+    engine = Engine(target.model, NgramDrafter(), eos_ids=target.tokenizer.eos_token_ids, vision=target.vision)
+    session = ChatSession(engine, target.tokenizer)
+    image = random_image(0)
+
+    def turn(content, images=()):
+        stats = Stats()
+        tokens = [t for r in session.ask(content, SamplingParams(), images, gamma=3, max_tokens=TOKENS,
+                                         stats=stats) for t in r.tokens]
+        return tokens, stats
+
+    first = image_prompt(target, image)
+    turn("What is this?", [image])
+    assert session.prompt_ids == first.ids
+    second, stats = turn("And now?")
+    assert session.prompt_ids[:len(first.ids)] == first.ids
+    assert session.prompt_ids.count(target.vision.prompter.image_id) == 4  # one image, not re-expanded
+    assert second == greedy(plain_engine(target), first.extended(session.prompt_ids))
+    assert stats.prefill_tokens < len(session.prompt_ids) - len(first.ids)
+
+
+def test_chat_image_command(vision_dirs, tiny_dirs, private_cost_cache):
+    target, _, (a, _) = vision_dirs
+    result = invoke(["chat", "--model", target, "--drafter", "ngram", "-n", "8"],
+                    input=f"/image {a}\n/image /no/such.png\nWhat is this?\n")
+    assert result.exit_code == 0, result.stderr
+    assert "1 image attached to your next message" in result.stdout
+    assert "error: /image /no/such.png: no such file" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    plain = invoke(["chat", "--model", tiny_dirs[0], "-n", "4"], input=f"/image {a}\n")
+    assert "error: this model reads no images (it has no vision tower)" in plain.stdout
