@@ -88,7 +88,8 @@ class ImagePrompter:
         at = [i for i, t in enumerate(ids) if t == self.placeholder_id]
         if len(at) != len(images):
             raise ImageError(f"the prompt has {len(at)} image placeholder(s) for {len(images)} image(s)")
-        pixels = self.processor.image_processor(images, return_tensors="np")["pixel_values"]
+        # One crop per image: pan-and-scan's extra crops would each need their own sequence.
+        pixels = self.processor.image_processor(images, return_tensors="np", do_pan_and_scan=False)["pixel_values"]
         expanded, keys = [], []
         for n, (begin, end) in enumerate(zip([-1, *at], [*at, len(ids)])):
             if n:  # the n-th placeholder: its image's sequence
