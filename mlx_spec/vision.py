@@ -22,6 +22,7 @@ import binascii
 import hashlib
 import io
 import urllib.parse
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -127,18 +128,26 @@ def load_vision(path: Path, config: dict, target) -> Optional[Vision]:
     `config`), joined to the loaded `target`; None for a model without one."""
     if "vision_config" not in config:
         return None
-    if config.get("model_type") != "gemma3":
-        return None  # only Gemma 3's vision path is wired to our prefill (see docs/images.md)
+    if config.get("model_type") != "gemma3":  # only Gemma 3's is wired to our prefill (docs/images.md)
+        warnings.warn(f"images on {config.get('model_type')} checkpoints are not supported yet: "
+                      "loading the language model only", stacklevel=3)
+        return None
     try:
         from mlx_vlm.utils import load_model, load_processor
     except ImportError:
         raise ModelLoadError(f"{path} has a vision tower, which needs mlx-vlm: {INSTALL_HINT}") from None
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # mlx-vlm asks for use_fast=False, which transformers 5 warns about
     try:
         vlm = load_model(path, lazy=True)
         processor = load_processor(path, add_detokenizer=False)
     except (ValueError, KeyError, OSError, RuntimeError, AttributeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the vision tower in {path}: {reason}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     # One copy of the language model: the target's (its embeddings are what images join).
     vlm.language_model = target.language_model
     dtype = target.language_model.model.embed_tokens.weight.dtype
