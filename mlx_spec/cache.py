@@ -369,7 +369,7 @@ class SequenceCache:
         progress: Optional[Callable[[int, int], None]] = None,
         hidden: bool = False,
         keys: Optional[list] = None,
-        inputs: Optional[Callable[[], dict]] = None,
+        inputs: Optional[Callable[[int, int], dict]] = None,
     ) -> int:
         """Make the cache hold exactly `ids`, reusing the longest common prefix it already
         holds (multi-turn chat prefills only the new turn). Returns tokens processed.
@@ -380,8 +380,9 @@ class SequenceCache:
 
         keys: what is compared for prefix reuse and held, a list that begins as long as
         `ids` (an image prompt's: image tokens marked by image); `ids` if None.
-        inputs: returns more inputs for the forward, by row over the whole of `keys`
-        (an image prompt's input embeddings); called only if there is anything to feed."""
+        inputs: inputs(begin, end) returns more inputs for the forward of rows begin..end of
+        `ids`, by row over the whole of `keys` (an image prompt's input embeddings), or {}
+        when those rows need none; called once, when there is anything to feed."""
         self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
@@ -396,7 +397,7 @@ class SequenceCache:
         todo = ids[common:]
         if progress is not None and todo:
             progress(0, len(todo))  # shown before the first chunk, which can take a while
-        inputs = inputs() if inputs is not None and todo else {}
+        inputs = inputs(common, len(ids)) if inputs is not None and todo else {}
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
             last = hidden and begin + chunk_size >= len(todo)

@@ -151,7 +151,9 @@ class Engine:
         if images is not None:  # the target reads the images' features; drafters, the ids
             if self.vision is None:
                 raise MlxSpecError("the target model reads no images (it has no vision tower)")
-            keys, inputs = images.keys, lambda: self.vision.embed(images)
+            if len(images.keys) != len(prompt_ids):
+                raise ValueError(f"the ImagePrompt has {len(images.keys)} positions for {len(prompt_ids)} prompt ids")
+            keys, inputs = images.keys, lambda begin, end: self.vision.embed(images, begin, end)
         processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
                                          hidden=self.wants_hidden, keys=keys, inputs=inputs)
         if drafter is not None:

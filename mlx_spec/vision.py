@@ -110,9 +110,12 @@ class Vision:
         self.vlm = vlm
         self.prompter = prompter
 
-    def embed(self, images: ImagePrompt) -> dict:
+    def embed(self, images: ImagePrompt, begin: int = 0, end: Optional[int] = None) -> dict:
         """The keyword arguments the target's forward takes for the whole prompt: mlx-vlm's
-        input embeddings [1, L, H] with the images' features at the image tokens."""
+        input embeddings [1, L, H] with the images' features at the image tokens; {} when
+        rows begin..end hold no image token (a later turn's text: no vision tower to run)."""
+        if self.prompter.image_id not in images.ids[begin:end]:
+            return {}
         tokens = mx.array(images.ids)[None]
         features = self.vlm.get_input_embeddings(tokens, pixel_values=mx.array(images.pixel_values),
                                                  mask=mx.ones(tokens.shape, mx.int32))

@@ -214,3 +214,17 @@ def test_chat_image_command(vision_dirs, tiny_dirs, private_cost_cache):
     assert "Traceback" not in result.stdout + result.stderr
     plain = invoke(["chat", "--model", tiny_dirs[0], "-n", "4"], input=f"/image {a}\n")
     assert "error: this model reads no images (it has no vision tower)" in plain.stdout
+
+
+def test_a_text_turn_after_an_image_runs_no_vision_tower(target, monkeypatch):
+    """The prefill of rows without image tokens (a later turn) needs no image features."""
+    engine = plain_engine(target)
+    first = image_prompt(target, random_image(0))
+    cache = engine.make_prompt_cache()
+    answer = greedy(engine, first, cache=cache)
+    later = first.extended(first.ids + answer + [5, 207, 4])
+    towers = []
+    monkeypatch.setattr(target.vision.vlm, "get_input_embeddings",
+                        lambda *a, _real=target.vision.vlm.get_input_embeddings, **k: towers.append(1) or _real(*a, **k))
+    assert greedy(engine, later, cache=cache) == greedy(engine, later)
+    assert len(towers) == 1  # the fresh cache's prefill only
