@@ -212,19 +212,20 @@ def _max_trim(layer) -> int:
     return 0  # recurrent state or an overwriting ring: no exact rollback
 
 
-def final_hidden(model, inputs: mx.array, cache) -> mx.array:
+def final_hidden(model, inputs: mx.array, cache, **embedded) -> mx.array:
     """The decoder's final (post-norm) hidden states, without the LM head: mlx-lm's
-    Gemma-family models are a decoder `model.model` ending in its final norm."""
+    Gemma-family models are a decoder `model.model` ending in its final norm. `embedded`:
+    `input_embeddings` for the rows (an image prompt's, `mlx_spec.vision`)."""
     lm = getattr(model, "language_model", model)  # multimodal wrappers hold the text model
-    return lm.model(inputs, cache=cache)
+    return lm.model(inputs, cache=cache, **embedded)
 
 
-def logits_and_hidden(model, inputs: mx.array, cache) -> tuple[mx.array, mx.array]:
+def logits_and_hidden(model, inputs: mx.array, cache, **embedded) -> tuple[mx.array, mx.array]:
     """One forward that also returns the final (post-norm) hidden states, for drafters that
     read them: the decoder (`final_hidden`), then a tied embedding or an `lm_head`, then an
     optional logit soft-cap."""
     lm = getattr(model, "language_model", model)
-    hidden = final_hidden(model, inputs, cache)
+    hidden = final_hidden(model, inputs, cache, **embedded)
     if getattr(lm, "tie_word_embeddings", not hasattr(lm, "lm_head")):
         logits = lm.model.embed_tokens.as_linear(hidden)
     else:
@@ -238,7 +239,8 @@ def logits_and_hidden(model, inputs: mx.array, cache) -> tuple[mx.array, mx.arra
 class SequenceCache:
     """One model, its per-layer cache, and the token ids that cache holds.
 
-    `ids` is what the cache holds once a round is settled. Tokens fed with `forward` during
+    `ids` is what the cache holds once a round is settled: token ids, and where an image
+    prompt put image tokens, (id, image hash) keys (`mlx_spec.vision.ImagePrompt.keys`). Tokens fed with `forward` during
     a round (draft tokens, still lazy on the device) are unsettled until `settle(kept)`
     keeps a prefix of them and rolls the rest back.
 
@@ -304,17 +306,17 @@ class SequenceCache:
     def nbytes(self) -> int:
         return sum(getattr(layer, "nbytes", 0) for layer in self.cache)
 
-    def _call(self, tokens: mx.array, hidden: bool = False, head: bool = True):
+    def _call(self, tokens: mx.array, hidden: bool = False, head: bool = True, **embedded):
         """Logits; with hidden=True (logits, final hidden states); with head=False the final
-        hidden states only."""
+        hidden states only. `embedded`: input embeddings for the rows (`final_hidden`)."""
         if self.vocab is not None:
             tokens = mx.where(tokens < self.vocab, tokens, 0)
         try:
             if not head:
-                return final_hidden(self.model, tokens, self.cache)
+                return final_hidden(self.model, tokens, self.cache, **embedded)
             if hidden:
-                return logits_and_hidden(self.model, tokens, self.cache)
-            return self.model(tokens, cache=self.cache)
+                return logits_and_hidden(self.model, tokens, self.cache, **embedded)
+            return self.model(tokens, cache=self.cache, **embedded)
         except BaseException:
             # Interrupted half-way through the layers (Ctrl-C): their offsets disagree now,
             # so no rollback can be exact; start over rather than decode from a torn cache.
@@ -366,17 +368,26 @@ class SequenceCache:
         chunk_size: int = 512,
         progress: Optional[Callable[[int, int], None]] = None,
         hidden: bool = False,
+        keys: Optional[list] = None,
+        inputs: Optional[Callable[[int, int], dict]] = None,
     ) -> int:
         """Make the cache hold exactly `ids`, reusing the longest common prefix it already
         holds (multi-turn chat prefills only the new turn). Returns tokens processed.
 
         hidden=True also keeps the final hidden state at the last position fed, from the
         last chunk's own pass (no extra forward), in `prefill_hidden` (None if nothing was
-        fed): an MTP drafter starts its first draft from it."""
+        fed): an MTP drafter starts its first draft from it.
+
+        keys: what is compared for prefix reuse and held, a list that begins as long as
+        `ids` (an image prompt's: image tokens marked by image); `ids` if None.
+        inputs: inputs(begin, end) returns more inputs for the forward of rows begin..end of
+        `ids`, by row over the whole of `keys` (an image prompt's input embeddings), or {}
+        when those rows need none; called once, when there is anything to feed."""
         self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
-        common = common_prefix_length(self.ids, ids)
+        keys = ids if keys is None else keys[: len(ids)]
+        common = common_prefix_length(self.ids, keys)
         surplus = len(self.ids) - common
         if surplus and surplus <= self.max_rollback():
             self.rollback(surplus)
@@ -386,14 +397,17 @@ class SequenceCache:
         todo = ids[common:]
         if progress is not None and todo:
             progress(0, len(todo))  # shown before the first chunk, which can take a while
+        inputs = inputs(common, len(ids)) if inputs is not None and todo else {}
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
             last = hidden and begin + chunk_size >= len(todo)
-            out = self._call(mx.array(chunk)[None], head=not last)
+            rows = slice(common + begin, common + begin + len(chunk))
+            out = self._call(mx.array(chunk)[None], head=not last,
+                             **{name: value[:, rows] for name, value in inputs.items()})
             kept = out[:, -1:, :] if last else None  # [1, 1, H]
             mx.eval([c.state for c in self.cache] + ([kept] if last else []))
             self.prefill_hidden = kept
-            self.ids.extend(chunk)
+            self.ids.extend(keys[rows])
             if progress is not None:
                 progress(begin + len(chunk), len(todo))
         return len(todo)

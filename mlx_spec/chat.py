@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 from mlx_spec.engine import Engine
+from mlx_spec.errors import MlxSpecError
 from mlx_spec.stream import Response, stream_generate
+from mlx_spec.vision import ImagePrompt
 
 
 class ChatSession:
@@ -16,6 +18,10 @@ class ChatSession:
     that follows them, so earlier tokens are never re-tokenized (re-encoding generated text
     can give different ids). If the template re-renders history differently, the whole
     prompt is tokenized again and the caches keep their longest common prefix.
+
+    A turn may bring images (a target with a vision tower): they join the user's message as
+    image parts, and the conversation's `ImagePrompt` (every image so far) goes with each
+    turn's prompt, so the caches reuse image positions only for the same image.
     """
 
     def __init__(self, engine: Engine, tokenizer, system: Optional[str] = None,
@@ -32,35 +38,55 @@ class ChatSession:
         self.cache = self.engine.make_prompt_cache()
         self.ids: list[int] = []  # prompt + generated ids of the conversation so far
         self.rendered = ""  # the template's text for exactly those ids
+        self.images: list = []  # the conversation's images, in order
+        self.image_prompt = None  # an ImagePrompt for self.ids, once there are images
 
-    def _prompt_ids(self, messages: list[dict]) -> tuple[list[int], str]:
+    def _prompt_ids(self, messages: list[dict], images: list) -> tuple[list[int], str, Optional[ImagePrompt]]:
+        """(prompt ids, the template's text, the `ImagePrompt` or None) for `messages`, whose
+        last message brings `images`."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                   **self.template_kwargs)
+        prompter = self.engine.vision.prompter if images or self.images else None
         if self.ids and text.startswith(self.rendered):
-            suffix = text[len(self.rendered) :]
-            return self.ids + list(self.tokenizer.encode(suffix, add_special_tokens=False)), text
-        return list(self.tokenizer.encode(text, add_special_tokens=False)), text
+            suffix = list(self.tokenizer.encode(text[len(self.rendered) :], add_special_tokens=False))
+            if prompter is None:
+                return self.ids + suffix, text, None
+            # only the new text's placeholders expand: the held ids have their images' already
+            held = self.image_prompt or ImagePrompt(self.ids, list(self.ids), None)
+            prompt = held.then(prompter.prompt(suffix, images)) if images else held.extended(self.ids + suffix)
+            return prompt.ids, text, prompt
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if prompter is None:
+            return ids, text, None
+        prompt = prompter.prompt(ids, self.images + images)
+        return prompt.ids, text, prompt
 
-    def ask(self, content: str, params, **kwargs) -> Iterator[Response]:
-        """Stream the assistant's answer to `content`; keyword arguments as
-        `stream_generate` (gamma, max_tokens, stop, stats). Closing the generator early
-        (Ctrl-C) keeps the partial answer and leaves the caches consistent."""
-        messages = self.messages + [{"role": "user", "content": content}]
-        prompt_ids, text = self._prompt_ids(messages)
+    def ask(self, content: str, params, images: tuple = (), **kwargs) -> Iterator[Response]:
+        """Stream the assistant's answer to `content` (after `images`, PIL images, for a
+        target with a vision tower); keyword arguments as `stream_generate` (gamma,
+        max_tokens, stop, stats). Closing the generator early (Ctrl-C) keeps the partial
+        answer and leaves the caches consistent."""
+        if images and self.engine.vision is None:
+            raise MlxSpecError("the target model reads no images (it has no vision tower)")
+        parts = [{"type": "image"}] * len(images) + [{"type": "text", "text": content}]
+        messages = self.messages + [{"role": "user", "content": parts if images else content}]
+        prompt_ids, text, image_prompt = self._prompt_ids(messages, list(images))
+        self.images += images
         self.prompt_ids = prompt_ids
         shown: list[str] = []
         generated: list[int] = []
         try:
             for response in stream_generate(
-                self.engine, self.tokenizer, prompt_ids, params, prompt_cache=self.cache, **kwargs
+                self.engine, self.tokenizer, prompt_ids, params, prompt_cache=self.cache,
+                images=image_prompt, **kwargs
             ):
                 shown.append(response.text)
                 generated += response.tokens
                 yield response
         finally:
-            self._remember(messages, prompt_ids, text, "".join(shown), generated)
+            self._remember(messages, prompt_ids, text, "".join(shown), generated, image_prompt)
 
-    def _remember(self, messages, prompt_ids, text, reply, generated) -> None:
+    def _remember(self, messages, prompt_ids, text, reply, generated, image_prompt) -> None:
         """Keep the turn as the user saw it: the answer text shown (cut before a stop
         string) and the ids behind it. A stop string may begin inside a token; the shown
         part of that token is encoded on its own."""
@@ -69,10 +95,11 @@ class ChatSession:
         if reply != said and not reply.startswith(said):
             # The ids do not spell what was shown: let the next turn tokenize afresh (the
             # caches still keep their longest common prefix).
-            self.ids, self.rendered = [], ""
+            self.ids, self.rendered, self.image_prompt = [], "", None
             return
         generated = generated + list(self.tokenizer.encode(reply[len(said):], add_special_tokens=False))
         self.ids = prompt_ids + generated
+        self.image_prompt = image_prompt.extended(self.ids) if image_prompt is not None else None
         # The template's text for exactly those ids, so the next turn's template text starts
         # with it whenever the template renders history faithfully.
         self.rendered = text + self.tokenizer.decode(generated, skip_special_tokens=False)

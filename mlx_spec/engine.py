@@ -65,6 +65,8 @@ class Engine:
             sharing a sharded target make the same decision (e.g. rank 0's, broadcast).
         context_length: positions the target takes; a longer prompt is refused before any
             work, and generation stops ("length") where the context ends.
+        vision: the target's `mlx_spec.vision.Vision`, for prompts with images; None: it
+            reads none.
     """
 
     pipeline_plain_rounds = True
@@ -80,6 +82,7 @@ class Engine:
         profile: bool = False,
         agree: Optional[Callable[[Verdict], Verdict]] = None,
         context_length: Optional[int] = None,
+        vision=None,
     ):
         self.target = target
         self.drafter = drafter
@@ -89,6 +92,7 @@ class Engine:
         self.profile = profile
         self.agree = agree
         self.context_length = context_length
+        self.vision = vision
         # Drafters that read the target's final hidden states (MTP heads) get them with
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
@@ -107,6 +111,7 @@ class Engine:
         stats: Optional[Stats] = None,
         prefill_progress: Optional[Callable[[int, int], None]] = None,
         logprobs: Optional[int] = None,
+        images=None,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -122,6 +127,8 @@ class Engine:
                 this many top alternatives: of its logits after the repetition penalty,
                 before temperature and truncation, as mlx-lm's `generate_step` reports them
                 (so at temperature 0 the chosen token is the likeliest one shown).
+            images: an `mlx_spec.vision.ImagePrompt` whose ids are `prompt_ids`: the target's
+                prefill reads its image features; drafters see the ids as they are.
         Yields:
             `Round`s; the last has a finish_reason.
         """
@@ -140,8 +147,15 @@ class Engine:
         # first verify pass feeds. A drafter that reads hidden states gets the last prefilled
         # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
         start = perf_counter()
+        keys = inputs = None
+        if images is not None:  # the target reads the images' features; drafters, the ids
+            if self.vision is None:
+                raise MlxSpecError("the target model reads no images (it has no vision tower)")
+            if len(images.keys) != len(prompt_ids):
+                raise ValueError(f"the ImagePrompt has {len(images.keys)} positions for {len(prompt_ids)} prompt ids")
+            keys, inputs = images.keys, lambda begin, end: self.vision.embed(images, begin, end)
         processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
-                                         hidden=self.wants_hidden)
+                                         hidden=self.wants_hidden, keys=keys, inputs=inputs)
         if drafter is not None:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)

@@ -154,7 +154,7 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
     eos_ids = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     return Engine(pair.target.model, chosen, eos_ids=eos_ids, max_gamma=max_gamma,
                   context_length=pair.target.context_length,
-                  agree=w.agree_verdict if w.active else None)
+                  agree=w.agree_verdict if w.active else None, vision=pair.target.vision)
 
 
 def context_bucket(tokens: int) -> int:

@@ -50,15 +50,17 @@ class Result:
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int]], chat: bool = False,
-                  template_kwargs: Optional[dict] = None) -> list[int]:
+                  template_kwargs: Optional[dict] = None, images: int = 0) -> list[int]:
     """Token ids for `prompt`; with chat=True it is wrapped as one user turn in the
     tokenizer's chat template (given `template_kwargs`, such as enable_thinking), ending
-    with the assistant's turn opener."""
+    with the assistant's turn opener; `images` image parts lead the turn (the template
+    writes each one's placeholder)."""
     if not isinstance(prompt, str):
         return list(prompt)
     prompt = valid_text(prompt)[0]  # lone surrogates (undecodable bytes) would break the tokenizer
     if chat:
-        messages = [{"role": "user", "content": prompt}]
+        content = [{"type": "image"}] * images + [{"type": "text", "text": prompt}] if images else prompt
+        messages = [{"role": "user", "content": content}]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                   **(template_kwargs or {})))
     return list(tokenizer.encode(prompt))
@@ -150,6 +152,7 @@ def stream_generate(
     stats: Optional[Stats] = None,
     prefill_progress=None,
     logprobs: Optional[int] = None,
+    images=None,
 ) -> Iterator[Response]:
     """Stream text from `prompt`, one `Response` per engine round.
 
@@ -157,7 +160,7 @@ def stream_generate(
         engine: the `Engine` (target, drafter).
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
-        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs: as
+        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images: as
             `Engine.rounds`.
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
@@ -178,6 +181,7 @@ def stream_generate(
         stats=stats,
         prefill_progress=prefill_progress,
         logprobs=logprobs,
+        images=images,
     )
     for rnd in rounds:
         for i, t in enumerate(rnd.tokens):

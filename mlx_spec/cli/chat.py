@@ -34,6 +34,7 @@ from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import build_engine, parse_gamma
 from mlx_spec.stats import Stats
+from mlx_spec.vision import read_image_file
 
 PROMPT = ">>> "
 MORE = "... "  # inside a triple-quoted message
@@ -46,6 +47,7 @@ HELP = """commands:
   /temp X         set the sampling temperature (0 = greedy)
   /stats          full statistics of the last answer
   /thought        the last answer's thought (on a terminal it folds when the answer starts)
+  /image PATH     attach an image to your next message (a model with a vision tower)
   /reset          forget the conversation (clears both caches)
   /help           this help
   /quit           leave (also Ctrl-D, or Ctrl-C at the prompt)
@@ -141,6 +143,7 @@ class ChatRepl:
         self.last_thought = ""
         self.thinking = False  # a thought is being shown
         self.turns = 0
+        self.images: list = []  # attached with /image, sent with the next message
         self.set_gamma(gamma, name="--gamma")
 
     # -- state changes ---------------------------------------------------------------
@@ -184,8 +187,16 @@ class ChatRepl:
             else:
                 self.console.print(render_stats(self.last_view, title="last answer"))
                 self.say(f"conversation: {plural(self.turns, 'turn')}, {plural(len(self.session.ids), 'token')} in context")
+        elif name == "image":
+            if not arg:
+                raise MlxSpecError("/image needs the path of an image file")
+            if self.engine.vision is None:
+                raise MlxSpecError("this model reads no images (it has no vision tower)")
+            self.images.append(read_image_file(arg, "/image"))
+            self.say(f"{plural(len(self.images), 'image')} attached to your next message")
         elif name == "reset":
             self.session.reset()
+            self.images = []
             self.turns = 0
             self.last_view = None
             self.say("conversation cleared")
@@ -245,7 +256,8 @@ class ChatRepl:
         # Across ranks every rank must stop at the same round, so Ctrl-C ends the run there.
         alone = not world().active
         with (_Interrupt() if alone else nullcontext(_Interrupt())) as interrupt, _no_echo():
-            responses = self.session.ask(text, self.params, gamma=self.policy,
+            images, self.images = self.images, []
+            responses = self.session.ask(text, self.params, images, gamma=self.policy,
                                          max_tokens=self.max_tokens, stop=self.stop, stats=stats)
             try:
                 for response in responses:
@@ -343,9 +355,9 @@ def chat(
 ) -> None:
     """Chat with the model in the terminal (multi-turn, caches reused across turns).
 
-    Slash commands: /gamma N|auto, /temp X, /stats, /thought, /reset, /help, /quit. The
-    line is edited with readline (history in the cache folder); a pasted block, or lines
-    between two lines of triple quotes, is one message; Ctrl-D leaves.
+    Slash commands: /gamma N|auto, /temp X, /stats, /thought, /image PATH, /reset, /help,
+    /quit. The line is edited with readline (history in the cache folder); a pasted block,
+    or lines between two lines of triple quotes, is one message; Ctrl-D leaves.
     """
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,

@@ -110,6 +110,12 @@ ThinkOpt = Annotated[Optional[bool], typer.Option(
     "--think/--no-think", rich_help_panel=SAMPLING,
     help="Let the model think before it answers (the chat template's enable_thinking), or "
          "not. Default: the template's own choice (mlx-lm's: on for a model that can think).")]
+ImageOpt = Annotated[Optional[list[str]], typer.Option(
+    "--image", metavar="PATH", rich_help_panel=SAMPLING,
+    help="An image for a model with a vision tower (Gemma 3 4B and up; needs "
+         "`pip install 'mlx-spec[vision]'`), placed before the prompt (repeatable). Drafting "
+         "stays on: MTP and n-gram draft as usual; a text-only --draft-model sees only the "
+         "image's placeholder tokens, so it stays exact but is accepted less often.")]
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", metavar="FILE|NAME", rich_help_panel=MODELS,
     help="Chat template replacing the model's own (for a checkpoint with none or a wrong one): "
@@ -264,6 +270,24 @@ def use_chat(tokenizer, chat: Optional[bool], preset=None) -> bool:
 # ---------------------------------------------------------------------------------------
 # Input and progress
 # ---------------------------------------------------------------------------------------
+
+
+def image_prompt(target, tokenizer, text: str, chat: bool, kwargs: dict, images: list, flag: str):
+    """(prompt ids, `ImagePrompt` or None) for `text` with `images` (PIL images) before it:
+    in the chat template's image parts, or raw, after one placeholder per image. A target
+    without a vision tower refuses images in one line naming `flag`."""
+    from mlx_spec.stream import encode_prompt
+
+    if not images:
+        return encode_prompt(tokenizer, text, chat, kwargs), None
+    if target.vision is None:
+        raise UsageError(f"{target.source} reads no images (it has no vision tower)", flag=flag)
+    prompter = target.vision.prompter
+    if not chat:
+        text = prompter.placeholder * len(images) + text
+    prompt = prompter.prompt(encode_prompt(tokenizer, text, chat, kwargs, images=len(images) if chat else 0), images)
+    return prompt.ids, prompt
+
 
 
 def read_prompt(prompt: Optional[str]) -> str:

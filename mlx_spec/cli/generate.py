@@ -22,17 +22,18 @@ from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
-    GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
+    GroupSizeOpt, ImageOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
     RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    read_prompt, setup_models, template_kwargs, thought_splitter, use_chat,
+    image_prompt, read_prompt, setup_models, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.progress import StderrProgress
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
-from mlx_spec.stream import encode_prompt, stream_generate
+from mlx_spec.stream import stream_generate
 from mlx_spec.thinking import PhaseAcceptance
+from mlx_spec.vision import read_image_file
 
 REFRESH_S = 0.1  # live panel refresh throttle
 DRAFT_STYLE = "green"
@@ -65,6 +66,7 @@ def generate(
     chat: ChatOpt = None,
     think: ThinkOpt = None,
     chat_template: ChatTemplateOpt = None,
+    image: ImageOpt = None,
     color_drafts: ColorOpt = False,
     json_out: Annotated[bool, typer.Option(
         "--json", rich_help_panel=OUTPUT, help="Print one JSON object: text, finish reason, models, "
@@ -75,6 +77,7 @@ def generate(
     Examples:  mlx-spec generate "Why is the sky blue?"  ·  echo "Once upon" | mlx-spec generate --raw
     """
     text = read_prompt(prompt)
+    images = [read_image_file(path, "--image") for path in image or ()]  # refused before any load
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
@@ -87,7 +90,8 @@ def generate(
     tokenizer = setup.pair.tokenizer
     # A template given on the command line is meant to be used, a base-model preset or not.
     chat = use_chat(tokenizer, True if chat is None and chat_template else chat, setup.preset)
-    prompt_ids = encode_prompt(tokenizer, text, chat, template_kwargs(think, chat))
+    prompt_ids, images = image_prompt(setup.pair.target, tokenizer, text, chat, template_kwargs(think, chat),
+                                      images, "--image")
     splitter = thought_splitter(tokenizer, chat, prompt_ids)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
@@ -98,7 +102,7 @@ def generate(
     def responses(prefill_progress=None):
         return stream_generate(engine, tokenizer, prompt_ids, params, gamma=policy,
                                max_tokens=max_tokens, stop=stop or (), stats=stats,
-                               prefill_progress=prefill_progress)
+                               prefill_progress=prefill_progress, images=images)
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:

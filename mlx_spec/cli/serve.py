@@ -83,6 +83,10 @@ def serve(
         help="Read special-token text in messages (e.g. '<start_of_turn>') as those control "
              "tokens, so a message can write turn markers. Off by default: it is plain text "
              "and only the chat template writes control tokens.")] = False,
+    allow_image_urls: Annotated[bool, typer.Option(
+        "--allow-image-urls", rich_help_panel=SERVER,
+        help="Fetch images that requests name by http(s) URL. Off by default: such a request "
+             "is answered 400; data: URLs, base64 and local file paths are read either way.")] = False,
     body_timeout: Annotated[float, typer.Option(
         "--body-timeout", rich_help_panel=SERVER, min=0.1, metavar="SECONDS",
         help="A request's whole body must arrive within this many seconds of its headers, or "
@@ -193,6 +197,7 @@ def serve(
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
+        allow_image_urls=allow_image_urls,
         body_timeout=body_timeout,
         keep_alive=idle_seconds,
     )

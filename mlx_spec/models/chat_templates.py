@@ -9,8 +9,9 @@ from pathlib import Path
 
 from mlx_spec.errors import UsageError
 
-# Gemma 3 turn format, text only: an optional system message is folded into the first
-# user turn, roles alternate, the assistant is called "model".
+# Gemma 3 turn format: an optional system message is folded into the first user turn,
+# roles alternate, the assistant is called "model"; a content list's image parts render as
+# <start_of_image> (the processor expands it), its text parts trimmed, as Google's does.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
@@ -26,7 +27,14 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
     "{{ message['content'] | trim }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{{ '<end_of_turn>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"

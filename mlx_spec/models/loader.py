@@ -24,6 +24,7 @@ from mlx_spec.models.arrays import evaluate_all
 from mlx_spec.models.fast_tokenizer import fast_loadable
 from mlx_spec.models.tokenizer_loading import read_tokenizer, with_turn_ends
 from mlx_spec.progress import StderrProgress
+from mlx_spec.vision import Vision, load_vision
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -46,6 +47,8 @@ class LoadedModel:
         source: what the user passed ("default" for the embedded model).
         path: the local folder the weights came from (the converted cache folder for GGUF).
         kind: "hf" | "local" | "gguf" | "embedded" | "ollama" | "lmstudio".
+        vision: the checkpoint's vision tower and processor (`mlx_spec.vision.Vision`,
+            through mlx-vlm), or None for a model that reads no images.
     """
 
     model: nn.Module
@@ -54,6 +57,7 @@ class LoadedModel:
     source: str
     path: Path
     kind: str
+    vision: Vision | None = None
 
     @property
     def context_length(self) -> int | None:
@@ -153,7 +157,8 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
             checkpoints.write_float32_copy(path)
         if reading is not None:
             tokenizer = with_turn_ends(reading.result(), config)
-    return LoadedModel(model, tokenizer, config, source or sources.DEFAULT_SOURCE, path, kind)
+        vision = load_vision(path, config, model) if group is None else None
+    return LoadedModel(model, tokenizer, config, source or sources.DEFAULT_SOURCE, path, kind, vision)
 
 
 class _InBackground:

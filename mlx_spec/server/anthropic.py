@@ -55,6 +55,7 @@ class Block(_Strict):
     tool_use_id: Optional[str] = None  # tool_result
     content: Union[str, Items("Block", MAX_CONTENT_PARTS), None] = None
     is_error: Optional[bool] = None
+    source: Optional[dict] = None  # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
 
 class AnthropicMessage(_Strict):
@@ -155,6 +156,19 @@ def _text(content, where: str) -> str:
     return "".join(block.text for block in content)
 
 
+def _image_part(block: Block, where: str) -> dict:
+    """An image block as the template part `server.images.take_images` reads."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise ApiError(400, f"{where}.source: an image block needs a base64 source with `data` or a url "
+                            "source with `url`", param=f"{where}.source")
+    return {"type": "image", "url": url, "where": where, "kind": "image"}
+
+
 def _check_text(block: Block, where: str) -> None:
     if block.text is None:
         raise ApiError(400, f"{where}: a text block needs a string `text`", param=f"{where}.text")
@@ -183,7 +197,7 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
             out.append({"role": message.role, "content": message.content})
             previous = set()
             continue
-        text, calls, uses, thought = [], [], set(), []
+        text, calls, uses, thought, images = [], [], set(), [], False
         for j, block in enumerate(message.content):
             if block.type in ("tool_use", "tool_result") and not body.tools:
                 raise ApiError(400, f"{where}[{j}]: requests which include `tool_use` or "
@@ -191,6 +205,9 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
             if block.type == "text":
                 _check_text(block, f"{where}[{j}]")
                 text.append(block.text)
+            elif block.type == "image" and message.role == "user":
+                text.append(_image_part(block, f"{where}[{j}]"))  # in its place among the text
+                images = True
             elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
                 # An earlier thought, for templates that show them (Gemma 4's drops them);
                 # a redacted one is Anthropic's ciphertext, which no template can read.
@@ -215,7 +232,8 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
                                     f"{message.role} messages", param=f"{where}[{j}]")
         previous = uses
         if text or calls or message.role == "assistant":
-            turn = {"role": message.role, "content": "".join(text)}
+            turn = {"role": message.role, "content": "".join(text) if not images else
+                    [{"type": "text", "text": t} if isinstance(t, str) else t for t in text]}
             if thought:
                 turn["reasoning_content"] = "".join(thought)
             if calls:
@@ -308,7 +326,7 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, 
                usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
     (`parsed(request, read)` -> `read(the raw body)`, off the event loop;
-    `chat_ids(messages, plan, queued)` -> prompt ids, off the event loop, refused while
+    `chat_ids(messages, plan, queued)` -> (prompt ids, `ImagePrompt` or None), off the event loop, refused while
     the queue is full if `queued`; `cancel(job)` stops a job;
     `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
     `mlx_spec` statistics field; `think`: the model's `ThinkSyntax` or None)."""
@@ -322,13 +340,13 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, 
             return (body, plan, *template_messages(body), body.template_kwargs(think))
 
         body, plan, messages, prefill, kwargs = await parsed(request, read)
-        return body, plan, await chat_ids(messages, plan, queued, continue_final=prefill,
-                                          template_kwargs=kwargs)
+        return body, plan, *await chat_ids(messages, plan, queued, continue_final=prefill,
+                                           template_kwargs=kwargs)
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
         try:
-            _, _, ids = await prompt_of(request, CountRequest, queued=False)
+            _, _, ids, _ = await prompt_of(request, CountRequest, queued=False)
         except ApiError as error:
             return error_response(error)
         return {"input_tokens": len(ids)}
@@ -336,8 +354,8 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, 
     @app.post(PATH)
     async def messages(request: Request):
         try:
-            body, plan, ids = await prompt_of(request, MessagesRequest, queued=True)
-            job = submit(body, ids, "messages", thought_budget=body.thought_budget())
+            body, plan, ids, images = await prompt_of(request, MessagesRequest, queued=True)
+            job = submit(body, ids, "messages", thought_budget=body.thought_budget(), images=images)
             mid = "msg_" + uuid.uuid4().hex[:24]
             if body.stream:
                 return StreamingResponse(stream(job, mid, plan), media_type="text/event-stream",

@@ -33,6 +33,7 @@ from mlx_spec.server import anthropic
 from mlx_spec.server.guards import (
     BODY_TIMEOUT_S, AnswerErrors, CorsGuard, RequestGuards, check_api_key, error_body,
 )
+from mlx_spec.server.images import content_texts, take_images
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.prompt import ChatPrompts
 from mlx_spec.server.protocol import (
@@ -46,6 +47,7 @@ from mlx_spec.server.worker import (
     FOREVER, SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, Worker, cached_count,
 )
 from mlx_spec.thinking import opens_thought, think_syntax
+from mlx_spec.vision import ImageError, ImagePrompt
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 
@@ -78,6 +80,7 @@ class ServerOptions:
         body_timeout: seconds a request's whole body may take to arrive (then 408).
         keep_alive: idle seconds before the models are unloaded (`worker.FOREVER`: never);
             needs `create_app`'s `load`.
+        allow_image_urls: fetch images that requests name by http(s) URL (off: a 400).
     """
 
     model_name: str
@@ -95,6 +98,7 @@ class ServerOptions:
     parse_special_in_text: bool = False
     body_timeout: float = BODY_TIMEOUT_S
     keep_alive: float = FOREVER
+    allow_image_urls: bool = False
 
 
 def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
@@ -115,6 +119,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     describe = token_describer(tokenizer, engine.eos_ids)
     trims = trims_first_space(tokenizer)
     prompts = ChatPrompts(tokenizer, parse_special=options.parse_special_in_text)
+    # The processor needs no weights: it stays while a keep-alive unload drops the models.
+    prompter = engine.vision.prompter if engine.vision is not None else None
     # One thread: the tokenizer is not shared between request threads, only with the worker.
     tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
     # One thread: parsing holds the GIL for most of its work, so more would not be faster,
@@ -238,9 +244,9 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body, plan, messages, (continue_final, generation_prompt), kwargs = await parsed(request, read_chat)
-        ids = await chat_ids(messages, plan, continue_final=continue_final,
-                             generation_prompt=generation_prompt, template_kwargs=kwargs)
-        return await serve(request, body, ids, chat=True, plan=plan)
+        ids, images = await chat_ids(messages, plan, continue_final=continue_final,
+                                     generation_prompt=generation_prompt, template_kwargs=kwargs)
+        return await serve(request, body, ids, chat=True, plan=plan, images=images)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -257,13 +263,24 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
 
     async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True,
                        continue_final: bool = False, generation_prompt: bool = True,
-                       template_kwargs: Optional[dict] = None) -> list[int]:
-        """The conversation's prompt ids (`ChatPrompts.ids`), tokenized off the event loop
-        once its text could fit the context (and, `queued`, once the queue has room: see
-        `tokenized`)."""
-        check_length(sum(len(m["content"]) for m in messages), "messages")
-        return await tokenized(prompts.ids, messages, plan, continue_final, generation_prompt,
+                       template_kwargs: Optional[dict] = None) -> tuple[list[int], Optional[ImagePrompt]]:
+        """The conversation's prompt ids (`ChatPrompts.ids`) and, if it has images, its
+        `ImagePrompt` (whose ids they are), made off the event loop once its text could fit
+        the context (and, `queued`, once the queue has room: see `tokenized`)."""
+        check_length(sum(len(text) for m in messages for text in content_texts(m["content"])), "messages")
+        return await tokenized(chat_prompt, messages, plan, continue_final, generation_prompt,
                                template_kwargs, queued=queued)
+
+    def chat_prompt(messages, plan, continue_final, generation_prompt, template_kwargs):
+        messages, images = take_images(messages, prompter, options.allow_image_urls)
+        ids = prompts.ids(messages, plan, continue_final, generation_prompt, template_kwargs)
+        if not images:
+            return ids, None
+        try:
+            image_prompt = prompter.prompt(ids, images)
+        except ImageError as error:
+            raise ApiError(400, f"messages: {error}", param="messages") from None
+        return image_prompt.ids, image_prompt
 
     def check_length(characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -287,7 +304,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
             body.logprob_count()
             body.keep_alive_seconds()
 
-    def submit(body, prompt_ids: list[int], param: str, thought_budget: Optional[int] = None) -> Job:
+    def submit(body, prompt_ids: list[int], param: str, thought_budget: Optional[int] = None,
+               images: Optional[ImagePrompt] = None) -> Job:
         """Queue a generation for `body` (its sampling fields, stops and budget checked);
         a chat's thoughts are split from its answer (`thinking`)."""
         params = body.sampling(options.defaults)
@@ -296,7 +314,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
         job = Job(prompt_ids, params, max_tokens, body.stops(), asyncio.get_running_loop(),
                   logprobs=body.logprob_count(), think=think if chat else None,
                   thinking=chat and opens_thought(tokenizer, think, prompt_ids),
-                  thought_budget=thought_budget, keep_alive=body.keep_alive_seconds())
+                  thought_budget=thought_budget, keep_alive=body.keep_alive_seconds(), images=images)
         try:
             worker.submit(job)
         except (Busy, ShuttingDown) as error:
@@ -320,8 +338,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
             worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
     async def serve(request: Request, body, prompt_ids: list[int], chat: bool,
-                    plan: ToolPlan = ToolPlan()):
-        job = submit(body, prompt_ids, "messages" if chat else "prompt")
+                    plan: ToolPlan = ToolPlan(), images: Optional[ImagePrompt] = None):
+        job = submit(body, prompt_ids, "messages" if chat else "prompt", images=images)
         rid = new_id("chatcmpl" if chat else "cmpl")
         extra_base = {"drafter": drafter, "gamma": gamma_mode}
         if body.stream:

@@ -18,6 +18,7 @@ import re
 from functools import cached_property
 from typing import Iterator, Optional
 
+from mlx_spec.server.images import content_texts
 from mlx_spec.server.protocol import ApiError
 from mlx_spec.server.tools import ToolPlan, native_tool_turns
 
@@ -90,7 +91,8 @@ class ChatPrompts:
         text = self._render(native_tool_turns(messages) if self.native_tool_turns else messages, tools,
                             continue_final, generation_prompt and not continue_final, template_kwargs or {})
         for i, message in enumerate(messages):
-            if message["role"] in ("system", "user") and message["content"].strip() not in text:
+            if message["role"] in ("system", "user") and any(
+                    part.strip() not in text for part in content_texts(message["content"])):
                 hint = ""
                 if message["role"] == "system" and all(m["role"] != "user" for m in messages):
                     hint = " (a system message needs a user message after it)"

@@ -86,12 +86,18 @@ def Items(item, limit: Optional[int] = None, min_length: int = 0):
     return Annotated[list[item], Field(min_length=min_length, max_length=limit, fail_fast=True)]
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: Optional[str] = None  # OpenAI's resolution hint; the processor decides here
+
+
 class ContentPart(_Strict):
     # Any part type parses, so a non-text part is refused by name (`content_text`), not with
     # pydantic's union report.
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: Optional[str] = None
+    image_url: Optional[ImageURL] = None
 
 
 Content = Union[str, Items(ContentPart, MAX_CONTENT_PARTS), None]
@@ -112,6 +118,24 @@ def content_text(content: Content, where: str) -> str:
             raise ApiError(400, f"{where}[{i}]: {part.type} content is not supported; this server "
                                 "takes text only", param=f"{where}[{i}]", code="unsupported_content")
     return "".join(part.text for part in content)
+
+
+def template_content(content: Content, where: str) -> Union[str, list[dict]]:
+    """A user message's content as chat templates take it: its text (`content_text`), or
+    with image_url parts a list of text parts and image parts that carry their source
+    (read by `server.images.take_images`)."""
+    if not isinstance(content, list) or all(part.type != "image_url" for part in content):
+        return content_text(content, where)
+    parts = []
+    for i, part in enumerate(content):
+        if part.type != "image_url":
+            parts.append({"type": "text", "text": content_text([part], where)})
+        elif part.image_url is None:
+            raise ApiError(400, f"{where}[{i}]: an image_url part needs an `image_url` object with a `url`",
+                           param=f"{where}[{i}].image_url")
+        else:
+            parts.append({"type": "image", "url": part.image_url.url, "where": f"{where}[{i}]", "kind": "image_url"})
+    return parts
 
 
 class FunctionCall(_Strict):
@@ -137,7 +161,7 @@ class Message(_Strict):
         """The message as chat templates take it: "developer" is OpenAI's newer "system"; an
         earlier thought goes as `reasoning_content`, which templates that show thoughts of
         history read (Gemma 4's drops them)."""
-        content = content_text(self.content, where)
+        content = template_content(self.content, where) if self.role == "user" else content_text(self.content, where)
         turn = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.reasoning_content and self.role == "assistant":
             turn["reasoning_content"] = self.reasoning_content

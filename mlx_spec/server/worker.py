@@ -48,6 +48,7 @@ from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
 from mlx_spec.stream import stream_generate
 from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax, ThoughtSplitter
+from mlx_spec.vision import ImagePrompt
 
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
@@ -131,6 +132,7 @@ class Job:
     thinking: bool = False  # the prompt ends inside a thought
     thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
     keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
+    images: Optional[ImagePrompt] = None  # the prompt's images (its ids are prompt_ids)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -310,7 +312,7 @@ class Worker:
         # must find unreferenced once the job is done.
         try:
             load_seconds = self._ensure_loaded()
-            cache = self.caches.take(job.prompt_ids)
+            cache = self.caches.take(job.prompt_ids if job.images is None else job.images.keys)
         except Exception as error:  # the models did not load: this job fails, the next tries again
             log.exception("loading the models failed")
             self.counts["failed"] += 1
@@ -411,10 +413,12 @@ class Worker:
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
             prefilled[0] = total
 
+        images = job.images if job.images is None or prompt is job.prompt_ids else job.images.extended(prompt)
         responses = stream_generate(
             self.engine, self.tokenizer, prompt, job.params, gamma=policy,
             max_tokens=max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
             prefill_progress=on_prefill if prefilled is not None else None, logprobs=job.logprobs,
+            images=images,
         )
         finish, stop_string = None, None
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
