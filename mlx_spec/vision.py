@@ -201,11 +201,12 @@ def decode_base64_image(data: str, where: str):
     return open_image(raw, where)
 
 
-def image_from_url(url: str, where: str, allow_remote: bool = False):
-    """An image from a data: URL, a file: URL or local path, or (when `allow_remote`, i.e.
-    `serve --allow-image-urls`) an http(s) URL; anything else is refused in one line."""
-    import urllib.request  # ~20 ms of imports, for requests with image URLs only
-
+def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True):
+    """An image from a data: URL, (when `allow_files`) a file: URL or local path, or (when
+    `allow_remote`, i.e. `serve --allow-image-urls`) an http(s) URL; anything else is refused
+    in one line. A server reads local files only with `serve --allow-image-files`: whoever
+    may call it could otherwise probe the server's disk (a missing file and a file that is
+    no image answer differently)."""
     import urllib.request  # ~20 ms of imports, for requests with image URLs only
 
     scheme = urllib.parse.urlsplit(url).scheme.lower()
@@ -214,6 +215,10 @@ def image_from_url(url: str, where: str, allow_remote: bool = False):
         if not comma or not head.endswith(";base64"):
             raise ImageError(f"{where}: a data URL must be data:<media type>;base64,<data>")
         return decode_base64_image(data, where)
+    if scheme == "file" or not scheme or len(scheme) == 1:  # C:\\... is a path, not a scheme
+        if not allow_files:
+            raise ImageError(f"{where}: local image files are not read unless the server is started "
+                             "with --allow-image-files; send the image as a data: URL or base64")
     if scheme == "file":
         return read_image_file(urllib.request.url2pathname(urllib.parse.urlsplit(url).path), where)
     if scheme in ("http", "https"):

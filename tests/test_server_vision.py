@@ -38,7 +38,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(files, cost_cache):
-    yield from serving(["--model", files / "target", "--draft-model", files / "draft", "--gamma", "3"],
+    yield from serving(["--model", files / "target", "--draft-model", files / "draft", "--gamma", "3",
+                        "--allow-image-files"],
                        server_env(cost_cache))
 
 
@@ -106,3 +107,20 @@ def test_bad_images_are_one_line_400s(server, files, url, fragments):
     assert error["param"] == "messages[0].content[0]"
     with pytest.raises(openai.BadRequestError):
         ask(server, files, url)
+
+
+def test_a_server_reads_no_local_image_files_unless_allowed(files):
+    """Without `serve --allow-image-files` a path or file: URL is a 400 naming the flag, the
+    same whether the file exists, is no image, or is missing: a client cannot probe the disk."""
+    from mlx_spec.server.images import take_images
+    from mlx_spec.server.protocol import ApiError
+
+    errors = []
+    for url in (str(files / "a.png"), (files / "a.png").as_uri(), str(files / "target" / "config.json"),
+                "/no/such/image.png"):
+        message = {"role": "user", "content": [{"type": "image", "url": url, "where": "messages[0].content[0]",
+                                                "kind": "image_url"}]}
+        with pytest.raises(ApiError) as raised:
+            take_images([message], prompter=object(), allow_remote=False)
+        errors.append(str(raised.value))
+    assert len(set(errors)) == 1 and "--allow-image-files" in errors[0], errors

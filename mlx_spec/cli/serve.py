@@ -86,7 +86,12 @@ def serve(
     allow_image_urls: Annotated[bool, typer.Option(
         "--allow-image-urls", rich_help_panel=SERVER,
         help="Fetch images that requests name by http(s) URL. Off by default: such a request "
-             "is answered 400; data: URLs, base64 and local file paths are read either way.")] = False,
+             "is answered 400; data: URLs and base64 are read either way.")] = False,
+    allow_image_files: Annotated[bool, typer.Option(
+        "--allow-image-files", rich_help_panel=SERVER,
+        help="Read images that requests name by a local path or file: URL, from this "
+             "machine's disk. Off by default (a 400): a client could otherwise probe the "
+             "server's files.")] = False,
     body_timeout: Annotated[float, typer.Option(
         "--body-timeout", rich_help_panel=SERVER, min=0.1, metavar="SECONDS",
         help="A request's whole body must arrive within this many seconds of its headers, or "
@@ -198,6 +203,7 @@ def serve(
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
         allow_image_urls=allow_image_urls,
+        allow_image_files=allow_image_files,
         body_timeout=body_timeout,
         keep_alive=idle_seconds,
     )

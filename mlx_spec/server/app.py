@@ -81,6 +81,7 @@ class ServerOptions:
         keep_alive: idle seconds before the models are unloaded (`worker.FOREVER`: never);
             needs `create_app`'s `load`.
         allow_image_urls: fetch images that requests name by http(s) URL (off: a 400).
+        allow_image_files: read images that requests name by local path or file: URL (off: a 400).
     """
 
     model_name: str
@@ -99,6 +100,7 @@ class ServerOptions:
     body_timeout: float = BODY_TIMEOUT_S
     keep_alive: float = FOREVER
     allow_image_urls: bool = False
+    allow_image_files: bool = False
 
 
 def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
@@ -272,7 +274,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
                                template_kwargs, queued=queued)
 
     def chat_prompt(messages, plan, continue_final, generation_prompt, template_kwargs):
-        messages, images = take_images(messages, prompter, options.allow_image_urls)
+        messages, images = take_images(messages, prompter, options.allow_image_urls,
+                                       options.allow_image_files)
         ids = prompts.ids(messages, plan, continue_final, generation_prompt, template_kwargs)
         if not images:
             return ids, None

@@ -1,8 +1,8 @@
 """Images in chat requests. Both APIs' routes turn an image in a user message (OpenAI's
 `image_url` part, Anthropic's `image` block) into a template part carrying its source,
 `{"type": "image", "url", "where", "kind"}` (where: its path in the request; kind: the
-part's type there); `take_images` reads them (data URLs, local
-files, http(s) only with `serve --allow-image-urls`) for the model's processor and leaves
+part's type there); `take_images` reads them (data URLs; local files only with
+`serve --allow-image-files`, http(s) only with `--allow-image-urls`) for the model's processor and leaves
 `{"type": "image"}`, which the chat template renders as the model's image placeholder."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def content_texts(content) -> list[str]:
 
 
 def take_images(messages: list[dict], prompter: Optional[ImagePrompter],
-                allow_remote: bool) -> tuple[list[dict], list]:
+                allow_remote: bool, allow_files: bool = False) -> tuple[list[dict], list]:
     """(the messages with each image part's source read, the images in order as PIL
     images); a model without a vision tower, or an image that cannot be read, is a 400."""
     out, images = [], []
@@ -38,7 +38,7 @@ def take_images(messages: list[dict], prompter: Optional[ImagePrompter],
                                         "tower; this one takes text only", param=part["where"],
                                    code="unsupported_content")
                 try:
-                    images.append(image_from_url(part["url"], part["where"], allow_remote))
+                    images.append(image_from_url(part["url"], part["where"], allow_remote, allow_files))
                 except ImageError as error:
                     raise ApiError(400, str(error), param=part["where"]) from None
                 parts.append({"type": "image"})
