@@ -78,6 +78,8 @@ class ServerOptions:
         body_timeout: seconds a request's whole body may take to arrive (then 408).
         keep_alive: idle seconds before the models are unloaded (`worker.FOREVER`: never);
             needs `create_app`'s `load`.
+        prompt_cache_dir: a folder for cached conversations that outlive the server (None:
+            memory only); prompt_cache_disk: the bytes its files may take.
     """
 
     model_name: str
@@ -95,6 +97,8 @@ class ServerOptions:
     parse_special_in_text: bool = False
     body_timeout: float = BODY_TIMEOUT_S
     keep_alive: float = FOREVER
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk: int = 10 * 2**30
 
 
 def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
@@ -102,7 +106,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     stops with the app's lifespan. `load()` makes the engine again after a keep-alive
     unload (None: the models stay loaded)."""
     worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
-                    load=load, keep_alive=options.keep_alive)
+                    load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
+                    cache_disk=options.prompt_cache_disk)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
     vocab = tokenizer.get_vocab()
     vocab_size = len(vocab)  # ids the detokenizer knows
