@@ -125,6 +125,21 @@ def _mismatch(found: dict, wanted: dict) -> Optional[str]:
     return None
 
 
+def writable_folder(folder, flag: str) -> Path:
+    """`folder`, created if missing; a one-line `UsageError` naming `flag` if it cannot
+    hold files."""
+    from mlx_spec.errors import UsageError
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{flag} {folder}: cannot create it ({error.strerror or error})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {folder}: not a writable folder")
+    return path
+
+
 # -- safetensors, atomically -----------------------------------------------------------
 
 def _bytes(array: mx.array) -> memoryview:

@@ -274,3 +274,60 @@ def test_two_processes_writing_one_folder_lose_nothing(tiny_dirs, pair, tmp_path
     for entry in entries:
         loaded, _ = load_prompt_cache(tmp_path / entry["file"], engine, key)
         assert len(loaded.target.ids) == entry["tokens"]
+
+
+# -- chat --save / --resume ------------------------------------------------------------------
+
+def test_a_resumed_chat_prefills_only_its_new_turn(pair, tmp_path):
+    """Save a session after one turn, resume it in a new ChatSession: its next turn gives
+    mlx-lm's greedy answer to the whole conversation (`chat_turn_matches_plain_decoding`),
+    the same answer and the same prefill count as the first session continuing, and that
+    count is the new turn's tokens only (nothing said before is prefilled again)."""
+    from conftest import chat_turn_matches_plain_decoding
+    from mlx_spec.chat import ChatSession
+
+    target, _, tokenizer = pair
+    engine = make_engine(pair)
+    key = cache_key(engine, tokenizer)
+    first = ChatSession(engine, tokenizer, system="Be brief.")
+    chat_turn_matches_plain_decoding(first, target, "Tell me about rivers and the sea")
+    first.save(tmp_path / "s.safetensors", key)
+    resumed = ChatSession(make_engine(pair), tokenizer)
+    resumed.resume(tmp_path / "s.safetensors", key)
+    assert resumed.messages == first.messages and resumed.ids == first.ids
+    held = len(resumed.cache.target.ids)
+    new_stats = chat_turn_matches_plain_decoding(resumed, target, "And the lakes?")
+    old_stats = chat_turn_matches_plain_decoding(first, target, "And the lakes?")
+    assert resumed.ids == first.ids  # the same answer
+    turn = len(resumed.prompt_ids) - 1 - held  # prompt tokens after what the cache held
+    assert 0 < turn < held and new_stats.prefill_tokens == old_stats.prefill_tokens
+    assert new_stats.prefill_tokens <= 2 * turn + 1  # both models: the new turn (the draft one more)
+
+
+def _answers(out: str) -> list[str]:
+    """The answers in a piped chat's output: the text after each prompt, up to its footer."""
+    return [part.split("\n[")[0] for part in out.split(">>> ")[1:] if "\n[" in part]
+
+
+def test_chat_save_and_resume(models, tmp_path, monkeypatch):
+    from cli_support import assert_one_line_error, assert_usage_error, invoke
+
+    monkeypatch.setenv("MLX_SPEC_SESSIONS", str(tmp_path / "sessions"))
+    flags = ["chat", *models, "-n", "10", "--gamma", "2", "--temp", "0"]
+    both = invoke(flags, input="Hello there\nAnd now?\n")
+    assert both.exit_code == 0, both.stderr
+    saved = invoke([*flags, "--save", "one"], input="Hello there\n")
+    assert saved.exit_code == 0 and "session saved as 'one'" in saved.stdout, saved.stderr
+    assert (tmp_path / "sessions" / "one.safetensors").exists()
+    resumed = invoke([*flags, "--resume", "one"], input="And now?\n/stats\n")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert "resumed session 'one': 1 turn" in resumed.stdout
+    assert len(_answers(both.stdout)) == 2 and all(_answers(both.stdout))
+    assert _answers(resumed.stdout) == _answers(both.stdout)[1:]
+    assert_one_line_error(invoke([*flags, "--resume", "nobody"]), "no saved chat session 'nobody'")
+    assert_usage_error(invoke([*flags, "--save", "../up"]), "not a session name")
+    (tmp_path / "sessions" / "one.safetensors").write_bytes(b"\x00" * 40)
+    assert_one_line_error(invoke([*flags, "--resume", "one"]), "cannot resume session 'one'")
+    other = ["chat", "--model", models[3], "-n", "4", "--drafter", "none"]  # the draft as target
+    invoke([*flags, "--save", "one"], input="Hello there\n")
+    assert_one_line_error(invoke([*other, "--resume", "one"]), "another model")

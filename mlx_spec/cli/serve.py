@@ -160,6 +160,10 @@ def serve(
         idle_seconds = keep_alive_seconds(keep_alive)
     except ValueError as error:
         raise UsageError(f"--keep-alive: {error}") from None
+    if prompt_cache_dir is not None:
+        from mlx_spec.cache_files import writable_folder
+
+        writable_folder(prompt_cache_dir, "--prompt-cache-dir")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     served_hosts = _served_hosts(allowed_hosts, host, sock.getsockname()[0])
     if served_hosts is not None and not _loopback(sock.getsockname()[0]):
