@@ -115,12 +115,13 @@ def _mismatch(found: dict, wanted: dict) -> Optional[str]:
         return f"it is not an mlx-spec prompt cache of this version ({FORMAT})"
     if found.get("tokenizer") != wanted["tokenizer"]:
         return "it was made with another tokenizer"
-    for field, words in (("weights", "another model"), ("dtype", "another dtype"),
-                         ("kv_bits", "other --kv-bits"), ("kv_group_size", "another --kv-group-size"),
-                         ("windows", "other sliding windows"), ("slack", "another --max-gamma")):
+    # the specific differences first: another dtype changes the weights' fingerprint too
+    for field, words in (("dtype", "another dtype"), ("kv_bits", "other --kv-bits"),
+                         ("kv_group_size", "another --kv-group-size"), ("windows", "other sliding windows"),
+                         ("slack", "another rollback slack (max γ + 1)"), ("weights", "another model")):
         have, want = found.get("target", {}).get(field), wanted["target"][field]
         if have != want:
-            detail = f" ({have} here {want})" if field in ("dtype", "kv_bits", "kv_group_size", "slack") else ""
+            detail = f" ({have}; here {want})" if field not in ("weights", "windows") else ""
             return f"it was made with {words}{detail}"
     return None
 
@@ -236,7 +237,7 @@ def read_safetensors(path: Path) -> tuple[dict, dict]:
 
 def _layer_state(layer) -> tuple:
     state = layer.state
-    if isinstance(layer, ours.KVCache) and not isinstance(layer, WindowKVCache) and layer.keys is not None:
+    if isinstance(layer, ours.KVCache) and layer.keys is not None:
         # mlx-lm's KVCache state is its whole buffer; only `offset` positions are used
         state = (layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset)
     return tuple(state)
