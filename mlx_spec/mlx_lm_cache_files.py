@@ -64,9 +64,10 @@ def save_mlx_lm_cache(path: Path, seq: SequenceCache, key: dict, model_name: str
     return write_safetensors(path, arrays, metadata)
 
 
-def load_mlx_lm_cache(path: Path, engine, key: dict, model_name: str) -> tuple[PromptCache, Optional[list]]:
+def load_mlx_lm_cache(path: Path, engine, key: dict, model_names: tuple) -> tuple[PromptCache, Optional[list]]:
     """The target's cache from an mlx-lm prompt cache file, and the ids it holds (None for a
-    file made by mlx-lm, which does not say them). Raises CacheFileError (one line) for a
+    file made by mlx-lm, which does not say them). `model_names`: what the target may be
+    called in such a file (as given, its folder). Raises CacheFileError (one line) for a
     file that cannot be read or does not fit this model."""
     from mlx_lm.models.cache import load_prompt_cache
 
@@ -90,8 +91,9 @@ def load_mlx_lm_cache(path: Path, engine, key: dict, model_name: str) -> tuple[P
         arrays, _ = mx.load(str(path), return_metadata=True)
         if ours.get("digest") != _digest(arrays):
             raise CacheFileError(f"{path} is damaged (its arrays do not match their digest)")
-    elif user.get("model") not in (None, model_name) and not _same_path(user["model"], model_name):
-        raise CacheFileError(f"{path} was made for model {user['model']!r}, not {model_name!r}")
+    elif user.get("model") not in (None, *model_names) and not any(_same_path(user["model"], name)
+                                                                  for name in model_names):
+        raise CacheFileError(f"{path} was made for model {user['model']!r}, not {model_names[0]!r}")
     cache = engine.make_prompt_cache()
     try:
         cache.target.cache = _ours(layers, engine.target, cache.slack)

@@ -349,3 +349,11 @@ def test_a_failed_save_is_a_warning(models, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.stderr
     assert "warning: could not save session 'full': No space left on device" in result.stderr
     assert "Traceback" not in result.stderr and not list(tmp_path.iterdir())
+
+
+def test_serve_refuses_a_folder_it_cannot_write(tmp_path):
+    from cli_support import assert_usage_error, invoke
+
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert_usage_error(invoke(["serve", "--prompt-cache-dir", taken]), "--prompt-cache-dir", "cannot create it")

@@ -174,13 +174,16 @@ def cached_prompt(path: Path, engine, setup, text: str, chat: bool, template_kwa
         cache = engine.make_prompt_cache()
         cache.target.prefill(open_prompt_ids(tokenizer, text, chat, template_kwargs), engine.prefill_chunk)
         try:
-            save_mlx_lm_cache(path, cache.target, key, setup.target)
+            # the model as mlx-lm would load it: an imported one (GGUF, Ollama…) by its folder
+            loaded = setup.pair.target
+            save_mlx_lm_cache(path, cache.target, key,
+                              setup.target if loaded.kind in ("hf", "local") else str(loaded.path))
         except OSError as error:  # a full disk costs the cache file, not the answer
             print(f"warning: could not write --prompt-cache {path}: {error.strerror or error}", file=sys.stderr)
         prompt_ids = encode_prompt(tokenizer, text, chat, template_kwargs)
         return cache, prompt_ids, prompt_ids
     try:
-        cache, ids = load_mlx_lm_cache(path, engine, key, setup.target)
+        cache, ids = load_mlx_lm_cache(path, engine, key, (setup.target, str(setup.pair.target.path)))
     except CacheFileError as error:
         raise MlxSpecError(f"--prompt-cache: {error}") from None
     rest = continuation_ids(tokenizer, text, chat, template_kwargs)
