@@ -121,10 +121,22 @@ class WindowKVCache:
 
     @property
     def state(self):
+        """mlx-lm's cache protocol: the arrays held and the scalars that place them."""
         used = self.offset - self.start
-        if self.keys is None:
-            return []
-        return self.keys[..., :used, :], self.values[..., :used, :]
+        keys = None if self.keys is None else self.keys[..., :used, :]
+        values = None if self.values is None else self.values[..., :used, :]
+        return keys, values, self.offset, self.start, self.window, self.slack
+
+    @state.setter
+    def state(self, value):
+        self.keys, self.values, self.offset, self.start, self.window, self.slack = value
+        self.tree = None
+
+    @classmethod
+    def from_state(cls, state) -> "WindowKVCache":
+        layer = cls.__new__(cls)
+        layer.state = state
+        return layer
 
     @property
     def nbytes(self) -> int:

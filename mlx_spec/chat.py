@@ -41,6 +41,34 @@ class ChatSession:
         self.images: list = []  # the conversation's images, in order
         self.image_prompt = None  # an ImagePrompt for self.ids, once there are images
 
+    def save(self, path, key: dict) -> int:
+        """Write the conversation (messages and ids) and both caches to `path` atomically
+        (`cache_files.save_prompt_cache`; `key` is `cache_files.cache_key`'s). Raises
+        OSError when the write fails; returns the bytes written."""
+        from mlx_spec.cache_files import save_prompt_cache
+
+        if self.images:  # the images themselves are not in the file, only their hashes
+            raise MlxSpecError("a chat with images cannot be saved yet")
+        return save_prompt_cache(path, self.cache, key, extra={
+            "messages": self.messages, "ids": self.ids, "rendered": self.rendered,
+            "system": self.system})
+
+    def resume(self, path, key: dict) -> None:
+        """Continue the conversation saved at `path`: its messages, ids and caches, so the
+        next turn prefills only its own tokens. Raises `cache_files.CacheFileError` (one
+        line) for a file that does not fit this engine and tokenizer."""
+        from mlx_spec.cache_files import CacheFileError, load_prompt_cache
+
+        cache, extra = load_prompt_cache(path, self.engine, key)
+        try:
+            messages, ids, rendered = extra["messages"], extra["ids"], extra["rendered"]
+            if not (isinstance(messages, list) and isinstance(ids, list) and isinstance(rendered, str)):
+                raise TypeError
+        except (KeyError, TypeError):
+            raise CacheFileError(f"{path} holds caches but no chat session") from None
+        self.messages, self.ids, self.rendered, self.cache = messages, ids, rendered, cache
+        self.system = extra.get("system")
+
     def _prompt_ids(self, messages: list[dict], images: list) -> tuple[list[int], str, Optional[ImagePrompt]]:
         """(prompt ids, the template's text, the `ImagePrompt` or None) for `messages`, whose
         last message brings `images`."""

@@ -12,6 +12,7 @@ everything between two lines of triple quotes.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from contextlib import contextmanager, nullcontext
@@ -21,6 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from mlx_spec import costs
+from mlx_spec.cache_files import CacheFileError, cache_key, writable_folder
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
@@ -31,7 +33,7 @@ from mlx_spec.cli.common import (
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
-from mlx_spec.errors import MlxSpecError
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.runner import build_engine, parse_gamma
 from mlx_spec.stats import Stats
 from mlx_spec.vision import read_image_file
@@ -352,6 +354,16 @@ def chat(
         "--system", help="A system message for the conversation.")] = None,
     think: ThinkOpt = None,
     color_drafts: ColorOpt = False,
+    save: Annotated[Optional[str], typer.Option(
+        "--save", metavar="NAME",
+        help="On leaving, save the conversation and both models' caches as session NAME (in "
+             "$MLX_SPEC_SESSIONS, default the cache folder's sessions/), replacing one of that "
+             "name.")] = None,
+    resume: Annotated[Optional[str], typer.Option(
+        "--resume", metavar="NAME",
+        help="Continue saved session NAME with its messages and caches, so nothing said "
+             "before is prefilled again; it is saved back on leaving (or as --save NAME). "
+             "Refused if it was saved with other models, tokenizer, dtype or kv-bits.")] = None,
 ) -> None:
     """Chat with the model in the terminal (multi-turn, caches reused across turns).
 
@@ -359,6 +371,17 @@ def chat(
     /quit. The line is edited with readline (history in the cache folder); a pasted block,
     or lines between two lines of triple quotes, is one message; Ctrl-D leaves.
     """
+    saved_as = save or resume
+    if saved_as is not None:
+        if world().active:
+            raise UsageError("--save and --resume do not run across ranks (mlx.launch): each "
+                             "rank holds a part of the cache")
+        if resume is not None and system is not None:
+            raise UsageError("a resumed session keeps its own system message", flag="--system")
+        resume_path = session_path(resume, "--resume") if resume is not None else None
+        save_path = session_path(saved_as, "--save" if save else "--resume")
+        if resume_path is not None and not resume_path.exists():
+            raise MlxSpecError(f"no saved chat session {resume!r} in {resume_path.parent}")
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
@@ -370,4 +393,47 @@ def chat(
     engine = build_engine(setup.pair, setup.drafter)
     session = ChatSession(engine, setup.pair.tokenizer, system=system,
                           template_kwargs=template_kwargs(think, True))
-    ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts).run()
+    key = cache_key(engine, setup.pair.tokenizer) if saved_as is not None else None
+    if resume is not None:
+        try:
+            session.resume(resume_path, key)
+        except CacheFileError as error:
+            raise MlxSpecError(f"cannot resume session {resume!r}: {error}") from None
+    repl = ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts)
+    if resume is not None:
+        repl.turns = sum(m["role"] == "assistant" for m in session.messages)
+        repl.say(f"resumed session {resume!r}: {plural(repl.turns, 'turn')}, "
+                 f"{plural(len(session.ids), 'token')} in context")
+    repl.run()
+    if saved_as is not None:
+        try:
+            session.save(save_path, key)
+        except OSError as error:  # a full disk costs the saved session, not the chat
+            print(f"warning: could not save session {saved_as!r}: {error.strerror or error}",
+                  file=sys.stderr)
+        except MlxSpecError as error:
+            print(f"warning: could not save session {saved_as!r}: {error}", file=sys.stderr)
+        else:
+            repl.say(f"session saved as {saved_as!r}")
+
+
+SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def sessions_folder():
+    """Where chat sessions are saved: $MLX_SPEC_SESSIONS, else the cache folder's sessions/."""
+    import os
+    from pathlib import Path
+
+    from mlx_spec.models.sources import cache_root
+
+    folder = os.environ.get("MLX_SPEC_SESSIONS")
+    return Path(folder).expanduser() if folder else cache_root() / "sessions"
+
+
+def session_path(name: str, flag: str):
+    """The file of session `name` (a plain name, no path), its folder created."""
+    if not SESSION_NAME.fullmatch(name):
+        raise UsageError(f"{name!r} is not a session name: letters, digits, '.', '_' and '-', "
+                         "starting with a letter or digit", flag=flag)
+    return writable_folder(sessions_folder(), flag) / f"{name}.safetensors"

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Annotated, Optional
 
 import mlx.core as mx
@@ -28,10 +29,11 @@ from mlx_spec.cli.common import (
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
-from mlx_spec.stream import stream_generate
+from mlx_spec.stream import encode_prompt, stream_generate
 from mlx_spec.thinking import PhaseAcceptance
 from mlx_spec.vision import read_image_file
 
@@ -68,6 +70,13 @@ def generate(
     chat_template: ChatTemplateOpt = None,
     image: ImageOpt = None,
     color_drafts: ColorOpt = False,
+    prompt_cache: Annotated[Optional[Path], typer.Option(
+        "--prompt-cache", metavar="FILE",
+        help="mlx-lm's prompt cache file (mlx_lm.cache_prompt's layout). If FILE exists, the "
+             "prompt continues the context it holds, as with mlx_lm.generate "
+             "--prompt-cache-file (with a chat template: the rest of the user message it "
+             "holds open). If not, the prompt is cached into FILE first, as mlx_lm.cache_prompt "
+             "does, then answered. Refused if made with another model.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", rich_help_panel=OUTPUT, help="Print one JSON object: text, finish reason, models, "
         "sampling and all statistics.")] = False,
@@ -78,6 +87,8 @@ def generate(
     """
     text = read_prompt(prompt)
     images = [read_image_file(path, "--image") for path in image or ()]  # refused before any load
+    if images and prompt_cache is not None:  # mlx-lm's layout keys positions by id, not by image
+        raise UsageError("an image prompt cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
@@ -90,9 +101,16 @@ def generate(
     tokenizer = setup.pair.tokenizer
     # A template given on the command line is meant to be used, a base-model preset or not.
     chat = use_chat(tokenizer, True if chat is None and chat_template else chat, setup.preset)
-    prompt_ids, images = image_prompt(setup.pair.target, tokenizer, text, chat, template_kwargs(think, chat),
-                                      images, "--image")
-    splitter = thought_splitter(tokenizer, chat, prompt_ids)
+    cache = None
+    if prompt_cache is not None:
+        cache, prompt_ids, real_ids = cached_prompt(prompt_cache, engine, setup, text, chat,
+                                                    template_kwargs(think, chat), params)
+        images = None
+    else:
+        prompt_ids, images = image_prompt(setup.pair.target, tokenizer, text, chat, template_kwargs(think, chat),
+                                          images, "--image")
+        real_ids = prompt_ids
+    splitter = thought_splitter(tokenizer, chat, real_ids)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids), reproducible=params.seed is not None)
@@ -102,7 +120,7 @@ def generate(
     def responses(prefill_progress=None):
         return stream_generate(engine, tokenizer, prompt_ids, params, gamma=policy,
                                max_tokens=max_tokens, stop=stop or (), stats=stats,
-                               prefill_progress=prefill_progress, images=images)
+                               prefill_progress=prefill_progress, images=images, prompt_cache=cache)
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:
@@ -142,6 +160,52 @@ def generate(
         interrupted = _piped(responses, views, stats, splitter)
     if interrupted:
         raise typer.Exit(130)  # what a shell reports for Ctrl-C
+
+
+def cached_prompt(path: Path, engine, setup, text: str, chat: bool, template_kwargs: dict, params):
+    """(the PromptCache, the prompt's ids, those of them whose ids are known) for
+    --prompt-cache FILE: FILE's cache and the prompt after it, or the prompt cached into
+    FILE first. A file mlx-lm made does not say the ids it holds: the draft model cannot
+    prefill its own cache from them, so that answer is drafted without it."""
+    from mlx_spec.cache_files import CacheFileError, cache_key
+    from mlx_spec.drafters.model import ModelDrafter
+    from mlx_spec.mlx_lm_cache_files import (
+        continuation_ids, load_mlx_lm_cache, open_prompt_ids, save_mlx_lm_cache,
+    )
+
+    if world().active:
+        raise MlxSpecError("--prompt-cache does not run across ranks (mlx.launch): each rank holds "
+                           "a part of the cache")
+    tokenizer = setup.pair.tokenizer
+    key = cache_key(engine, tokenizer)
+    if not path.exists():
+        cache = engine.make_prompt_cache()
+        cache.target.prefill(open_prompt_ids(tokenizer, text, chat, template_kwargs), engine.prefill_chunk)
+        try:
+            # the model as mlx-lm would load it: an imported one (GGUF, Ollama…) by its folder
+            loaded = setup.pair.target
+            save_mlx_lm_cache(path, cache.target, key,
+                              setup.target if loaded.kind in ("hf", "local") else str(loaded.path))
+        except OSError as error:  # a full disk costs the cache file, not the answer
+            print(f"warning: could not write --prompt-cache {path}: {error.strerror or error}", file=sys.stderr)
+        prompt_ids = encode_prompt(tokenizer, text, chat, template_kwargs)
+        return cache, prompt_ids, prompt_ids
+    try:
+        cache, ids = load_mlx_lm_cache(path, engine, key, (setup.target, str(setup.pair.target.path)))
+    except CacheFileError as error:
+        raise MlxSpecError(f"--prompt-cache: {error}") from None
+    rest = continuation_ids(tokenizer, text, chat, template_kwargs)
+    if not rest:
+        raise MlxSpecError("--prompt-cache: the prompt adds nothing to the cached one")
+    if ids is None:
+        if params.penalized:
+            raise MlxSpecError("--prompt-cache: the file (made by mlx-lm) does not say which tokens "
+                               "it holds, which the repetition penalty needs")
+        if isinstance(engine.drafter, ModelDrafter):
+            engine.drafter = None
+            print("note: the --prompt-cache file holds no token ids (made by mlx-lm), so the draft "
+                  "model cannot start from it: decoding without it", file=sys.stderr)
+    return cache, cache.target.ids + rest, (ids or []) + rest
 
 
 def _bars_only() -> str:

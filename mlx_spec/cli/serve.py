@@ -73,6 +73,17 @@ def serve(
         help="KV memory for cached conversations (several are kept, least recently used "
              "dropped first); default: half the memory free once the models are "
              "loaded.")] = None,
+    prompt_cache_dir: Annotated[Optional[Path], typer.Option(
+        "--prompt-cache-dir", rich_help_panel=SERVER, metavar="DIR",
+        help="Keep cached conversations in DIR too: the memory pool writes each one it drops "
+             "(and all at exit) there, and this or a later server reuses them by longest "
+             "prefix, so a restart does not prefill a long prompt again. Files are checked "
+             "against the models, tokenizer, dtype and window; unusable ones are skipped with "
+             "a warning. Several servers may share DIR.")] = None,
+    prompt_cache_disk: Annotated[float, typer.Option(
+        "--prompt-cache-disk", rich_help_panel=SERVER, min=0.0, metavar="GB",
+        help="Disk space the files in --prompt-cache-dir may take; the least recently used "
+             "go first.")] = 10.0,
     cors_origin: Annotated[Optional[list[str]], typer.Option(
         "--cors-origin", rich_help_panel=SERVER, metavar="ORIGIN",
         help="Let browser pages from ORIGIN (e.g. http://localhost:3000, or *) call the API "
@@ -158,6 +169,10 @@ def serve(
         idle_seconds = keep_alive_seconds(keep_alive)
     except ValueError as error:
         raise UsageError(f"--keep-alive: {error}") from None
+    if prompt_cache_dir is not None:
+        from mlx_spec.cache_files import writable_folder
+
+        writable_folder(prompt_cache_dir, "--prompt-cache-dir")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
     served_hosts = _served_hosts(allowed_hosts, host, sock.getsockname()[0])
     if served_hosts is not None and not _loopback(sock.getsockname()[0]):
@@ -206,6 +221,8 @@ def serve(
         allow_image_files=allow_image_files,
         body_timeout=body_timeout,
         keep_alive=idle_seconds,
+        prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
+        prompt_cache_disk=int(prompt_cache_disk * 2**30),
     )
     application = create_app(engine, setup.pair.tokenizer, options, load=load)
     bound_host, bound_port = sock.getsockname()[:2]

@@ -82,6 +82,8 @@ class ServerOptions:
             needs `create_app`'s `load`.
         allow_image_urls: fetch images that requests name by http(s) URL (off: a 400).
         allow_image_files: read images that requests name by local path or file: URL (off: a 400).
+        prompt_cache_dir: a folder for cached conversations that outlive the server (None:
+            memory only); prompt_cache_disk: the bytes its files may take.
     """
 
     model_name: str
@@ -101,6 +103,8 @@ class ServerOptions:
     keep_alive: float = FOREVER
     allow_image_urls: bool = False
     allow_image_files: bool = False
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk: int = 10 * 2**30
 
 
 def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
@@ -108,7 +112,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     stops with the app's lifespan. `load()` makes the engine again after a keep-alive
     unload (None: the models stay loaded)."""
     worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
-                    load=load, keep_alive=options.keep_alive)
+                    load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
+                    cache_disk=options.prompt_cache_disk)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
     vocab = tokenizer.get_vocab()
     vocab_size = len(vocab)  # ids the detokenizer knows

@@ -37,11 +37,17 @@ def default_budget() -> int:
 
 
 class CachePool:
-    """Least-recently-used prompt caches within `budget` bytes (both models' KV)."""
+    """Least-recently-used prompt caches within `budget` bytes (both models' KV).
 
-    def __init__(self, make: Callable[[], PromptCache], budget: int):
+    With `disk` (a `disk_caches.DiskCaches`), evicted caches are written there, and a
+    prompt whose longest prefix is held on disk rather than in memory is served from it;
+    `engine` is what the files are read for (`make`'s engine)."""
+
+    def __init__(self, make: Callable[[], PromptCache], budget: int, disk=None, engine=None):
         self.make = make
         self.budget = budget
+        self.disk = disk
+        self.engine = engine
         self.caches: list[PromptCache] = []  # least recently used first
         self.hits = 0  # requests that reused at least one cached token
 
@@ -53,6 +59,11 @@ class CachePool:
             n = common_prefix_length(cache.target.ids, held)
             if n > common:
                 best, common = cache, n
+        stored = self.disk.find(self.engine, held, common) if self.disk is not None else None
+        if stored is not None:  # its file keeps the conversation it holds: no fork needed
+            self.hits += 1
+            self.caches.append(stored)
+            return stored
         if best is None:
             chosen = self.make()
         elif len(best.target.ids) - common <= FORK_SURPLUS:
@@ -69,7 +80,15 @@ class CachePool:
         """Drop least recently used caches until the pool is within its budget; the most
         recent one always stays."""
         while len(self.caches) > 1 and self.nbytes > self.budget:
-            self.caches.pop(0)
+            evicted = self.caches.pop(0)
+            if self.disk is not None:
+                self.disk.store(evicted)
+
+    def persist(self) -> None:
+        """Write every cached conversation to disk (when the server stops)."""
+        if self.disk is not None:
+            for cache in self.caches:  # the most recent last: the newest on disk, kept longest
+                self.disk.store(cache)
 
     def discard(self, cache: PromptCache) -> None:
         if cache in self.caches:

@@ -175,11 +175,14 @@ class Worker:
             device memory left once the models are loaded.
         load: makes the engine again after an unload (the CLI's loader); None: never unload.
         keep_alive: idle seconds before unloading when a job names none (`FOREVER`: never).
+        cache_dir: a folder where evicted conversations' caches go, and where they are found
+            again, by this server or a later one (`disk_caches.DiskCaches`); None: memory only.
+        cache_disk: bytes the folder's cache files may take.
     """
 
     def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
-                 keep_alive: float = FOREVER):
+                 keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30):
         self.engine = engine
         self.load = load
         self.keep_alive = keep_alive if load is not None else FOREVER
@@ -191,6 +194,8 @@ class Worker:
         self.gamma = gamma if engine.drafter is not None else "0"
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
+        self.cache_dir, self.cache_disk = cache_dir, cache_disk
+        self.disk = None  # set on the worker thread, which owns every MLX array
         self.metrics = Metrics()
         self.queue_size = queue_size
         self._waiting: deque[Job] = deque()  # guarded by _changed
@@ -259,9 +264,10 @@ class Worker:
             job.emit(SHUTTING_DOWN)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """`shut_down`, then wait for the thread to end."""
+        """`shut_down`, then wait for the thread to end (longer when it writes the cached
+        conversations to disk)."""
         self.shut_down()
-        self._thread.join(timeout)
+        self._thread.join(timeout if self.cache_dir is None else max(timeout, 120.0))
 
     def health(self) -> dict:
         with self._changed:
@@ -270,7 +276,8 @@ class Worker:
         return {"loaded": self.engine is not None, "busy": self.current is not None, "queued": queued,
                 "queue_size": self.queue_size, **self.counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
-                "prompt_cache_budget": self.caches.budget}
+                "prompt_cache_budget": self.caches.budget,
+                "prompt_cache_disk_hits": self.disk.hits if self.disk is not None else 0}
 
     def _drop_cancelled(self) -> None:  # with _changed held
         kept = deque(job for job in self._waiting if not job.cancelled.is_set())
@@ -280,14 +287,30 @@ class Worker:
     # -- the device side (worker thread) -------------------------------------------------
 
     def _run(self) -> None:
+        self._open_disk()
         while True:
             job = self._next_job()
             if job is None:
+                self.caches.persist()
                 return
             if job is UNLOAD:
                 self._unload()
             else:
                 self._serve(job)
+
+    def _open_disk(self) -> None:
+        if self.cache_dir is None:
+            return
+        from mlx_spec.cache_files import cache_key
+        from mlx_spec.server.disk_caches import DiskCaches
+
+        try:
+            self.disk = DiskCaches(self.cache_dir, self.cache_disk, cache_key(self.engine, self.tokenizer))
+        except OSError as error:
+            log.warning("prompt cache folder %s unusable (%s): caching in memory only",
+                        self.cache_dir, error.strerror or error)
+            return
+        self.caches = CachePool(self.caches.make, self.caches.budget, self.disk, self.engine)
 
     def _next_job(self):
         """The next job to run, `UNLOAD` once the keep-alive has run out with nothing to
@@ -344,8 +367,9 @@ class Worker:
         """Drop both models and every prompt cache, and give their memory back."""
         import mlx.core as mx
 
+        self.caches.persist()
         self.engine = None
-        self.caches = CachePool(None, self.caches.budget)
+        self.caches = CachePool(None, self.caches.budget, self.disk)
         gc.collect()
         mx.clear_cache()
         log.info("models unloaded after %.0f s idle", self._idle_for)
@@ -356,7 +380,7 @@ class Worker:
             return None
         began = time.perf_counter()
         engine = self.load()
-        self.caches = CachePool(engine.make_prompt_cache, self.caches.budget)
+        self.caches = CachePool(engine.make_prompt_cache, self.caches.budget, self.disk, engine)
         self.engine = engine
         return time.perf_counter() - began
 

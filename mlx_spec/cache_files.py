@@ -1,0 +1,350 @@
+"""Prompt caches in files: a conversation's caches outlive the process.
+
+A file holds a `PromptCache` (the target's `SequenceCache` and the draft model's, if any):
+each layer's class name and its state by mlx-lm's cache protocol (`state` / `from_state`,
+scalars kept in the metadata), and the token ids each cache holds. It is safetensors, as
+mlx-lm's `save_prompt_cache` writes, so `mx.load` reads it.
+
+A file is valid only for what made it, so it carries a key (`cache_key`): the weights' and
+tokenizer's fingerprints, dtype, kv-bits, windows and rollback slack. Reading checks the key,
+a digest of every array's bytes, and that the layers are the ones this model makes; anything
+else raises `CacheFileError` (one line), so a damaged, truncated, foreign or mismatched file
+never feeds the model a wrong state. The draft's part has a key of its own: a draft that
+changed loses only that part (it is prefilled again; output never depends on it).
+
+Writes are atomic (a temp file with a unique name in the same folder, fsync, `os.replace`),
+so readers, and other processes writing the same folder, see a whole file or none. A failed
+write (a full disk) raises `OSError` and leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import struct
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlx_spec import cache as ours
+from mlx_spec.cache import PromptCache, SequenceCache, WindowKVCache, make_cache
+
+FORMAT = "mlx-spec/prompt-cache/1"
+SAMPLES = 64  # elements per weight array in a fingerprint
+
+_CODES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
+          mx.int8: "I8", mx.int16: "I16", mx.int32: "I32", mx.int64: "I64", mx.uint8: "U8",
+          mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64", mx.bool_: "BOOL"}
+
+
+class CacheFileError(Exception):
+    """A cache file that cannot be used; the message is one line."""
+
+
+# -- keys ------------------------------------------------------------------------------
+
+def model_fingerprint(model) -> str:
+    """A hash of every weight array's name, shape, dtype and `SAMPLES` elements spread
+    evenly over it. Another checkpoint, a fine-tune, another dtype or quantization changes
+    names, shapes, dtypes or values all over every array they touch, so samples catch them;
+    reading all the weights would cost seconds on a 12B model, and file names or times say
+    nothing about a model quantized on load or built in memory."""
+    digest = hashlib.sha256()
+    params = tree_flatten(model.parameters())
+    samples = []
+    for name, array in params:
+        flat = array.reshape(-1)
+        stride = max(1, flat.size // SAMPLES)
+        samples.append(mx.contiguous(flat[::stride][:SAMPLES]))
+    mx.eval(samples)
+    for (name, array), sample in zip(params, samples):
+        digest.update(f"{name}:{array.shape}:{array.dtype};".encode())
+        digest.update(memoryview(sample))
+    return digest.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of the vocabulary (every token's text and id)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:32]
+
+
+def _dtype(model) -> str:
+    floats = [a.dtype for _, a in tree_flatten(model.parameters()) if mx.issubdtype(a.dtype, mx.floating)]
+    return str(floats[0]) if floats else "none"
+
+
+def _windows(layers: list) -> list:
+    return [layer.window if isinstance(layer, WindowKVCache) else None for layer in layers]
+
+
+def model_key(model, slack: int, kv_bits=None, kv_group_size=None) -> dict:
+    """What a model's cache file must match: weights, dtype, kv-bits, windows, slack."""
+    return {"weights": model_fingerprint(model), "dtype": _dtype(model), "kv_bits": kv_bits,
+            "kv_group_size": kv_group_size, "windows": _windows(make_cache(model, slack)),
+            "slack": slack}
+
+
+def cache_key(engine, tokenizer) -> dict:
+    """The key of `engine`'s prompt caches: the target's `model_key` and the tokenizer's
+    fingerprint; "draft" is the draft model's `model_key` (None without one)."""
+    from mlx_spec.drafters.model import ModelDrafter
+
+    slack = engine.max_gamma + 1
+    draft = engine.drafter.model if isinstance(engine.drafter, ModelDrafter) else None
+    return {"format": FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer),
+            "target": model_key(engine.target, slack, getattr(engine, "kv_bits", None),
+                                getattr(engine, "kv_group_size", None)),
+            "draft": model_key(draft, slack, getattr(engine, "draft_kv_bits", None),
+                               getattr(engine, "draft_kv_group_size", None)) if draft is not None else None}
+
+
+def key_id(key: dict) -> str:
+    """A short name for what the target part of a file must match."""
+    main = {k: v for k, v in key.items() if k != "draft"}
+    return hashlib.sha256(json.dumps(main, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _mismatch(found: dict, wanted: dict) -> Optional[str]:
+    """What differs between two keys (None: nothing), in words."""
+    if found.get("format") != wanted.get("format"):
+        return f"it is not an mlx-spec prompt cache of this version ({FORMAT})"
+    if found.get("tokenizer") != wanted["tokenizer"]:
+        return "it was made with another tokenizer"
+    # the specific differences first: another dtype changes the weights' fingerprint too
+    for field, words in (("dtype", "another dtype"), ("kv_bits", "other --kv-bits"),
+                         ("kv_group_size", "another --kv-group-size"), ("windows", "other sliding windows"),
+                         ("slack", "another rollback slack (max γ + 1)"), ("weights", "another model")):
+        have, want = found.get("target", {}).get(field), wanted["target"][field]
+        if have != want:
+            detail = f" ({have}; here {want})" if field not in ("weights", "windows") else ""
+            return f"it was made with {words}{detail}"
+    return None
+
+
+def writable_folder(folder, flag: str) -> Path:
+    """`folder`, created if missing; a one-line `UsageError` naming `flag` if it cannot
+    hold files."""
+    from mlx_spec.errors import UsageError
+
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"{flag} {folder}: cannot create it ({error.strerror or error})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {folder}: not a writable folder")
+    return path
+
+
+# -- safetensors, atomically -----------------------------------------------------------
+
+def _bytes(array: mx.array) -> memoryview:
+    array = mx.contiguous(array)
+    mx.eval(array)
+    return memoryview(array)
+
+
+def _digest(arrays: dict) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = arrays[name]
+        digest.update(f"{name}:{array.shape}:{array.dtype};".encode())
+        digest.update(_bytes(array))
+    return digest.hexdigest()
+
+
+def write_safetensors(path: Path, arrays: dict, metadata: dict) -> int:
+    """Write a safetensors file atomically: a temp file beside `path`, fsync'd, then
+    renamed over it. Raises OSError (leaving no file, old or new, half written) when the
+    write fails. Returns the bytes written."""
+    path = Path(path)
+    arrays = {name: mx.contiguous(a) for name, a in arrays.items()}
+    mx.eval(list(arrays.values()))
+    header, offset = {}, 0
+    for name, array in arrays.items():
+        if array.dtype not in _CODES:
+            raise ValueError(f"cannot store {array.dtype} arrays")
+        header[name] = {"dtype": _CODES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    header["__metadata__"] = metadata
+    text = json.dumps(header, ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+
+    def write(out) -> None:
+        out.write(struct.pack("<Q", len(text)))
+        out.write(text)
+        for array in arrays.values():
+            out.write(memoryview(array))
+
+    _write_atomically(path, write)
+    return 8 + len(text) + offset
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically (see `write_safetensors`)."""
+    _write_atomically(Path(path), lambda out: out.write(text.encode()))
+
+
+def _write_atomically(path: Path, write) -> None:
+    # A unique temp name: processes writing the same folder never share one.
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temp, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a folder
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_safetensors(path: Path) -> tuple[dict, dict]:
+    """(arrays, metadata) of a safetensors file; CacheFileError if it cannot be read."""
+    try:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+    except FileNotFoundError:
+        raise CacheFileError(f"no such file: {path}") from None
+    except Exception as error:  # mx.load's RuntimeError / ValueError for damaged files
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CacheFileError(f"{path} is not a readable safetensors file ({first})") from None
+    if not isinstance(arrays, dict):
+        raise CacheFileError(f"{path} is not a safetensors file")
+    return arrays, metadata
+
+
+# -- caches <-> arrays -----------------------------------------------------------------
+
+def _layer_state(layer) -> tuple:
+    state = layer.state
+    if isinstance(layer, ours.KVCache) and layer.keys is not None:
+        # mlx-lm's KVCache state is its whole buffer; only `offset` positions are used
+        state = (layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset)
+    return tuple(state)
+
+
+def sequence_arrays(seq: SequenceCache, prefix: str, arrays: dict) -> dict:
+    """Put `seq`'s layers' arrays into `arrays` (named prefix.layer.item) and return the
+    rest of its state (classes, scalars, ids) as JSON-able data."""
+    layers = []
+    for i, layer in enumerate(seq.cache):
+        items = []
+        for j, value in enumerate(_layer_state(layer)):
+            if isinstance(value, mx.array):
+                arrays[f"{prefix}.{i}.{j}"] = value
+                items.append("@")
+            elif value is None or isinstance(value, (int, float, str)):
+                items.append({"v": value})
+            else:
+                raise CacheFileError(f"a {type(layer).__name__} layer cannot be saved")
+        meta = getattr(layer, "meta_state", None)  # mlx-lm's older protocol
+        layers.append({"class": type(layer).__name__, "state": items,
+                       "meta": list(meta) if isinstance(meta, (tuple, list)) and meta else None})
+    arrays[f"{prefix}.ids"] = mx.array(seq.ids, mx.int32) if seq.ids else mx.zeros((0,), mx.int32)
+    return {"layers": layers, "vocab": seq.vocab}
+
+
+def _cache_class(name: str):
+    from mlx_lm.models import cache as theirs
+
+    cls = getattr(ours, name, None) or getattr(theirs, name, None)
+    if not isinstance(cls, type) or not hasattr(cls, "from_state"):
+        raise CacheFileError(f"it holds a cache layer of unknown type {name!r}")
+    return cls
+
+
+def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict) -> SequenceCache:
+    """A `SequenceCache` of `model` from what `sequence_arrays` stored; CacheFileError if
+    its layers are not the ones `model` makes."""
+    seq = SequenceCache(model, slack, info.get("vocab"))
+    fresh, stored = seq.cache, info["layers"]
+    if len(stored) != len(fresh):
+        raise CacheFileError(f"it holds {len(stored)} cache layers, the model makes {len(fresh)}")
+    ids = arrays.get(f"{prefix}.ids")
+    if ids is None:
+        raise CacheFileError("it holds no token ids")
+    seq.ids = [int(t) for t in ids.tolist()]
+    layers = []
+    for i, (entry, made) in enumerate(zip(stored, fresh)):
+        if entry["class"] != type(made).__name__:
+            raise CacheFileError(f"layer {i} is a {entry['class']}, the model makes a {type(made).__name__}")
+        try:
+            state = tuple(arrays[f"{prefix}.{i}.{j}"] if item == "@" else item["v"]
+                          for j, item in enumerate(entry["state"]))
+        except KeyError as missing:
+            raise CacheFileError(f"array {missing} is missing") from None
+        cls = _cache_class(entry["class"])
+        layer = cls.from_state(state, entry["meta"]) if entry.get("meta") else cls.from_state(state)
+        if getattr(layer, "window", None) != getattr(made, "window", None):
+            raise CacheFileError(f"layer {i} has window {layer.window}, the model's is {made.window}")
+        if hasattr(layer, "slack"):
+            layer.slack = slack
+        offset = getattr(layer, "offset", len(seq.ids))
+        if offset != len(seq.ids):
+            raise CacheFileError(f"layer {i} holds {offset} positions but the file {len(seq.ids)} ids")
+        layers.append(layer)
+    seq.cache = layers
+    return seq
+
+
+# -- whole prompt caches ---------------------------------------------------------------
+
+def save_prompt_cache(path: Path, cache: PromptCache, key: dict, extra: Optional[dict] = None) -> int:
+    """Write both models' caches and `extra` (JSON-able, e.g. a chat's messages) to `path`
+    atomically. Returns the bytes written; raises OSError when the write fails."""
+    arrays: dict = {}
+    info = {"key": key, "target": sequence_arrays(cache.target, "target", arrays),
+            "draft": None, "extra": extra}
+    if cache.draft is not None and cache.draft.ids and key.get("draft") is not None:
+        info["draft"] = sequence_arrays(cache.draft, "draft", arrays)
+    metadata = {"format": FORMAT, "mlx_spec": json.dumps(info), "digest": _digest(arrays)}
+    return write_safetensors(path, arrays, metadata)
+
+
+def load_prompt_cache(path: Path, engine, key: dict) -> tuple[PromptCache, Optional[dict]]:
+    """The `PromptCache` saved at `path` for `engine` (whose key is `key`) and the file's
+    `extra`. Raises CacheFileError, with one line saying why, for a file that is damaged,
+    truncated, foreign or made with another model, tokenizer, dtype, kv-bits or window."""
+    arrays, metadata = read_safetensors(path)
+    if metadata.get("format") != FORMAT or "mlx_spec" not in metadata:
+        raise CacheFileError(f"{path} is not an mlx-spec prompt cache")
+    try:
+        info = json.loads(metadata["mlx_spec"])
+    except ValueError:
+        raise CacheFileError(f"{path} is damaged (its metadata is not JSON)") from None
+    why = _mismatch(info.get("key") or {}, key)
+    if why:
+        raise CacheFileError(f"{path} does not fit this model: {why}")
+    if metadata.get("digest") != _digest(arrays):
+        raise CacheFileError(f"{path} is damaged (its arrays do not match their digest)")
+    try:
+        cache = engine.make_prompt_cache()
+        cache.target = restore_sequence(engine.target, cache.slack, arrays, "target", info["target"])
+        draft_model = getattr(engine.drafter, "model", None)
+        if info.get("draft") and key.get("draft") is not None and info["key"].get("draft") == key["draft"]:
+            cache.draft = restore_sequence(draft_model, cache.slack, arrays, "draft", info["draft"])
+    except CacheFileError as error:
+        raise CacheFileError(f"{path} does not fit this model: {error}") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise CacheFileError(f"{path} is damaged ({type(error).__name__}: {error})") from None
+    return cache, info.get("extra")
