@@ -39,7 +39,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(files, cost_cache):
     yield from serving(["--model", files / "target", "--draft-model", files / "draft", "--gamma", "3",
-                        "--allow-image-files"],
+                        "--allow-image-files", "--prompt-cache-dir", files / "prompt-caches"],
                        server_env(cost_cache))
 
 

@@ -150,6 +150,8 @@ class DiskCaches:
         ids = cache.target.ids
         if not ids or cache.target.unsettled:
             return
+        if not all(type(t) is int for t in ids):  # image keys (id, hash): the file cannot hold the images
+            return
         digest = _ids_hash(ids)
         name = f"{self.id}-{digest[:16]}.safetensors"
         if any(e["file"] == name and e["key"] == self.id for e in self._read_index()) \
