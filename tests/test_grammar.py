@@ -8,7 +8,9 @@ judging drafts against the unmasked p fails the same check.
 """
 
 import json
+from pathlib import Path
 
+import jsonschema
 import llguidance
 import mlx.core as mx
 import numpy as np
@@ -249,3 +251,25 @@ def test_an_unusable_grammar_is_a_one_line_error_naming_it(kind, source, named):
     with pytest.raises(UsageError) as error:
         compile_grammar(TOKENIZER, kind, source)
     assert named in str(error.value) and "\n" not in str(error.value)
+
+
+# --- many schemas: every finished output validates ---------------------------------------
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "schemas.json").read_text())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_finished_output_validates(target, temperature):
+    """34 schemas (nested objects, bounded arrays, enum, const, pattern, anyOf / oneOf / allOf,
+    $ref, formats, additionalProperties false) on the tiny random model: greedy with n-gram
+    drafts, sampled with a draft model; each finished value must validate with jsonschema."""
+    drafter = NgramDrafter() if temperature == 0 else ModelDrafter(perturbed_copy(target, noise=0.02, seed=1),
+                                                                  TINY_VOCAB)
+    engine, finished = Engine(target, drafter), 0
+    for i, schema in enumerate(SCHEMAS):
+        params = SamplingParams(temperature=temperature, top_p=0.95, seed=i)
+        tokens, finish, _ = run(engine, schema, 3, max_tokens=80, params=params, prompt=PROMPT[:20])
+        if finish == "stop":
+            jsonschema.validate(json.loads(TOKENIZER.decode(tokens)), schema)
+            finished += 1
+    assert finished >= 0.8 * len(SCHEMAS)
