@@ -22,9 +22,9 @@ from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
-    GroupSizeOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
+    GrammarOpt, GroupSizeOpt, JsonSchemaOpt, MaxTokensOpt, RegexOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
     RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    read_prompt, setup_models, template_kwargs, thought_splitter, use_chat,
+    read_prompt, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -65,6 +65,9 @@ def generate(
     chat: ChatOpt = None,
     think: ThinkOpt = None,
     chat_template: ChatTemplateOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
     color_drafts: ColorOpt = False,
     json_out: Annotated[bool, typer.Option(
         "--json", rich_help_panel=OUTPUT, help="Print one JSON object: text, finish reason, models, "
@@ -73,6 +76,7 @@ def generate(
     """Generate text for one prompt with speculative decoding.
 
     Examples:  mlx-spec generate "Why is the sky blue?"  ·  echo "Once upon" | mlx-spec generate --raw
+    ·  mlx-spec generate "An address in Paris:" --json-schema address.json
     """
     text = read_prompt(prompt)
     costs.recalibrate(recalibrate)
@@ -84,6 +88,7 @@ def generate(
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
+    constrained = structured_output(setup, engine, json_schema, regex, grammar)
     tokenizer = setup.pair.tokenizer
     # A template given on the command line is meant to be used, a base-model preset or not.
     chat = use_chat(tokenizer, True if chat is None and chat_template else chat, setup.preset)
@@ -98,7 +103,8 @@ def generate(
     def responses(prefill_progress=None):
         return stream_generate(engine, tokenizer, prompt_ids, params, gamma=policy,
                                max_tokens=max_tokens, stop=stop or (), stats=stats,
-                               prefill_progress=prefill_progress)
+                               prefill_progress=prefill_progress,
+                               grammar=constrained() if constrained else None)
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:
