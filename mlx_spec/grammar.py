@@ -12,8 +12,8 @@ walked and this one does not share) and the mask is cached per path until `commi
 state's mask is computed once a round whoever asks. `commit` rolls back to the committed
 state, then consumes the round's committed tokens.
 
-Masks are bool [width] arrays, width the target's logits' (Gemma 3 pads 262,144 ids to
-262,208: the padding is never allowed). EOS ids are allowed exactly where the grammar accepts.
+Masks are bool arrays as wide as the tokenizer's vocabulary; `constrain` applies them to
+logits of any width (Gemma 3 pads 262,144 ids to 262,208: the padding is never allowed). EOS ids are allowed exactly where the grammar accepts.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class Grammar:
     compiled: object  # an llguidance LLMatcher at the start state, copied per request
     vocab: int  # the tokenizer's ids (a model's logits may be wider: padding)
 
-    def matcher(self, width: int, eos_ids: Iterable[int] = ()) -> "Matcher":
-        return Matcher(self.compiled.deep_copy(), width, eos_ids, self.vocab)
+    def matcher(self, eos_ids: Iterable[int] = ()) -> "Matcher":
+        return Matcher(self.compiled.deep_copy(), self.vocab, eos_ids)
 
 
 def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -> Grammar:
@@ -122,10 +122,9 @@ def _one_line(message) -> str:
 class Matcher:
     """One request's grammar state (see the module docstring). Token ids only."""
 
-    def __init__(self, llm, width: int, eos_ids: Iterable[int] = (), vocab: Optional[int] = None):
+    def __init__(self, llm, width: int, eos_ids: Iterable[int] = ()):
         self.llm = llm
-        self.width = width
-        self.vocab = vocab if vocab is not None else width
+        self.width = width  # the tokenizer's ids; wider logits (padding) are never allowed
         self.eos_ids = frozenset(t for t in eos_ids if t < width)
         self.ahead: list[int] = []  # consumed beyond the committed tokens
         self.masks: dict[tuple[int, ...], mx.array] = {}  # path -> mask, this round
@@ -158,7 +157,7 @@ class Matcher:
     def valid_prefix(self, path: Sequence[int]) -> int:
         """How many leading tokens of `path` the grammar admits (an EOS ends the count)."""
         self._walk(())
-        cut = next((i for i, t in enumerate(path) if t in self.eos_ids or t >= self.vocab), len(path))
+        cut = next((i for i, t in enumerate(path) if t in self.eos_ids or t >= self.width), len(path))
         return self.llm.validate_tokens(list(path[:cut]))
 
     def continues(self, path: Sequence[int]) -> bool:
@@ -216,10 +215,13 @@ def llm_vocab(llm) -> int:
 
 
 def constrain(logits: mx.array, masks: Optional[mx.array]) -> mx.array:
-    """logits [rows, w] with the tokens `masks` ([rows, W ≥ w] bool) forbids set to -inf."""
+    """logits [rows, w] with the tokens `masks` ([rows, W] bool) forbids set to -inf; ids
+    past W (a padded vocabulary) are forbidden, mask columns past w (a narrower draft) unused."""
     if masks is None:
         return logits
-    return mx.where(masks[:, : logits.shape[-1]], logits, mx.array(-mx.inf, logits.dtype))
+    w, W = logits.shape[-1], masks.shape[-1]
+    masks = masks[:, :w] if W >= w else mx.pad(masks, [(0, 0), (0, w - W)])
+    return mx.where(masks, logits, mx.array(-mx.inf, logits.dtype))
 
 
 def read_grammar_option(value: str, kind: str) -> str:

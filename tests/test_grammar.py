@@ -22,7 +22,7 @@ import mlx_spec.engine as engine_module
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import UsageError
-from mlx_spec.grammar import JSON_OPTIONS, compile_grammar
+from mlx_spec.grammar import JSON_OPTIONS, compile_grammar, constrain
 from mlx_spec.sampling import LogitProcessor, SamplingParams, draw
 from mlx_spec.stats import Stats
 from mlx_spec.testing.tiny import (EOS_ID, END_OF_TURN_ID, TINY_VOCAB, byte_tokenizer_json, perturbed_copy,
@@ -78,7 +78,7 @@ def constrained_reference(model, prompt, schema, max_tokens):
 
 
 def run(engine, schema, gamma, max_tokens=90, params=SamplingParams(), prompt=PROMPT):
-    grammar = compile_grammar(TOKENIZER, "json_schema", schema, EOS).matcher(TINY_VOCAB, EOS)
+    grammar = compile_grammar(TOKENIZER, "json_schema", schema, EOS).matcher(EOS)
     stats = Stats()
     rounds = list(engine.rounds(prompt, params, gamma=gamma, max_tokens=max_tokens, stats=stats,
                                 grammar=grammar))
@@ -129,14 +129,13 @@ def test_mtp_drafter_under_a_grammar(tmp_path):
     save_tiny_assistant(tmp_path / "assistant")
     pair = load_pair(str(tmp_path / "target"), str(tmp_path / "assistant"), dtype="float32", progress=False)
     engine = build_engine(pair)
-    width = int(pair.vocab_size_target)
     grammar = compile_grammar(pair.tokenizer, "json_schema", ADDRESS, engine.eos_ids)
     prompt = pair.tokenizer.encode('Address: {"street": "1 Elm", "city": "Oslo"} Another: ')
     schema_ref = constrained_reference_for(pair, prompt, 50)
     for gamma in (2, 4):
         stats = Stats()
         tokens = [t for r in engine.rounds(prompt, gamma=gamma, max_tokens=50, stats=stats,
-                                           grammar=grammar.matcher(width, engine.eos_ids)) for t in r.tokens]
+                                           grammar=grammar.matcher(engine.eos_ids)) for t in r.tokens]
         assert [t for t in tokens if t not in engine.eos_ids] == schema_ref
         assert stats.drafted > 0
 
@@ -146,7 +145,7 @@ def constrained_reference_for(pair, prompt, max_tokens):
     plain.grammar_drafts = False
     grammar = compile_grammar(pair.tokenizer, "json_schema", ADDRESS, plain.eos_ids)
     tokens = [t for r in plain.rounds(prompt, gamma=0, max_tokens=max_tokens,
-                                      grammar=grammar.matcher(int(pair.vocab_size_target), plain.eos_ids))
+                                      grammar=grammar.matcher(plain.eos_ids))
               for t in r.tokens]
     return [t for t in tokens if t not in plain.eos_ids]
 
@@ -181,7 +180,7 @@ def sampled_joint(engine, params, gamma, draws, forced_drafts=True):
         stats = Stats()
         run_params = SamplingParams(**{**params.__dict__, "seed": seed})
         tokens = [t for r in engine.rounds(SAMPLE_PROMPT, run_params, gamma=gamma, max_tokens=6, stats=stats,
-                                           prompt_cache=cache, grammar=grammar.matcher(TINY_VOCAB, EOS))
+                                           prompt_cache=cache, grammar=grammar.matcher(EOS))
                   for t in r.tokens]
         assert tokens[1:4] == encode("xyz")
         counts[(tokens[0], tokens[4])] = counts.get((tokens[0], tokens[4]), 0) + 1
@@ -212,7 +211,7 @@ def test_judging_drafts_against_unmasked_p_fails_the_check(sampling_models, monk
     processor, masked = LogitProcessor(params), {}
 
     def keep_unmasked(logits, block_masks):
-        masked["p"] = processor.distribution(mx.where(block_masks[:, : logits.shape[-1]], logits, -mx.inf))
+        masked["p"] = processor.distribution(constrain(logits, block_masks))
         return logits
 
     def unmasked_acceptance(x, q, p, key):

@@ -267,8 +267,7 @@ def structured_output(setup: "Setup", engine, json_schema: Optional[str] = None,
         compiled = compile_grammar(setup.pair.tokenizer, kind, source, engine.eos_ids)
     except UsageError as e:
         raise UsageError(str(e), flag=flag) from None
-    width = setup.pair.vocab_size_target
-    return lambda: compiled.matcher(width, engine.eos_ids)
+    return lambda: compiled.matcher(engine.eos_ids)
 
 
 def template_kwargs(think: Optional[bool], chat: bool) -> dict:
