@@ -187,8 +187,8 @@ class Engine:
                                           self.max_gamma))
                 masks, drafted_by = None, draft.tokens.shape[0]
                 if grammar is not None:  # 2b. cut to the grammar, add what it forces, mask each row
-                    room = min(self.max_gamma, max_tokens - generated - 1) if self.grammar_drafts else 0
-                    draft, drafted_by, masks = _constrain_draft(draft, grammar, room)
+                    room = min(self.max_gamma, max_tokens - generated - 1)
+                    draft, drafted_by, masks = _constrain_draft(draft, grammar, room, self.grammar_drafts)
                 gamma = draft.tokens.shape[0]
                 if self.profile:
                     mx.eval(draft.tokens)
@@ -337,15 +337,15 @@ class Engine:
         return True
 
 
-def _constrain_draft(draft: Draft, grammar: Matcher, room: int) -> tuple[Draft, int, mx.array]:
+def _constrain_draft(draft: Draft, grammar: Matcher, room: int, forced: bool) -> tuple[Draft, int, mx.array]:
     """Step 2b: the draft cut before its first token the grammar forbids (or an EOS), then
-    the run the grammar forces after it (up to `room` tokens in all), appended with one-hot
-    q. Returns (the draft, how many of its tokens the drafter proposed, the block's masks
+    (`forced`) the run the grammar forces after it (up to `room` tokens in all), appended
+    with one-hot q. Returns (the draft, how many of its tokens the drafter proposed, the block's masks
     [γ+1, V]: row i allows what may follow x_1..x_i)."""
     x = draft.tokens.tolist()
     n = grammar.valid_prefix(x)
     x = x[: min(n, room)]
-    forced = grammar.forced(x, room - len(x)) if room and grammar.continues(x) else []
+    forced = grammar.forced(x, room - len(x)) if forced and grammar.continues(x) else []
     path = x + forced
     q = draft.q
     if q is not None:

@@ -128,8 +128,8 @@ class Matcher:
         self.eos_ids = frozenset(t for t in eos_ids if t < width)
         self.ahead: list[int] = []  # consumed beyond the committed tokens
         self.masks: dict[tuple[int, ...], mx.array] = {}  # path -> mask, this round
-        self.words = (width + 31) // 32
-        self._bits = np.zeros(max(self.words, (llm_vocab(llm) + 31) // 32), dtype=np.int32)
+        # llguidance fills exactly its own mask size (whole 32-bit words)
+        self._bits = np.zeros(len(llm.compute_bitmask()) // 4, dtype=np.int32)
 
     # --- the committed state ---------------------------------------------------------------
 
@@ -181,7 +181,7 @@ class Matcher:
         if mask is None:
             self._walk(key)
             self.llm.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-            bits = np.unpackbits(self._bits[: self.words].view(np.uint8), bitorder="little")[: self.width]
+            bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.width]
             if self.eos_ids:  # EOS where the value may end, and where nothing else may come
                 bits[list(self.eos_ids)] = self.llm.is_accepting() or not bits.any()
             mask = self.masks[key] = mx.array(bits.astype(np.bool_))
@@ -207,11 +207,6 @@ class Matcher:
             if not self.llm.consume_tokens(rest):
                 raise MlxSpecError(f"a draft path left the grammar: {self.llm.get_error()}")
             self.ahead += rest
-
-
-def llm_vocab(llm) -> int:
-    """llguidance's vocabulary size for a matcher (its mask is that many bits)."""
-    return len(llm.compute_bitmask()) * 8
 
 
 def constrain(logits: mx.array, masks: Optional[mx.array]) -> mx.array:

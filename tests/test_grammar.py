@@ -118,6 +118,10 @@ def test_our_plain_path_without_forced_drafts_is_the_reference(target, reference
     engine.grammar_drafts = False
     tokens, _, stats = run(engine, ADDRESS, 0)
     assert tokens == reference and stats.grammar_forced == 0 and stats.rounds == len(reference)
+    drafting = Engine(target, NgramDrafter())  # the drafter's tokens alone, still verified
+    drafting.grammar_drafts = False
+    tokens, _, stats = run(drafting, ADDRESS, 3)
+    assert tokens == reference and stats.grammar_forced == 0 and stats.accepted > 0
 
 
 def test_mtp_drafter_under_a_grammar(tmp_path):
