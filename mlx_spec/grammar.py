@@ -128,8 +128,8 @@ class Matcher:
         self.eos_ids = frozenset(t for t in eos_ids if t < width)
         self.ahead: list[int] = []  # consumed beyond the committed tokens
         self.masks: dict[tuple[int, ...], mx.array] = {}  # path -> mask, this round
-        # llguidance fills exactly its own mask size (whole 32-bit words)
-        self._bits = np.zeros(len(llm.compute_bitmask()) // 4, dtype=np.int32)
+        # llguidance fills exactly one bit per id of its tokenizer, in whole 32-bit words
+        self._bits = np.zeros((width + 31) // 32, dtype=np.int32)
 
     # --- the committed state ---------------------------------------------------------------
 

@@ -276,3 +276,30 @@ def test_every_finished_output_validates(target, temperature):
             jsonschema.validate(json.loads(TOKENIZER.decode(tokens)), schema)
             finished += 1
     assert finished >= 0.8 * len(SCHEMAS)
+
+
+# --- the real tokenizer and model (slow) ---------------------------------------------------
+
+@pytest.mark.slow
+def test_real_gemma_constrained_greedy_is_plain_constrained_decoding(gemma270m):
+    """The embedded Gemma 3 270M with its 262,144-token tokenizer, a prompt past the 512-token
+    window: n-gram drafts and forced runs give plain constrained decoding's tokens."""
+    tokenizer, model = gemma270m.tokenizer, gemma270m.model
+    eos = set(tokenizer.eos_token_ids)
+    record = '{"name": "Anna Schmidt", "street": "12 Lindenstrasse", "city": "Berlin", "postal_code": "10115"}\n'
+    prompt = list(tokenizer.encode("Customer records, one JSON object per line:\n" + record * 24))
+    assert len(prompt) > 512
+    schema = {"type": "object", "properties": {k: {"type": "string", "maxLength": 30} for k in
+                                                ("name", "street", "city", "postal_code")},
+              "required": ["name", "street", "city", "postal_code"], "additionalProperties": False}
+    grammar = compile_grammar(tokenizer, "json_schema", schema, eos)
+    plain = Engine(model, eos_ids=eos)
+    plain.grammar_drafts = False
+    outputs = {}
+    for name, engine, gamma in (("plain", plain, 0), ("ngram", Engine(model, NgramDrafter(), eos_ids=eos), 4)):
+        stats = Stats()
+        outputs[name] = [t for r in engine.rounds(prompt, gamma=gamma, max_tokens=60, stats=stats,
+                                                  grammar=grammar.matcher(eos)) for t in r.tokens]
+    assert outputs["ngram"] == outputs["plain"]
+    assert stats.grammar_forced > 5
+    jsonschema.validate(json.loads(tokenizer.decode([t for t in outputs["plain"] if t not in eos])), schema)
