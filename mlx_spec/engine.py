@@ -226,7 +226,10 @@ class Engine:
             rows = [0] + [i + 1 for i in path]  # the block rows that scored each emitted token
             if draft.tree is not None and hidden is not None:  # an MTP drafter reads the path's rows
                 hidden = hidden[mx.array(rows)]
-            emitted, finish = self._commit(cache, last, [x[i] for i in path] + [token], max_tokens - generated,
+            emitted = [x[i] for i in path] + [token]
+            if grammar is not None:  # nothing after the value's end (plain decoding stops there too)
+                emitted = grammar.until_complete(emitted)
+            emitted, finish = self._commit(cache, last, emitted, max_tokens - generated,
                                            queued is not None, drafting, hidden, rows)
             if finish:
                 queued = None  # its position was rolled back with the rest

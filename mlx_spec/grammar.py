@@ -146,11 +146,16 @@ class Matcher:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The round committed `tokens` (an EOS among them ends the value: not consumed)."""
-        self._walk(())
-        self.masks.clear()
-        tokens = [t for t in tokens if t not in self.eos_ids]
-        if tokens and not self.llm.consume_tokens(tokens):
-            raise MlxSpecError(f"grammar state lost: {self.llm.get_error()}")
+        self._walk([t for t in tokens if t not in self.eos_ids])
+        self.ahead, self.masks = [], {}
+
+    def until_complete(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` cut after the one that ends the value (an EOS, or the token after which
+        nothing may follow), so a block that completes the value commits no more."""
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids or not self.continues(tokens[: i + 1]):
+                return list(tokens[: i + 1])
+        return list(tokens)
 
     # --- along a draft path ----------------------------------------------------------------
 

@@ -77,13 +77,13 @@ def constrained_reference(model, prompt, schema, max_tokens):
     return out
 
 
-def run(engine, schema, gamma, max_tokens=90, params=SamplingParams(), prompt=PROMPT):
+def run(engine, schema, gamma, max_tokens=90, params=SamplingParams(), prompt=PROMPT, raw=False):
     grammar = compile_grammar(TOKENIZER, "json_schema", schema, EOS).matcher(EOS)
     stats = Stats()
     rounds = list(engine.rounds(prompt, params, gamma=gamma, max_tokens=max_tokens, stats=stats,
                                 grammar=grammar))
     tokens = [t for r in rounds for t in r.tokens]
-    return [t for t in tokens if t not in EOS], rounds[-1].finish_reason, stats
+    return [t for t in tokens if t not in EOS or raw], rounds[-1].finish_reason, stats
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ def test_the_reference_is_a_valid_address(reference):
 def test_greedy_constrained_output_is_plain_constrained_decoding(target, reference, drafter, gamma):
     make = {"none": lambda: None, "ngram": NgramDrafter,
             "model": lambda: ModelDrafter(perturbed_copy(target, noise=0.02, seed=1), TINY_VOCAB)}
-    engine = Engine(target, make[drafter]())
-    tokens, finish, stats = run(engine, ADDRESS, gamma)
-    assert tokens == reference and finish == "stop"
+    engine = Engine(target, make[drafter](), eos_ids=EOS)
+    tokens, finish, stats = run(engine, ADDRESS, gamma, raw=True)
+    assert tokens == reference and finish == "stop"  # no EOS after the complete value, as plain decoding
     assert stats.grammar_forced > 10  # key names, '": "', '", "' came free
     if gamma:
         assert stats.drafted > 0
@@ -301,5 +301,5 @@ def test_real_gemma_constrained_greedy_is_plain_constrained_decoding(gemma270m):
         outputs[name] = [t for r in engine.rounds(prompt, gamma=gamma, max_tokens=60, stats=stats,
                                                   grammar=grammar.matcher(eos)) for t in r.tokens]
     assert outputs["ngram"] == outputs["plain"]
-    assert stats.grammar_forced > 5
+    assert stats.grammar_forced > 0 and stats.accepted > 0
     jsonschema.validate(json.loads(tokenizer.decode([t for t in outputs["plain"] if t not in eos])), schema)
