@@ -270,14 +270,17 @@ class Engine:
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
         acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
         [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
-        the host (a queued round's input), for the repetition penalty. `masks`: the grammar's
-        allowed tokens per block row [rows, V] (bool), or None."""
+        the host (a queued round's input), for the repetition penalty. `masks`: a function
+        giving the grammar's allowed tokens per block row [rows, V] (bool), called once the
+        pass is on the device, so the host computes them meanwhile; or None."""
         # one target pass over the block (a tree's flattened, under its tree masks)
         if self.wants_hidden:
             logits, hidden = cache.target.forward(block, hidden=True, tree=draft.tree)
         else:
             logits, hidden = cache.target.forward(block, tree=draft.tree), None
-        logits = constrain(logits, masks)
+        if masks is not None:
+            mx.async_eval(logits)
+            logits = constrain(logits, masks())
         if draft.tree is not None:
             windows = processor.tree_windows(history, draft.tokens, draft.tree)
         else:
@@ -343,8 +346,8 @@ class Engine:
 def _constrain_draft(draft: Draft, grammar: Matcher, room: int, forced: bool) -> tuple[Draft, int, mx.array]:
     """Step 2b: the draft cut before its first token the grammar forbids (or an EOS), then
     (`forced`) the run the grammar forces after it (up to `room` tokens in all), appended
-    with one-hot q. Returns (the draft, how many of its tokens the drafter proposed, the block's masks
-    [γ+1, V]: row i allows what may follow x_1..x_i)."""
+    with one-hot q. Returns (the draft, how many of its tokens the drafter proposed, a
+    function giving the block's masks [γ+1, V]: row i allows what may follow x_1..x_i)."""
     x = draft.tokens.tolist()
     n = grammar.valid_prefix(x)
     x = x[: min(n, room)]
@@ -357,7 +360,7 @@ def _constrain_draft(draft: Draft, grammar: Matcher, room: int, forced: bool) ->
             one_hot = mx.arange(q.shape[-1])[None, :] == mx.array(forced)[:, None]
             q = mx.concatenate([q, one_hot.astype(q.dtype)])
     return (Draft(mx.array(path, dtype=mx.uint32), q, forwards=draft.forwards), len(x),
-            grammar.path_masks(path))
+            lambda: grammar.path_masks(path))
 
 
 def _log_softmax(logits: mx.array) -> mx.array:
