@@ -38,6 +38,12 @@ def test_generate_json_schema_file_regex_and_lark(models, tmp_path):
     assert answer["text"] in ("yes!", "no!")
 
 
+def test_the_summary_line_counts_grammar_forced_tokens(models):
+    result = invoke(["generate", "An address:", *models, "--raw", "-n", "80", "--json-schema", json.dumps(SCHEMA)])
+    assert result.exit_code == 0 and "grammar-forced " in result.stderr.splitlines()[-1]
+    jsonschema.validate(json.loads(result.stdout), SCHEMA)
+
+
 def test_a_value_cut_by_max_tokens_says_length(models):
     out = invoke_json(["generate", "An address:", *models, "--raw", "-n", "6", "--json-schema", json.dumps(SCHEMA)])
     assert out["finish_reason"] == "length" and out["generated_tokens"] == 6
