@@ -12,6 +12,13 @@ One round (Leviathan et al. 2023, Algorithm 1):
   5. commit                      cut at the first EOS id or at max_tokens, even mid-block;
                                  both caches forget every position that was not committed
 
+Under a grammar (`mlx_spec.grammar`, `rounds(grammar=...)`) every row's logits, the target's
+and the draft model's, are masked to the tokens the grammar allows after that row's path, so
+the acceptance rule runs on the constrained p and q; a model-free draft is cut at its first
+token the grammar forbids, and the tokens the grammar forces after the draft are appended to
+it as one-hot drafts (`grammar_drafts`), which the target accepts wherever it is forced too.
+Draft trees are not drawn under a grammar (the policy's chains are).
+
 A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_step is: the
 next round's pass is queued on the device, fed the token still being computed, before the
 host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
@@ -29,6 +36,7 @@ import mlx.core as mx
 from mlx_spec.cache import PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.grammar import Matcher, constrain
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.sampling import UNDECIDED, LogitProcessor, SamplingParams, make_key
 from mlx_spec.stats import Stats
@@ -70,6 +78,9 @@ class Engine:
     """
 
     pipeline_plain_rounds = True
+    # Under a grammar, append the tokens it forces after each draft as free drafts; off, a
+    # constrained round verifies only what the drafter proposed (the bench's baseline).
+    grammar_drafts = True
 
     def __init__(
         self,
@@ -112,6 +123,7 @@ class Engine:
         prefill_progress: Optional[Callable[[int, int], None]] = None,
         logprobs: Optional[int] = None,
         images=None,
+        grammar: Optional[Matcher] = None,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -129,6 +141,8 @@ class Engine:
                 (so at temperature 0 the chosen token is the likeliest one shown).
             images: an `mlx_spec.vision.ImagePrompt` whose ids are `prompt_ids`: the target's
                 prefill reads its image features; drafters see the ids as they are.
+            grammar: a `Matcher` the output must follow (see the module docstring); it
+                ends generation ("stop") once the value is complete.
         Yields:
             `Round`s; the last has a finish_reason.
         """
@@ -138,7 +152,7 @@ class Engine:
         cache = prompt_cache or self.make_prompt_cache()
         stats = stats if stats is not None else Stats()
         policy = as_policy(gamma)
-        processor = LogitProcessor(params)
+        processor = LogitProcessor(params, grammar)
         key = key_draft = key_verify = make_key(params.seed)
         history = list(prompt_ids)
         drafter = self.drafter
@@ -162,7 +176,7 @@ class Engine:
         drafting = drafter is not None and self._can_draft(cache)
         # Trees where the policy shapes them, the drafter branches, and the target's
         # layers take tree masks; a sharded target (agree) keeps chains.
-        branching = (drafting and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
+        branching = (drafting and grammar is None and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
                      and self.agree is None and cache.target.tree_capable)
 
         last, generated = prompt_ids[-1], 0
@@ -172,7 +186,7 @@ class Engine:
             start = perf_counter()
             if queued is not None:  # steps 1-3 of this plain round were queued last round
                 (verdict, hidden, scores, settle), queued = queued, None
-                gamma, draft = 0, Draft.empty()
+                gamma, draft, drafted_by = 0, Draft.empty(), 0
             else:
                 if not params.greedy:
                     key, key_draft, key_verify = mx.random.split(key, 3)
@@ -185,13 +199,17 @@ class Engine:
                     draft = (drafter.propose(gamma, history, key_draft) if not branching else
                              policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
                                           self.max_gamma))
+                masks, drafted_by = None, draft.tokens.shape[0]
+                if grammar is not None:  # 2b. cut to the grammar, add what it forces, mask each row
+                    room = min(self.max_gamma, max_tokens - generated - 1)
+                    draft, drafted_by, masks = _constrain_draft(draft, grammar, room, self.grammar_drafts)
                 gamma = draft.tokens.shape[0]
                 if self.profile:
                     mx.eval(draft.tokens)
                 # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
                 verdict, hidden, scores, settle = self._verify(cache, block, draft, history, None, processor,
-                                                               key_verify, logprobs)
+                                                               key_verify, logprobs, masks)
             drafted = perf_counter()
             # 3b. Another plain round next? Then queue its pass, fed this round's token, so
             # the device computes it while the host waits below. A plain round teaches the
@@ -199,7 +217,7 @@ class Engine:
             gamma_next = None
             if gamma == 0 and generated + 1 < max_tokens:
                 gamma_next = policy.choose(stats) if drafting else 0
-                if gamma_next == 0 and self.pipeline_plain_rounds:
+                if gamma_next == 0 and self.pipeline_plain_rounds and grammar is None:
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
@@ -222,22 +240,31 @@ class Engine:
             rows = [0] + [i + 1 for i in path]  # the block rows that scored each emitted token
             if draft.tree is not None and hidden is not None:  # an MTP drafter reads the path's rows
                 hidden = hidden[mx.array(rows)]
-            emitted, finish = self._commit(cache, last, [x[i] for i in path] + [token], max_tokens - generated,
+            emitted = [x[i] for i in path] + [token]
+            if grammar is not None:  # nothing after the value's end (plain decoding stops there too)
+                emitted = grammar.until_complete(emitted)
+            emitted, finish = self._commit(cache, last, emitted, max_tokens - generated,
                                            queued is not None, drafting, hidden, rows)
             if finish:
                 queued = None  # its position was rolled back with the rest
+            if grammar is not None:
+                grammar.commit(emitted)
+                stats.grammar_forced += max(0, min(n, len(emitted)) - drafted_by)
+                if finish is None and grammar.stopped:
+                    finish = "stop"  # the value is complete: only EOS could follow
             history.extend(emitted)
             last, generated = emitted[-1], generated + len(emitted)
             end = perf_counter()
             if draft.tree is not None:
                 policy.observe_tree(draft.tree, path, end - start)
                 stats.observe_tree(draft.tree.attempts(path))
-            else:
-                policy.observe(gamma, n, end - start)  # the round's measured time teaches auto γ its costs
-            depth = draft.tree.max_depth if draft.tree is not None else gamma
-            stats.observe_round(gamma, n, len(emitted), drafted - start, end - drafted, depth=depth)
+            else:  # the round's measured time teaches auto γ its costs (of the drafter's tokens)
+                policy.observe(drafted_by, min(n, drafted_by), end - start)
+            depth = draft.tree.max_depth if draft.tree is not None else drafted_by
+            stats.observe_round(drafted_by, min(n, drafted_by), len(emitted), drafted - start, end - drafted,
+                                depth=depth)
             stats.draft_forwards += (draft.forwards if draft.forwards is not None else
-                                     gamma * drafter.passes_per_token) if drafting else 0
+                                     drafted_by * drafter.passes_per_token) if drafting else 0
             stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
             yield Round(emitted, gamma, n, finish,
                         None if scores is None else
@@ -253,16 +280,21 @@ class Engine:
             raise MlxSpecError(f"the prompt is {len(prompt_ids):,} tokens, but the model's context "
                                f"is {self.context_length:,} tokens")
 
-    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None) -> tuple:
+    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None, masks=None) -> tuple:
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
         acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
         [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
-        the host (a queued round's input), for the repetition penalty."""
+        the host (a queued round's input), for the repetition penalty. `masks`: a function
+        giving the grammar's allowed tokens per block row [rows, V] (bool), called once the
+        pass is on the device, so the host computes them meanwhile; or None."""
         # one target pass over the block (a tree's flattened, under its tree masks)
         if self.wants_hidden:
             logits, hidden = cache.target.forward(block, hidden=True, tree=draft.tree)
         else:
             logits, hidden = cache.target.forward(block, tree=draft.tree), None
+        if masks is not None:
+            mx.async_eval(logits)
+            logits = constrain(logits, masks())
         if draft.tree is not None:
             windows = processor.tree_windows(history, draft.tokens, draft.tree)
         else:
@@ -323,6 +355,26 @@ class Engine:
                 )
                 return False
         return True
+
+
+def _constrain_draft(draft: Draft, grammar: Matcher, room: int, forced: bool) -> tuple[Draft, int, mx.array]:
+    """Step 2b: the draft cut before its first token the grammar forbids (or an EOS), then
+    (`forced`) the run the grammar forces after it (up to `room` tokens in all), appended
+    with one-hot q. Returns (the draft, how many of its tokens the drafter proposed, a
+    function giving the block's masks [γ+1, V]: row i allows what may follow x_1..x_i)."""
+    x = draft.tokens.tolist()
+    n = grammar.valid_prefix(x)
+    x = x[: min(n, room)]
+    forced = grammar.forced(x, room - len(x)) if forced and grammar.continues(x) else []
+    path = x + forced
+    q = draft.q
+    if q is not None:
+        q = q[: len(x)]
+        if forced:
+            one_hot = mx.arange(q.shape[-1])[None, :] == mx.array(forced)[:, None]
+            q = mx.concatenate([q, one_hot.astype(q.dtype)])
+    return (Draft(mx.array(path, dtype=mx.uint32), q, forwards=draft.forwards), len(x),
+            lambda: grammar.path_masks(path))
 
 
 def _log_softmax(logits: mx.array) -> mx.array:

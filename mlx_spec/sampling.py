@@ -68,11 +68,13 @@ class LogitProcessor:
     """Applies `SamplingParams` to rows of logits.
 
     Row i of a block is conditioned on `history + block[:i]`; the repetition penalty looks
-    at the last `repetition_context` tokens of exactly that, for p and q alike.
+    at the last `repetition_context` tokens of exactly that, for p and q alike. `grammar`:
+    the request's `mlx_spec.grammar.Matcher`, whose masks p's rows and q's rows both get.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, grammar=None):
         self.params = params
+        self.grammar = grammar
         # A full sort of a 262k vocabulary takes ~100 ms for 4 rows on a CPU: there, look
         # for the nucleus among the 1024 likeliest tokens first (one extra host check). A
         # GPU sorts quickly, and a host check would stall its queue, so it sorts everything.

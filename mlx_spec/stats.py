@@ -8,6 +8,8 @@ Definitions (as vLLM and llama.cpp use them, so numbers compare across tools):
   acceptance at rank k      draft-tree nodes of sibling rank k accepted / those whose turn
                             came (parent accepted, every earlier sibling rejected)
   decode tok/s              generated tokens / decode time (prompt processing excluded)
+  grammar-forced share      grammar_forced / generated: tokens a grammar admitted alone,
+                            drafted for free (drafted / accepted count the drafter's only)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Stats:
     verify_time: float = 0.0
     decode_time: float = 0.0
     peak_memory: int = 0  # bytes, MLX's peak allocation
+    grammar_forced: int = 0  # tokens committed as grammar-forced drafts (not the drafter's)
     gamma_last: int = 0
     tree_rounds: int = 0  # rounds that verified a draft tree (position counters then count depth)
     tried_at_rank: list[int] = field(default_factory=list)  # [k]: tree nodes of rank k whose turn came
@@ -114,6 +117,10 @@ class Stats:
         return 1 + self.accepted / self.rounds if self.rounds else 0.0
 
     @property
+    def grammar_forced_share(self) -> float:
+        return self.grammar_forced / self.generated if self.generated else 0.0
+
+    @property
     def decode_tps(self) -> float:
         return self.generated / self.decode_time if self.decode_time > 0 else 0.0
 
@@ -130,6 +137,7 @@ class Stats:
             acceptance_by_rank=self.acceptance_by_rank,
             mean_accepted_length=self.mean_accepted_length,
             decode_tps=self.decode_tps,
+            grammar_forced_share=self.grammar_forced_share,
             prefill_tps=self.prefill_tps,
         )
         return out

@@ -153,6 +153,7 @@ def stream_generate(
     prefill_progress=None,
     logprobs: Optional[int] = None,
     images=None,
+    grammar=None,
 ) -> Iterator[Response]:
     """Stream text from `prompt`, one `Response` per engine round.
 
@@ -160,8 +161,8 @@ def stream_generate(
         engine: the `Engine` (target, drafter).
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
-        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images: as
-            `Engine.rounds`.
+        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images, grammar: as
+            `Engine.rounds` (grammar: a fresh `mlx_spec.grammar.Matcher` per generation).
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
     Yields:
@@ -182,6 +183,7 @@ def stream_generate(
         prefill_progress=prefill_progress,
         logprobs=logprobs,
         images=images,
+        grammar=grammar,
     )
     for rnd in rounds:
         for i, t in enumerate(rnd.tokens):

@@ -206,8 +206,11 @@ def test_bad_tool_requests(served):
     assert_openai_error(post({"tools": [{"type": "function", "function": {"name": ""}}]}), 400, "tools[0].function.name")
     assert_openai_error(post({"tools": [{"type": "retrieval"}]}), 400, "tools[0].type")
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-    error = assert_openai_error(post({"tools": [strict]}), 400, "tools[0].function.strict", "not supported")
+    # Issue 34: strict arguments need a forced call, and a JSON call format (this template's is Gemma 4's)
+    error = assert_openai_error(post({"tools": [strict]}), 400, "tools[0].function.strict", "tool_choice")
     assert error["code"] == "unsupported_parameter"
+    assert_openai_error(post({"tools": [strict], "tool_choice": "required"}), 400, "tools[0].function.strict",
+                        "JSON tool-call format")
     assert_openai_error(post({"tools": [WEATHER], "tool_choice": "sometimes"}), 400, "tool_choice")
     assert_openai_error(post({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
                         400, "no tool is named 'nope'")

@@ -26,10 +26,10 @@ from mlx_spec.cache_files import CacheFileError, cache_key, writable_folder
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
-    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
-    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
-    template_kwargs, thought_splitter,
+    ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GrammarOpt,
+    GroupSizeOpt, JsonSchemaOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt,
+    RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text,
+    setup_models, structured_output, template_kwargs, thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -133,12 +133,14 @@ class ChatRepl:
     """The loop: read a line, run a slash command or ask the model, print a footer."""
 
     def __init__(self, session: ChatSession, setup, engine, params, gamma: str, max_tokens: int,
-                 stop, color: bool, out=None):
+                 stop, color: bool, out=None, grammar=None):
+        """`grammar`: a function giving each answer its own grammar matcher (see
+        `structured_output`), or None."""
         from rich.console import Console
 
         self.session, self.setup, self.engine = session, setup, engine
         self.params, self.max_tokens, self.stop = params, max_tokens, stop or ()
-        self.color = color
+        self.color, self.grammar = color, grammar
         self.console = Console(file=out or sys.stdout, highlight=False)
         self.tty = self.console.is_terminal
         self.last_view = None
@@ -260,7 +262,8 @@ class ChatRepl:
         with (_Interrupt() if alone else nullcontext(_Interrupt())) as interrupt, _no_echo():
             images, self.images = self.images, []
             responses = self.session.ask(text, self.params, images, gamma=self.policy,
-                                         max_tokens=self.max_tokens, stop=self.stop, stats=stats)
+                                         max_tokens=self.max_tokens, stop=self.stop, stats=stats,
+                                         grammar=self.grammar() if self.grammar else None)
             try:
                 for response in responses:
                     if splitter is None:  # the turn's prompt is known once it streams
@@ -353,6 +356,9 @@ def chat(
     system: Annotated[Optional[str], typer.Option(
         "--system", help="A system message for the conversation.")] = None,
     think: ThinkOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
     color_drafts: ColorOpt = False,
     save: Annotated[Optional[str], typer.Option(
         "--save", metavar="NAME",
@@ -399,7 +405,9 @@ def chat(
             session.resume(resume_path, key)
         except CacheFileError as error:
             raise MlxSpecError(f"cannot resume session {resume!r}: {error}") from None
-    repl = ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts)
+    constrained = structured_output(setup, engine, json_schema, regex, grammar)  # every answer follows it
+    repl = ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts,
+                    grammar=constrained)
     if resume is not None:
         repl.turns = sum(m["role"] == "assistant" for m in session.messages)
         repl.say(f"resumed session {resume!r}: {plural(repl.turns, 'turn')}, "

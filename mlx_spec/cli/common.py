@@ -25,6 +25,7 @@ from mlx_spec.sampling import SamplingParams
 MODELS = "Models"
 SAMPLING = "Sampling"
 OUTPUT = "Output"
+STRUCTURED = "Structured output"
 
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME|lmstudio:PUB/MODEL|default",
@@ -120,6 +121,19 @@ ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", metavar="FILE|NAME", rich_help_panel=MODELS,
     help="Chat template replacing the model's own (for a checkpoint with none or a wrong one): "
          "a .jinja file, or a built-in one: gemma3, gemma4.")]
+JsonSchemaOpt = Annotated[Optional[str], typer.Option(
+    "--json-schema", metavar="FILE|JSON", rich_help_panel=STRUCTURED,
+    help="Constrain the output to JSON that follows this JSON Schema (a file, or the schema "
+         "itself); generation stops when the value is complete. Exact under drafting; tokens "
+         "the schema forces (key names, punctuation) are drafted for free.")]
+RegexOpt = Annotated[Optional[str], typer.Option(
+    "--regex", metavar="PATTERN", rich_help_panel=STRUCTURED,
+    help="Constrain the output to text matching this regular expression (the whole output).")]
+GrammarOpt = Annotated[Optional[str], typer.Option(
+    "--grammar", metavar="FILE", rich_help_panel=STRUCTURED,
+    help="Constrain the output to a grammar in llguidance's Lark format (Lark syntax; "
+         "'start' is the top rule; terminals may be /regexes/, and %json {...} embeds a JSON "
+         "schema).")]
 ColorOpt = Annotated[bool, typer.Option(
     "--color-drafts", rich_help_panel=OUTPUT,
     help="Colour text that came from accepted draft tokens (on a terminal).")]
@@ -237,6 +251,29 @@ def sampling_params(
         repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
         seed=seed,
     )
+
+
+def structured_output(setup: "Setup", engine, json_schema: Optional[str] = None, regex: Optional[str] = None,
+                      grammar: Optional[str] = None):
+    """From --json-schema / --regex / --grammar (at most one) to a function giving each
+    generation its own grammar `Matcher`, or None when none was given. A schema or grammar
+    that does not compile is a one-line usage error naming the flag and the feature."""
+    from mlx_spec.grammar import compile_grammar, read_grammar_option
+
+    given = [(flag, kind, value) for flag, kind, value in (
+        ("--json-schema", "json_schema", json_schema), ("--regex", "regex", regex), ("--grammar", "lark", grammar))
+        if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UsageError(f"give one of {', '.join(flag for flag, _, _ in given)}, not several")
+    flag, kind, value = given[0]
+    source = value if kind == "regex" else read_grammar_option(value, kind)
+    try:
+        compiled = compile_grammar(setup.pair.tokenizer, kind, source, engine.eos_ids)
+    except UsageError as e:
+        raise UsageError(str(e), flag=flag) from None
+    return lambda: compiled.matcher(engine.eos_ids)
 
 
 def template_kwargs(think: Optional[bool], chat: bool) -> dict:

@@ -23,9 +23,9 @@ from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
-    GroupSizeOpt, ImageOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt,
-    RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    image_prompt, read_prompt, setup_models, template_kwargs, thought_splitter, use_chat,
+    GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt,
+    RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
+    image_prompt, read_prompt, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -69,6 +69,9 @@ def generate(
     think: ThinkOpt = None,
     chat_template: ChatTemplateOpt = None,
     image: ImageOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    regex: RegexOpt = None,
+    grammar: GrammarOpt = None,
     color_drafts: ColorOpt = False,
     prompt_cache: Annotated[Optional[Path], typer.Option(
         "--prompt-cache", metavar="FILE",
@@ -84,6 +87,7 @@ def generate(
     """Generate text for one prompt with speculative decoding.
 
     Examples:  mlx-spec generate "Why is the sky blue?"  ·  echo "Once upon" | mlx-spec generate --raw
+    ·  mlx-spec generate "An address in Paris:" --json-schema address.json
     """
     text = read_prompt(prompt)
     images = [read_image_file(path, "--image") for path in image or ()]  # refused before any load
@@ -98,6 +102,7 @@ def generate(
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter)
+    constrained = structured_output(setup, engine, json_schema, regex, grammar)
     tokenizer = setup.pair.tokenizer
     # A template given on the command line is meant to be used, a base-model preset or not.
     chat = use_chat(tokenizer, True if chat is None and chat_template else chat, setup.preset)
@@ -120,7 +125,8 @@ def generate(
     def responses(prefill_progress=None):
         return stream_generate(engine, tokenizer, prompt_ids, params, gamma=policy,
                                max_tokens=max_tokens, stop=stop or (), stats=stats,
-                               prefill_progress=prefill_progress, images=images, prompt_cache=cache)
+                               prefill_progress=prefill_progress, images=images, prompt_cache=cache,
+                               grammar=constrained() if constrained else None)
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:

@@ -183,6 +183,8 @@ def summary_line(view: View) -> str:
         parts.append("by position " + " ".join(f"{a:.2f}" for a in s.acceptance_by_position))
         if s.tree_rounds:
             parts.append("by sibling rank " + " ".join(f"{a:.2f}" for a in s.acceptance_by_rank))
+    if s.grammar_forced:
+        parts.append(f"grammar-forced {s.grammar_forced}")
     if view.measured_speedup is not None:
         parts.append(f"speedup {speedup_text(view)}")
     parts.append(human_rate(view.bandwidth))

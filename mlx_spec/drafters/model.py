@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from mlx_spec.cache import common_prefix_length
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
+from mlx_spec.grammar import constrain
 from mlx_spec.sampling import draw
 
 
@@ -65,12 +66,19 @@ class ModelDrafter:
             self.fed_drafts = self.fed_chain = None
             return Draft.empty()
         xs, qs, _ = self._chain(gamma, history, key)
+        if not xs:  # a grammar's value may end here: the target decides
+            return Draft.empty()
         return Draft(mx.concatenate(xs), self._pad(mx.concatenate(qs)) if qs else None)
 
     def _chain(self, gamma: int, history: list[int], key: mx.array, ranked: int = 0):
         """Draft x_1..x_γ (lazy): their tokens [1] each, q_j [1, V] each (sampling only), and
         with `ranked` > 0 the `ranked` likeliest tokens and their probabilities per step
-        ([1, ranked] each, from q, or at temperature 0 from the penalised softmax)."""
+        ([1, ranked] each, from q, or at temperature 0 from the penalised softmax).
+
+        Under the processor's grammar each step's logits are masked as the target's row
+        for the same path will be (so q is the constrained draft distribution), and the
+        chain stops before an EOS or after a token that completes the value: one host
+        sync per step, for the next step's mask."""
         self.fed_drafts = self.fed_chain = None
         if len(self.pending) > self.catch_up_after:
             self.state.prefill(self.state.ids + self.pending[:-1])
@@ -81,12 +89,17 @@ class ModelDrafter:
         qs: list[mx.array] = []
         tops: list[tuple[mx.array, mx.array]] = []
         y = mx.array(self.pending, dtype=mx.uint32)
+        grammar = self.processor.grammar
+        path: list[int] = []  # the chain so far on the host, for the grammar's masks
+        self.fed_drafts = gamma - 1  # x_γ is sampled, not fed
         for j in range(gamma):
             logits = self.state.forward(y)  # [len(y), V_draft]
             if logits.shape[0] > 1:
                 logits = logits[-1:]
             if logits.shape[-1] > self.target_vocab:  # ids the target cannot score
                 logits = logits[:, : self.target_vocab]
+            if grammar is not None:
+                logits = constrain(logits, grammar.mask_after(path)[None])
             windows = None
             if self.processor.params.penalized:
                 block = mx.concatenate(xs) if xs else None
@@ -101,9 +114,18 @@ class ModelDrafter:
                 qs.append(q_j)
             if ranked:
                 tops.append(likeliest(probs, ranked))
+            if grammar is not None:
+                token = y.item()
+                if token in grammar.eos_ids:
+                    del qs[j:]
+                    self.fed_drafts = j  # this step fed x_j; no x_{j+1} is kept
+                    break
+                path.append(token)
             mx.async_eval(y)
             xs.append(y)
-        self.fed_drafts = gamma - 1  # x_γ is sampled, not fed
+            if grammar is not None and not grammar.continues(path):
+                self.fed_drafts = j
+                break
         return xs, qs, tops
 
     def _pad(self, q: mx.array) -> mx.array:

@@ -98,15 +98,23 @@ class MessagesRequest(_Common):
     context_management: Optional[dict] = None
 
     def refuse_unsupported(self) -> None:
-        unsupported = [("output_config.format", (self.output_config or {}).get("format") is not None,
-                        "structured output formats are not supported"),
-                       ("mcp_servers", bool(self.mcp_servers), "MCP servers are not supported"),
+        unsupported = [("mcp_servers", bool(self.mcp_servers), "MCP servers are not supported"),
                        ("container", self.container is not None, "containers are not supported"),
                        ("context_management", self.context_management is not None,
                         "context management is not supported")]
         for param, bad, message in unsupported:
             if bad:
                 raise ApiError(400, f"{param}: {message}", param=param)
+
+    def output_format(self) -> Optional[tuple[str, Optional[dict]]]:
+        """`output_config.format` ({"type": "json_schema", "schema": ...}) as a grammar, or None."""
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise ApiError(400, "output_config.format: only {\"type\": \"json_schema\", \"schema\": {...}} "
+                                "is supported", param="output_config.format")
+        return "json_schema", fmt["schema"]
 
     def thinking_on(self) -> bool:
         return self.thinking is not None and self.thinking.type == "enabled"
@@ -258,9 +266,10 @@ def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
         raise ApiError(400, "tool_choice.name: a tool choice of type tool needs a name",
                        param="tool_choice.name")
     named = {None: None, "auto": "auto", "any": "required", "none": "none"}
+    # A forced tool's input follows its input_schema where the call format is JSON (`tools.py`).
     return plan_tools(tools or None, choice.name if choice and choice.type == "tool"
                       else named[choice.type if choice else None], syntax,
-                      single=bool(choice and choice.disable_parallel_tool_use))
+                      single=bool(choice and choice.disable_parallel_tool_use), constrain_forced=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -322,14 +331,15 @@ def event(kind: str, data: dict) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, submit, collect, cancel,
-               usage_counts, extra) -> None:
+def add_routes(app, *, options, syntax, think, parsed, check_request, output_grammar, chat_ids, submit,
+               collect, cancel, usage_counts, extra) -> None:
     """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
     (`parsed(request, read)` -> `read(the raw body)`, off the event loop;
     `chat_ids(messages, plan, queued)` -> (prompt ids, `ImagePrompt` or None), off the event loop, refused while
     the queue is full if `queued`; `cancel(job)` stops a job;
     `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
-    `mlx_spec` statistics field; `think`: the model's `ThinkSyntax` or None)."""
+    `mlx_spec` statistics field; `think`: the model's `ThinkSyntax` or None;
+    `output_grammar(body, plan)` -> the compiled grammar the answer must follow, or None)."""
 
     async def prompt_of(request: Request, model: type, queued: bool) -> tuple:
         def read(raw: bytes) -> tuple:
@@ -337,16 +347,17 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, 
             check_request(body, queued)
             body.refuse_unsupported()
             plan = tool_plan(body, syntax)
-            return (body, plan, *template_messages(body), body.template_kwargs(think))
+            grammar = output_grammar(body, plan) if queued else None
+            return (body, plan, *template_messages(body), body.template_kwargs(think), grammar)
 
-        body, plan, messages, prefill, kwargs = await parsed(request, read)
-        return body, plan, *await chat_ids(messages, plan, queued, continue_final=prefill,
-                                           template_kwargs=kwargs)
+        body, plan, messages, prefill, kwargs, grammar = await parsed(request, read)
+        return body, plan, grammar, *await chat_ids(messages, plan, queued, continue_final=prefill,
+                                                    template_kwargs=kwargs)
 
     @app.post(PATH + "/count_tokens")
     async def count_tokens(request: Request):
         try:
-            _, _, ids, _ = await prompt_of(request, CountRequest, queued=False)
+            _, _, _, ids, _ = await prompt_of(request, CountRequest, queued=False)
         except ApiError as error:
             return error_response(error)
         return {"input_tokens": len(ids)}
@@ -354,8 +365,9 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, chat_ids, 
     @app.post(PATH)
     async def messages(request: Request):
         try:
-            body, plan, ids, images = await prompt_of(request, MessagesRequest, queued=True)
-            job = submit(body, ids, "messages", thought_budget=body.thought_budget(), images=images)
+            body, plan, grammar, ids, images = await prompt_of(request, MessagesRequest, queued=True)
+            job = submit(body, ids, "messages", thought_budget=body.thought_budget(), images=images,
+                         grammar=grammar)
             mid = "msg_" + uuid.uuid4().hex[:24]
             if body.stream:
                 return StreamingResponse(stream(job, mid, plan), media_type="text/event-stream",

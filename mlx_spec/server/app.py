@@ -27,6 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from mlx_spec.errors import UsageError
+from mlx_spec.grammar import compile_grammar, llg_tokenizer
 from mlx_spec.models.fast_tokenizer import trims_first_space
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
@@ -137,6 +139,9 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         worker.start()
+        # llguidance's view of the tokenizer takes seconds to build (Gemma's 262k ids): built
+        # now, on the parsing thread, rather than by the first structured request.
+        parsing.submit(llg_tokenizer, tokenizer, engine.eos_ids)
         yield
         worker.stop()
         tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -241,23 +246,40 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
         check_request(body)
         plan = openai_plan(body, syntax)
         return (body, plan, template_messages(body.messages, syntax), body.prompt_mode(),
-                body.template_kwargs())
+                body.template_kwargs(), output_grammar(body, plan))
 
-    def read_completion(raw: bytes) -> CompletionRequest:
+    def read_completion(raw: bytes) -> tuple:
         body = parse_body(raw, CompletionRequest)
         check_request(body)
-        return body
+        return body, output_grammar(body)
+
+    def output_grammar(body, plan: ToolPlan = ToolPlan()):
+        """The compiled grammar the answer must follow (on the parsing thread): a forced
+        strict call's (`tools.forced_call_grammar`), else the body's output format, else
+        None. One that cannot compile is a 400 naming the feature."""
+        if plan.grammar is not None:
+            kind, source, param = "lark", plan.grammar, "tools"
+        else:
+            wanted = body.output_format()
+            if wanted is None:
+                return None
+            (kind, source), param = wanted, ("response_format" if hasattr(body, "response_format")
+                                             else "output_config.format")
+        try:
+            return compile_grammar(tokenizer, kind, source, engine.eos_ids)
+        except UsageError as error:
+            raise ApiError(400, f"{param}: {error}", param=param, code="invalid_value") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body, plan, messages, (continue_final, generation_prompt), kwargs = await parsed(request, read_chat)
+        body, plan, messages, (continue_final, generation_prompt), kwargs, grammar = await parsed(request, read_chat)
         ids, images = await chat_ids(messages, plan, continue_final=continue_final,
                                      generation_prompt=generation_prompt, template_kwargs=kwargs)
-        return await serve(request, body, ids, chat=True, plan=plan, images=images)
+        return await serve(request, body, ids, chat=True, plan=plan, images=images, grammar=grammar)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parsed(request, read_completion)
+        body, grammar = await parsed(request, read_completion)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
@@ -266,7 +288,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
             ids = list(prompt)
             if any(not 0 <= t < vocab_size for t in ids):
                 raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
-        return await serve(request, body, ids, chat=False)
+        return await serve(request, body, ids, chat=False, grammar=grammar)
 
     async def chat_ids(messages: list[dict], plan: ToolPlan, queued: bool = True,
                        continue_final: bool = False, generation_prompt: bool = True,
@@ -313,16 +335,18 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
             body.keep_alive_seconds()
 
     def submit(body, prompt_ids: list[int], param: str, thought_budget: Optional[int] = None,
-               images: Optional[ImagePrompt] = None) -> Job:
+               images: Optional[ImagePrompt] = None, grammar=None) -> Job:
         """Queue a generation for `body` (its sampling fields, stops and budget checked);
-        a chat's thoughts are split from its answer (`thinking`)."""
+        a chat's thoughts are split from its answer (`thinking`); `grammar`: the compiled
+        grammar its answer must follow (`output_grammar`), or None."""
         params = body.sampling(options.defaults)
         max_tokens = completion_budget(len(prompt_ids), body.requested_tokens(), options, param)
         chat = param == "messages"
         job = Job(prompt_ids, params, max_tokens, body.stops(), asyncio.get_running_loop(),
                   logprobs=body.logprob_count(), think=think if chat else None,
                   thinking=chat and opens_thought(tokenizer, think, prompt_ids),
-                  thought_budget=thought_budget, keep_alive=body.keep_alive_seconds(), images=images)
+                  thought_budget=thought_budget, keep_alive=body.keep_alive_seconds(), images=images,
+                  grammar=grammar)
         try:
             worker.submit(job)
         except (Busy, ShuttingDown) as error:
@@ -346,8 +370,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
             worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
     async def serve(request: Request, body, prompt_ids: list[int], chat: bool,
-                    plan: ToolPlan = ToolPlan(), images: Optional[ImagePrompt] = None):
-        job = submit(body, prompt_ids, "messages" if chat else "prompt", images=images)
+                    plan: ToolPlan = ToolPlan(), images: Optional[ImagePrompt] = None, grammar=None):
+        job = submit(body, prompt_ids, "messages" if chat else "prompt", images=images, grammar=grammar)
         rid = new_id("chatcmpl" if chat else "cmpl")
         extra_base = {"drafter": drafter, "gamma": gamma_mode}
         if body.stream:
@@ -373,7 +397,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
         return answer
 
     anthropic.add_routes(
-        app, options=options, syntax=syntax, think=think, parsed=parsed, check_request=check_request, chat_ids=chat_ids,
+        app, options=options, syntax=syntax, think=think, parsed=parsed, check_request=check_request,
+        output_grammar=output_grammar, chat_ids=chat_ids,
         submit=submit, collect=collect, cancel=worker.cancel, usage_counts=token_counts,
         extra=lambda done: {"drafter": drafter, "gamma": gamma_mode, **statistics(done)})
 

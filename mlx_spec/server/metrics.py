@@ -34,7 +34,7 @@ class Metrics:
         with self.lock:
             t = self.total
             for name in ("rounds", "drafted", "accepted", "generated", "prompt_tokens",
-                         "prefill_tokens", "prefill_time", "decode_time"):
+                         "prefill_tokens", "prefill_time", "decode_time", "grammar_forced"):
                 setattr(t, name, getattr(t, name) + getattr(stats, name))
             for mine, theirs in ((t.drafted_at, stats.drafted_at), (t.accepted_at, stats.accepted_at)):
                 mine += [0] * (len(theirs) - len(mine))
@@ -77,6 +77,8 @@ class Metrics:
             metric("rounds", "counter", "Verify passes of the target.", [({}, t.rounds)])
             metric("drafted_tokens", "counter", "Draft tokens proposed.", [({}, t.drafted)])
             metric("accepted_tokens", "counter", "Draft tokens accepted.", [({}, t.accepted)])
+            metric("grammar_forced_tokens", "counter", "Tokens a grammar forced, drafted free (structured output).",
+                   [({}, t.grammar_forced)])
             positions = [{"position": str(i + 1)} for i in range(len(t.drafted_at))]
             metric("position_drafted", "counter", "Rounds that drafted at least this many tokens.",
                    zip(positions, t.drafted_at))

@@ -10,7 +10,7 @@ fields must have the right types, every list within its `MAX_*` length (checked 
 items are), and sampling values go through `SamplingParams` (temperature within the API's
 range). Parsing a 16 MiB body is up to ~0.5 s of CPU work: the app runs `parse_body` off
 the event loop. Fields that would change the answer's meaning and that we do not implement
-(`logit_bias`, `echo`, a JSON `response_format`, ...) are refused; other unknown fields
+(`logit_bias`, `echo`, ...) are refused; other unknown fields
 are ignored, as clients send many we have no use for. Every failure becomes an `ApiError`,
 which the app turns into OpenAI's error shape `{"error": {"message", "type", "param",
 "code"}}`.
@@ -233,6 +233,24 @@ class _Common(_Strict):
             raise ApiError(400, f"keep_alive: {error}", param="keep_alive",
                            code="invalid_value") from None
 
+    def output_format(self) -> Optional[tuple[str, Optional[dict]]]:
+        """`response_format` as a grammar: ("json_schema", schema), ("json_object", None), or
+        None for text. A schema the grammar library cannot take is refused when compiled."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return "json_object", None
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format.json_schema.schema: a JSON schema object is required",
+                               param="response_format.json_schema.schema", code="invalid_value")
+            return "json_schema", schema
+        raise ApiError(400, f"response_format.type: {kind!r} is not supported; use text, json_object "
+                            "or json_schema", param="response_format.type", code="unsupported_parameter")
+
     def requested_tokens(self) -> Optional[int]:
         """max_completion_tokens (OpenAI's current name) over max_tokens."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -255,8 +273,6 @@ class _Common(_Strict):
                        ("presence_penalty", bool(self.presence_penalty),
                         "presence_penalty is not supported; use repetition_penalty"),
                        ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-                       ("response_format", (self.response_format or {}).get("type", "text") != "text",
-                        "response_format: only {\"type\": \"text\"} is supported"),
                        ("functions", bool(self.functions), "functions are not supported"),
                        ("echo", bool(self.echo), "echo is not supported"),
                        ("best_of", self.best_of not in (None, 1), "only best_of = 1 is supported"),

@@ -7,7 +7,12 @@ markers and a `tool_parser`), inferred from the chat template. A template with n
 3's) cannot take tools, and a request that sends them is refused, as mlx-lm's server and
 Ollama refuse them for such models. `tool_choice` "required" or a named function is kept by
 ending the prompt with the start marker, so the model's first words are a call (a named
-function is the only tool the template shows). Whatever fails to parse, names a function
+function is the only tool the template shows). A forced call's arguments follow the
+function's `parameters` schema (`strict: true` for OpenAI; always for Anthropic's forced
+tool) where the call format is JSON (mlx-lm's `json_tools`: `{"name": ..., "arguments": {...}}`
+after the start marker): the answer is constrained to that object, the schema embedded as
+the arguments (`forced_call_grammar`). Other formats (Gemma's `call:NAME{...}`) have no JSON
+arguments to constrain: `strict` is refused there. Whatever fails to parse, names a function
 that was not offered, or has arguments with no strict JSON form (NaN, a set), is the model's
 text: it is returned as content, never as an error.
 
@@ -52,6 +57,7 @@ class ToolPlan:
         syntax: how calls are parsed from the answer; None: the answer is all text.
         names: the functions the model may call.
         single: one call per answer (parallel_tool_calls false); later calls are dropped.
+        grammar: the forced call's grammar (a Lark text, `forced_call_grammar`), or None.
     """
 
     tools: Optional[list[dict]] = None
@@ -59,15 +65,20 @@ class ToolPlan:
     syntax: Optional[ToolSyntax] = None
     names: frozenset = frozenset()
     single: bool = False
+    grammar: Optional[str] = None
 
 
 def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax],
-               param: str = "tools", single: bool = False) -> ToolPlan:
+               param: str = "tools", single: bool = False, constrain_forced: bool = False) -> ToolPlan:
     """A `ToolPlan` from OpenAI-shaped `tools` and `tool_choice` ("none", "auto",
-    "required", or the name of one function); refuses tools the model cannot call."""
+    "required", or the name of one function); refuses tools the model cannot call.
+    A forced call is constrained to its schema when a tool is `strict` or `constrain_forced`."""
+    forced = choice not in (None, "auto", "none")
     for i, tool in enumerate(tools or []):
-        if tool["function"].get("strict"):  # would need decoding constrained to the schema
-            raise ApiError(400, f"{param}[{i}].function.strict: strict schemas are not supported",
+        if tool["function"].get("strict") and not (forced and syntax is not None and json_calls(syntax)):
+            why = ("needs tool_choice 'required' or a named function (the call the answer must be)"
+                   if not forced else "needs a JSON tool-call format, and this model's template has another")
+            raise ApiError(400, f"{param}[{i}].function.strict: a strict schema {why}",
                            param=f"{param}[{i}].function.strict", code="unsupported_parameter")
     if not tools and choice not in (None, "auto", "none"):
         raise ApiError(400, "tool_choice: forcing a tool call needs tools, and the request has none",
@@ -82,7 +93,28 @@ def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax]
         tools = [t for t in tools if t["function"]["name"] == choice]
         if not tools:
             raise ApiError(400, f"tool_choice: no tool is named {choice!r}", param="tool_choice")
-    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single)
+    strict = any(t["function"].get("strict") for t in tools) or constrain_forced
+    grammar = forced_call_grammar(tools) if forced and strict and json_calls(syntax) else None
+    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single, grammar)
+
+
+def json_calls(syntax: ToolSyntax) -> bool:
+    """Whether calls are written as JSON objects (mlx-lm's json_tools parser)."""
+    return getattr(syntax.parse, "__module__", "").endswith("json_tools")
+
+
+def forced_call_grammar(tools: list[dict]) -> str:
+    """A Lark grammar (llguidance's dialect) for one JSON call to one of `tools`, each with its
+    arguments as its `parameters` schema (%json), in json_tools' shape."""
+    from mlx_spec.grammar import JSON_OPTIONS
+
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        schema = {**(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        head = json.dumps('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
+        calls.append(f"{head} args{i} \"}}\"")
+        rules.append(f"args{i}: %json {json.dumps(schema)}")
+    return "start: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
 
 
 def openai_plan(body: ChatRequest, syntax: Optional[ToolSyntax]) -> ToolPlan:

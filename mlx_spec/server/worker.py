@@ -133,6 +133,7 @@ class Job:
     thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
     keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
     images: Optional[ImagePrompt] = None  # the prompt's images (its ids are prompt_ids)
+    grammar: Optional[object] = None  # a compiled `mlx_spec.grammar.Grammar` the answer follows
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -391,6 +392,7 @@ class Worker:
                               reproducible=job.params.seed is not None)
         splitter = ThoughtSplitter(job.think, job.thinking)
         phases = PhaseAcceptance()
+        matcher = job.grammar.matcher(self.engine.eos_ids) if job.grammar is not None else None
         prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
         budget = room
         if job.thought_budget is not None and job.think is not None:
@@ -399,7 +401,7 @@ class Worker:
             limited, generated = budget < room, []
             finish, stop_string = self._stream(job, cache, prompt, budget, policy, stats,
                                                prefilled if prompt is job.prompt_ids else None,
-                                               splitter, phases, generated)
+                                               splitter, phases, generated, matcher)
             tokens, room = tokens + len(generated), room - len(generated)
             if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
                 break
@@ -429,7 +431,7 @@ class Worker:
 
     def _stream(self, job: Job, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
                 prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
-                generated: list[int]):
+                generated: list[int], grammar=None):
         """One `stream_generate` run from `prompt`, its text split and emitted; the ids it
         released go into `generated`, the target's prefill count into `prefilled` (unless
         None: a run that continues the job's own tokens). Returns (finish reason, stop string)."""
@@ -443,6 +445,7 @@ class Worker:
             max_tokens=max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
             prefill_progress=on_prefill if prefilled is not None else None, logprobs=job.logprobs,
             images=images,
+            grammar=grammar,
         )
         finish, stop_string = None, None
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released

@@ -1,0 +1,236 @@
+"""Structured output: grammars compiled against our tokenizer, and the per-request matcher
+the round loop asks for allowed-token masks, forced tokens and rollback.
+
+The constraint library is llguidance (chosen by `bench/grammar_libs.py`); this module only
+adapts it. A `Grammar` is compiled once (JSON Schema, any JSON object, a regex, or a Lark
+grammar as llguidance reads it) and `Grammar.matcher()` gives each request its own `Matcher`.
+
+The matcher always rests at the committed tokens. Within a round the engine and the draft
+model ask for masks along the draft's path (`mask_after(path)`): the matcher walks there
+(consuming the tokens beyond the committed ones, rolling back what the previous question
+walked and this one does not share) and the mask is cached per path until `commit`, so each
+state's mask is computed once a round whoever asks. `commit` rolls back to the committed
+state, then consumes the round's committed tokens.
+
+Masks are bool arrays as wide as the tokenizer's vocabulary; `constrain` applies them to
+logits of any width (Gemma 3 pads 262,144 ids to 262,208: the padding is never allowed). EOS ids are allowed exactly where the grammar accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_spec.errors import MlxSpecError, UsageError
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+# JSON as json.dumps writes it, no other whitespace: key names, ": " and ", " become forced
+# runs (free drafts) rather than choices. A schema's "x-guidance" options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_LLG_TOKENIZERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer): ~3 s to build for Gemma
+
+
+def _tokenizer_json(tokenizer) -> str:
+    """The Hugging Face tokenizer.json behind mlx-lm's TokenizerWrapper or our FastTokenizer."""
+    path = getattr(tokenizer, "_path", None)
+    if path is not None and (Path(path) / "tokenizer.json").exists():
+        return (Path(path) / "tokenizer.json").read_text()
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds transformers'
+    backend = getattr(hf, "backend_tokenizer", hf)  # transformers' holds a `tokenizers.Tokenizer`
+    if not hasattr(backend, "to_str"):
+        raise MlxSpecError("structured output needs a fast (tokenizer.json) tokenizer")
+    return backend.to_str()
+
+
+def llg_tokenizer(tokenizer, eos_ids: Iterable[int] = ()):
+    """llguidance's view of `tokenizer`, built once per tokenizer (per process)."""
+    import llguidance
+
+    cached = _LLG_TOKENIZERS.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    eos = sorted(set(eos_ids) | set(getattr(tokenizer, "eos_token_ids", None) or []))
+    llt = llguidance.LLTokenizer(_tokenizer_json(tokenizer), eos_token=eos or None)
+    _LLG_TOKENIZERS[id(tokenizer)] = (tokenizer, llt)
+    return llt
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar compiled against one tokenizer; `matcher()` starts a request on it."""
+
+    kind: str  # one of KINDS
+    source: str  # the schema (JSON text), regex or Lark text, as given
+    compiled: object  # an llguidance LLMatcher at the start state, copied per request
+    vocab: int  # the tokenizer's ids (a model's logits may be wider: padding)
+
+    def matcher(self, eos_ids: Iterable[int] = ()) -> "Matcher":
+        return Matcher(self.compiled.deep_copy(), self.vocab, eos_ids)
+
+
+def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -> Grammar:
+    """Compile a grammar of `kind` (see KINDS) for `tokenizer`.
+
+    Args:
+        source: for json_schema a dict or JSON text; for regex / lark their text; ignored
+            for json_object (any JSON object).
+    Raises:
+        UsageError: a schema that is not JSON, or one llguidance cannot compile or does not
+            support (its message names the feature, e.g. 'Unimplemented keys: ["not"]').
+    """
+    import llguidance
+
+    if kind not in KINDS:
+        raise UsageError(f"unknown grammar kind {kind!r}: choose one of {', '.join(KINDS)}")
+    label = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex",
+             "lark": "grammar"}[kind]
+    if kind == "json_object":
+        source = {"type": "object"}
+    if kind in ("json_schema", "json_object"):
+        if isinstance(source, str):
+            try:
+                source = json.loads(source)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(source, dict):
+            raise UsageError("the JSON schema must be a JSON object")
+        text = json.dumps(source)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise UsageError(f"the JSON schema cannot be used: {_one_line(e)}") from None
+    elif kind == "regex":
+        text, grammar = source, llguidance.LLMatcher.grammar_from_regex(source)
+    else:
+        text, grammar = source, llguidance.LLMatcher.grammar_from_lark(source)
+    llt = llg_tokenizer(tokenizer, eos_ids)
+    matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+    if matcher.is_error():
+        raise UsageError(f"the {label} cannot be used: {_one_line(matcher.get_error())}")
+    return Grammar(kind, text, matcher, llt.vocab_size)
+
+
+def _one_line(message) -> str:
+    return " ".join(str(message).split())
+
+
+class Matcher:
+    """One request's grammar state (see the module docstring). Token ids only."""
+
+    def __init__(self, llm, width: int, eos_ids: Iterable[int] = ()):
+        self.llm = llm
+        self.width = width  # the tokenizer's ids; wider logits (padding) are never allowed
+        self.eos_ids = frozenset(t for t in eos_ids if t < width)
+        self.ahead: list[int] = []  # consumed beyond the committed tokens
+        self.masks: dict[tuple[int, ...], mx.array] = {}  # path -> mask, this round
+        # llguidance fills exactly one bit per id of its tokenizer, in whole 32-bit words
+        self._bits = np.zeros((width + 31) // 32, dtype=np.int32)
+
+    # --- the committed state ---------------------------------------------------------------
+
+    @property
+    def accepting(self) -> bool:
+        self._walk(())
+        return self.llm.is_accepting()
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing but EOS can follow: the value is complete."""
+        self._walk(())
+        return self.llm.is_stopped()
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The round committed `tokens` (an EOS among them ends the value: not consumed)."""
+        self._walk([t for t in tokens if t not in self.eos_ids])
+        self.ahead, self.masks = [], {}
+
+    def until_complete(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` cut after the one that ends the value (an EOS, or the token after which
+        nothing may follow), so a block that completes the value commits no more."""
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids or not self.continues(tokens[: i + 1]):
+                return list(tokens[: i + 1])
+        return list(tokens)
+
+    # --- along a draft path ----------------------------------------------------------------
+
+    def valid_prefix(self, path: Sequence[int]) -> int:
+        """How many leading tokens of `path` the grammar admits (an EOS ends the count)."""
+        self._walk(())
+        cut = next((i for i, t in enumerate(path) if t in self.eos_ids or t >= self.width), len(path))
+        return self.llm.validate_tokens(list(path[:cut]))
+
+    def continues(self, path: Sequence[int]) -> bool:
+        """Whether anything but EOS may follow `path` (a valid path)."""
+        if path and path[-1] in self.eos_ids:
+            return False
+        self._walk(path)
+        return not self.llm.is_stopped()
+
+    def forced(self, path: Sequence[int], limit: int) -> list[int]:
+        """The tokens the grammar forces after `path` (at most `limit`): free drafts."""
+        if limit <= 0:
+            return []
+        self._walk(path)
+        return self.llm.compute_ff_tokens()[:limit]
+
+    def mask_after(self, path: Sequence[int]) -> mx.array:
+        """bool [width]: the tokens allowed after the committed ones and `path`."""
+        key = tuple(path)
+        mask = self.masks.get(key)
+        if mask is None:
+            self._walk(key)
+            self.llm.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.width]
+            if self.eos_ids:  # EOS where the value may end, and where nothing else may come
+                bits[list(self.eos_ids)] = self.llm.is_accepting() or not bits.any()
+            mask = self.masks[key] = mx.array(bits.astype(np.bool_))
+        return mask
+
+    def path_masks(self, path: Sequence[int]) -> mx.array:
+        """bool [len(path) + 1, width]: row i after path[:i], the verify block's rows."""
+        return mx.stack([self.mask_after(path[:i]) for i in range(len(path) + 1)])
+
+    def _walk(self, path: Sequence[int]) -> None:
+        """Put the matcher at committed + `path`, reusing what it already walked."""
+        path = list(path)
+        common = 0
+        for a, b in zip(self.ahead, path):
+            if a != b:
+                break
+            common += 1
+        if common < len(self.ahead):
+            self.llm.rollback(len(self.ahead) - common)
+            del self.ahead[common:]
+        rest = path[common:]
+        if rest:
+            if not self.llm.consume_tokens(rest):
+                raise MlxSpecError(f"a draft path left the grammar: {self.llm.get_error()}")
+            self.ahead += rest
+
+
+def constrain(logits: mx.array, masks: Optional[mx.array]) -> mx.array:
+    """logits [rows, w] with the tokens `masks` ([rows, W] bool) forbids set to -inf; ids
+    past W (a padded vocabulary) are forbidden, mask columns past w (a narrower draft) unused."""
+    if masks is None:
+        return logits
+    w, W = logits.shape[-1], masks.shape[-1]
+    masks = masks[:, :w] if W >= w else mx.pad(masks, [(0, 0), (0, w - W)])
+    return mx.where(masks, logits, mx.array(-mx.inf, logits.dtype))
+
+
+def read_grammar_option(value: str, kind: str) -> str:
+    """A --json-schema / --grammar value: a file's text when it names a file, else itself
+    (a JSON schema given inline)."""
+    path = Path(value).expanduser()
+    if kind == "lark" or (len(value) < 4096 and path.is_file()):
+        try:
+            return path.read_text()
+        except OSError as e:
+            raise UsageError(f"cannot read {value}: {e.strerror}") from None
+    return value
