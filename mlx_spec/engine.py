@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache import PromptCache
+from mlx_spec.cache import KVQuantization, PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
@@ -65,6 +65,8 @@ class Engine:
             sharing a sharded target make the same decision (e.g. rank 0's, broadcast).
         context_length: positions the target takes; a longer prompt is refused before any
             work, and generation stops ("length") where the context ends.
+        kv, draft_kv: quantize the target's / the draft model's K/V cache (None: full
+            precision); see `mlx_spec.cache`.
     """
 
     pipeline_plain_rounds = True
@@ -80,6 +82,8 @@ class Engine:
         profile: bool = False,
         agree: Optional[Callable[[Verdict], Verdict]] = None,
         context_length: Optional[int] = None,
+        kv: Optional[KVQuantization] = None,
+        draft_kv: Optional[KVQuantization] = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -89,12 +93,13 @@ class Engine:
         self.profile = profile
         self.agree = agree
         self.context_length = context_length
+        self.kv, self.draft_kv = kv, draft_kv
         # Drafters that read the target's final hidden states (MTP heads) get them with
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
 
     def make_prompt_cache(self) -> PromptCache:
-        return PromptCache(self.target, slack=self.max_gamma + 1)
+        return PromptCache(self.target, slack=self.max_gamma + 1, kv=self.kv, draft_kv=self.draft_kv)
 
     def rounds(
         self,
@@ -164,7 +169,7 @@ class Engine:
                     key, key_draft, key_verify = mx.random.split(key, 3)
                 # 1. choose γ; the round adds one token of the target's own, hence the - 1
                 gamma = policy.choose(stats) if gamma_next is None else gamma_next
-                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1)
+                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1, cache.target.draft_room())
                 # 2. draft
                 draft = Draft.empty()
                 if drafting and gamma:

@@ -24,7 +24,7 @@ from mlx_spec import costs
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt,
+    ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt,
     StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models,
     template_kwargs, thought_splitter,
@@ -327,6 +327,10 @@ def chat(
     draft_quantize: DraftQuantizeOpt = None,
     draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
+    kv_start: KvStartOpt = None,
+    draft_kv_bits: DraftKvBitsOpt = None,
     chat_template: ChatTemplateOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
@@ -351,11 +355,13 @@ def chat(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
+                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
+                         draft_kv_bits=draft_kv_bits,
                          draft_on=draft_on, chat="later", chat_template=chat_template,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
-    engine = build_engine(setup.pair, setup.drafter)
+    engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     session = ChatSession(engine, setup.pair.tokenizer, system=system,
                           template_kwargs=template_kwargs(think, True))
     ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts).run()
