@@ -2,7 +2,7 @@
 (real weights, float32, MKL): perplexity of a long text, top-1 agreement with the
 full-precision cache, greedy agreement, KV memory and decode speed at 8k tokens.
 
-    python bench/kv_quality.py [--ppl-tokens 2048] [--context 8192] [--runs 3]
+    python bench/kv_quality.py [--ppl-tokens 2048] [--context 8192] [--runs 2] [--parts quality,memory]
 
 The text is the repository's own: its English prose (the committed prompts, the perplexity
 test's paragraph), then docs/*.md, cut to several 512-token windows.
@@ -12,9 +12,10 @@ test's paragraph), then docs/*.md, cut to several 512-token windows.
 - greedy: 64 tokens greedily decoded after two prompts cut from the text (600 and 1500
   tokens), compared with full precision: identical leading tokens, and equal positions;
 - memory at `--context` tokens: `nbytes` of both models' caches (target and a draft model
-  of the same architecture, here the same weights), float32 as measured, and the same
-  caches cast to bfloat16 (a Mac's dtype) before quantizing;
-- decode speed at `--context`: 32 plain greedy tokens from the filled cache (forked per
+  of the same architecture, here the same weights), each filled once in full precision and
+  switched as --kv-start switches it (the same classes and buffers), float32 as measured,
+  and the same caches cast to bfloat16 (a Mac's dtype) before quantizing;
+- decode speed at `--context`: 16 plain greedy tokens from the filled cache (forked per
   run), full / 8-bit / 4-bit interleaved, one warm-up run each, medians.
 
 Writes bench/results/kv_quality.json.
@@ -23,13 +24,14 @@ Writes bench/results/kv_quality.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
+from common import RESULTS, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
 
 import mlx.core as mx  # noqa: E402
 
@@ -93,8 +95,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ppl-tokens", type=int, default=2048)
     parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--parts", default="quality,memory", help="quality (perplexity, greedy) and/or "
+                        "memory (memory and decode speed at --context); results merge into the JSON")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
 
     from mlx_spec.models import load_model
 
@@ -103,6 +108,18 @@ def main() -> None:
     out = {"model": "Gemma 3 270M (embedded GGUF), float32", "text": TEXT_FILES,
            "group_size": 64, "kv_start": 0, "window": 512}
 
+    if "quality" in parts:
+        out.update(quality(model, tokenizer, args))
+    if "memory" in parts:
+        out.update(memory_and_speed(model, tokenizer, args))
+    previous = RESULTS / "kv_quality.json"
+    if previous.exists():  # the parts not run now stay as they were
+        out = {**{k: v for k, v in json.loads(previous.read_text()).items() if k != "environment"}, **out}
+    print(write_results("kv_quality", out))
+
+
+def quality(model, tokenizer, args) -> dict:
+    out = {}
     # 1. perplexity and top-1 agreement over the text
     ids = text_ids(tokenizer, args.ppl_tokens)
     scored = {name: score(model, ids, kv) for name, kv in SETTINGS.items()}
@@ -124,18 +141,24 @@ def main() -> None:
             for name, t in tokens.items() if name != "full"}})
     out["greedy"] = {"tokens": 64, "runs": runs}
     print("greedy:", runs)
+    return out
 
-    # 3. memory at the long context, both models' caches
+
+def memory_and_speed(model, tokenizer, args) -> dict:
+    out = {}
+    # 3. memory at the long context, both models' caches: each filled once in full precision,
+    # then switched as --kv-start switches it (the same classes and buffers; values aside)
     long_ids = text_ids(tokenizer, args.context)
+    full_cache = PromptCache(model, SLACK)
+    full_cache.target.prefill(long_ids[:-1])
+    full_cache.draft_for(model).prefill(long_ids[:-1])  # the draft: the same architecture
     memory, filled = {}, {}
     for name, kv in SETTINGS.items():
-        cache = PromptCache(model, SLACK, kv=kv, draft_kv=kv)
-        start = time.perf_counter()
-        cache.target.prefill(long_ids[:-1])
-        prefill_s = time.perf_counter() - start
-        cache.draft_for(model).prefill(long_ids[:-1])  # the draft: the same architecture
-        memory[name] = {"target_bytes": cache.target.nbytes, "draft_bytes": cache.draft.nbytes,
-                        "prefill_seconds": prefill_s}
+        cache = full_cache.fork()
+        for sequence in (cache.target, cache.draft):
+            sequence.kv = kv
+            sequence._quantize_when_due()
+        memory[name] = {"target_bytes": cache.target.nbytes, "draft_bytes": cache.draft.nbytes}
         filled[name] = cache
     full = memory["full"]
     for name, m in memory.items():
@@ -151,7 +174,7 @@ def main() -> None:
           "bf16:", {k: round(v["ratio"], 3) for k, v in out["memory"]["bfloat16"].items()})
 
     # 4. decode speed at the long context, interleaved, medians
-    n = 32
+    n = 16
     times = {name: [] for name in SETTINGS}
     for run in range(args.runs + 1):  # run 0: warm-up
         for name, kv in SETTINGS.items():
@@ -168,7 +191,7 @@ def main() -> None:
     out["decode_speed"] = {"context": len(long_ids), "tokens": n, "note": "measured under load (shared CPU)",
                            **speed}
     print("decode tok/s:", {k: round(v["tok_s"], 2) for k, v in speed.items()})
-    print(write_results("kv_quality", out))
+    return out
 
 
 if __name__ == "__main__":

@@ -61,10 +61,11 @@ GroupSizeOpt = Annotated[Optional[int], typer.Option(
     help="Group size for --quantize / --draft-quantize (weights sharing one scale). Default: 64.")]
 KvBitsOpt = Annotated[Optional[int], typer.Option(
     "--kv-bits", rich_help_panel=MODELS, metavar="8|4",
-    help="Quantize the target's KV cache to this many bits (sliding-window layers too): about "
-         "0.53x (8) or 0.28x (4) of its memory; attention runs on it through quantized matmuls "
-         "and speculation stays exact (output as plain decoding with the same --kv-bits). "
-         "Default: full precision.")]
+    help="Quantize the target's KV cache to this many bits (sliding-window layers too): 8 bits "
+         "take 0.53x the memory of a bfloat16 cache (0.28x of a float32 one), 4 bits 0.28x "
+         "(0.16x), at some cost in quality (docs/kv-cache.md); attention runs on it through "
+         "quantized matmuls and speculation stays exact (output as plain decoding with the "
+         "same --kv-bits). Default: full precision.")]
 KvGroupSizeOpt = Annotated[Optional[int], typer.Option(
     "--kv-group-size", rich_help_panel=MODELS, metavar="32|64|128",
     help="Group size for --kv-bits / --draft-kv-bits (cached values sharing one scale); it "
