@@ -13,6 +13,16 @@ feeds one, every layer's mask shows each row the prefix and its ancestors only, 
 puts each row at prefix + depth; `settle(kept, rows=...)` then moves the accepted rows' K/V
 into place before the rest is rolled back.
 
+Quantized K/V (`KVQuantization`, `--kv-bits`): every cache layer switches to mlx-lm's
+packed (weights, scales, biases) layout once its sequence holds `start` tokens (and at
+least one), checked before each forward as mlx-lm's `maybe_quantize_kv_cache` checks after
+one: the same switch points, so a prompt's first prefill chunk is full precision even with
+start 0. The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them
+through `mx.quantized_matmul`. Positions are quantized one by one (a group lies along
+head_dim), so trimming the packed arrays is as exact as trimming plain ones. A verify pass
+never straddles the switch (`draft_room`): each row sees keys of the precision plain
+decoding would have given it.
+
 Caches with recurrent state (SSM / linear-attention layers) cannot roll back at all;
 `SequenceCache.rollbackable` says so and the engine then decodes without drafting.
 """
@@ -21,17 +31,45 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (KVCache, QuantizedKVCache, RotatingKVCache, create_attention_mask,
+                                 make_prompt_cache)
+from mlx.utils import tree_map
 
 from mlx_spec.tree import TreeShape, tree_mask
 
 
-class WindowKVCache:
+class _TreeMask:
+    """A plain cache's mask, or a draft tree's while `tree` is set."""
+
+    tree: Optional[TreeShape] = None
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        if self.tree is not None:
+            return tree_mask(self.tree, self.offset, window_size)
+        return create_attention_mask(N, self.offset, return_array, window_size)
+
+
+class _Restorable:
+    """mlx-lm's cache serialisation protocol: arrays in `state`, scalars (as strings) in
+    `meta_state`, and `from_state(state, meta_state)` builds the cache again."""
+
+    @classmethod
+    def from_state(cls, state, meta_state):
+        obj = cls.__new__(cls)
+        obj.meta_state, obj.state = meta_state, state
+        return obj
+
+
+MAX_ROOM = 1 << 30  # no limit on a verify pass's draft tokens
+
+
+class WindowKVCache(_Restorable):
     """A sliding-window KV cache that can roll back up to `slack` positions exactly.
 
     Keys and values are stored in temporal order; positions older than
@@ -59,7 +97,7 @@ class WindowKVCache:
     def _start_after(self, n_new: int) -> int:
         # Where slot 0 will point once n_new positions are written; make_mask must agree
         # with update_and_fetch, so both call this.
-        capacity = 0 if self.keys is None else self.keys.shape[2]
+        capacity = 0 if self.keys is None else _length(self.keys)
         if self.offset - self.start + n_new <= capacity:
             return self.start
         return max(self.start, self.offset - self.retain)
@@ -67,24 +105,37 @@ class WindowKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n_new = keys.shape[2]
         used = self.offset - self.start
-        if self.keys is None or used + n_new > self.keys.shape[2]:
+        if self.keys is None or used + n_new > _length(self.keys):
             new_start = self._start_after(n_new)
             kept = used - (new_start - self.start)
             B, heads, _, k_dim = keys.shape
             capacity = kept + n_new + self.step
-            new_keys = mx.zeros((B, heads, capacity, k_dim), keys.dtype)
-            new_values = mx.zeros((B, heads, capacity, values.shape[3]), values.dtype)
+            new_keys = self._empty((B, heads, capacity), k_dim, keys.dtype)
+            new_values = self._empty((B, heads, capacity), values.shape[3], values.dtype)
             if kept > 0:
-                new_keys[..., :kept, :] = self.keys[..., used - kept : used, :]
-                new_values[..., :kept, :] = self.values[..., used - kept : used, :]
+                _put(new_keys, 0, kv_slots(self.keys, used - kept, used))
+                _put(new_values, 0, kv_slots(self.values, used - kept, used))
             self.keys, self.values, self.start, used = new_keys, new_values, new_start, kept
-        self.keys[..., used : used + n_new, :] = keys
-        self.values[..., used : used + n_new, :] = values
+        _put(self.keys, used, self._pack(keys))
+        _put(self.values, used, self._pack(values))
         self.offset += n_new
         # Return only what the new queries can see: window - 1 keys before them, at most
         # (the slack is kept for rollback, not attended to).
         first = used - min(used, self.window - 1)
-        return self.keys[..., first : used + n_new, :], self.values[..., first : used + n_new, :]
+        return kv_slots(self.keys, first, used + n_new), kv_slots(self.values, first, used + n_new)
+
+    def _empty(self, shape: tuple, dim: int, dtype) -> mx.array:
+        return mx.zeros((*shape, dim), dtype)
+
+    def _pack(self, x: mx.array) -> mx.array:
+        return x
+
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedWindowKVCache":
+        twin = QuantizedWindowKVCache(self.window, self.slack, group_size, bits)
+        twin.offset, twin.start = self.offset, self.start
+        if self.keys is not None:
+            twin.keys, twin.values = twin._pack(self.keys), twin._pack(self.values)
+        return twin
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         window = window_size or self.window
@@ -119,39 +170,159 @@ class WindowKVCache:
     def empty(self) -> bool:
         return self.keys is None
 
+    # mlx-lm's serialisation protocol (`_Restorable`): arrays in `state`, scalars in `meta_state`
     @property
     def state(self):
-        """mlx-lm's cache protocol: the arrays held and the scalars that place them."""
+        """The K/V slots held (quantized triples in `QuantizedWindowKVCache`)."""
         used = self.offset - self.start
-        keys = None if self.keys is None else self.keys[..., :used, :]
-        values = None if self.values is None else self.values[..., :used, :]
-        return keys, values, self.offset, self.start, self.window, self.slack
+        if self.keys is None:
+            return []
+        return kv_slots(self.keys, 0, used), kv_slots(self.values, 0, used)
 
     @state.setter
-    def state(self, value):
-        self.keys, self.values, self.offset, self.start, self.window, self.slack = value
-        self.tree = None
+    def state(self, v):
+        self.keys, self.values = (None, None) if not v else v
 
-    @classmethod
-    def from_state(cls, state) -> "WindowKVCache":
-        layer = cls.__new__(cls)
-        layer.state = state
-        return layer
+    @property
+    def meta_state(self) -> tuple:
+        return tuple(map(str, (self.window, self.slack, self.offset, self.start)))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.window, self.slack, self.offset, self.start = map(int, v)
+        self.tree = None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else _nbytes(self.keys) + _nbytes(self.values)
 
 
-class TreeKVCache(KVCache):
+class QuantizedWindowKVCache(WindowKVCache):
+    """`WindowKVCache` holding K/V in mlx-lm's quantized layout ((packed, scales, biases),
+    as `QuantizedKVCache`); `bits` makes mlx-lm's attention use `mx.quantized_matmul`.
+    mlx-lm's own `RotatingKVCache` cannot be quantized ("Quantization NYI",
+    ml-explore/mlx-lm#1573)."""
+
+    def __init__(self, window: int, slack: int, group_size: int = 64, bits: int = 8):
+        super().__init__(window, slack)
+        self.group_size, self.bits = group_size, bits
+
+    def _empty(self, shape: tuple, dim: int, dtype) -> tuple:
+        per_word = 32 // self.bits
+        return (mx.zeros((*shape, dim // per_word), mx.uint32),
+                mx.zeros((*shape, dim // self.group_size), dtype),
+                mx.zeros((*shape, dim // self.group_size), dtype))
+
+    def _pack(self, x: mx.array) -> tuple:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    @property
+    def meta_state(self) -> tuple:  # `WindowKVCache`'s, with the quantization
+        return tuple(map(str, (self.window, self.slack, self.group_size, self.bits, self.offset, self.start)))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.window, self.slack, self.group_size, self.bits, self.offset, self.start = map(int, v)
+        self.tree = None
+
+
+class TreeKVCache(_TreeMask, KVCache):
     """mlx-lm's `KVCache`, whose mask can also be a draft tree's (`tree` set)."""
 
-    tree: Optional[TreeShape] = None
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedTreeKVCache":
+        twin = QuantizedTreeKVCache(group_size, bits)
+        twin.offset = self.offset
+        if self.keys is not None:
+            twin.keys, twin.values = (tuple(mx.quantize(x, group_size=group_size, bits=bits))
+                                      for x in (self.keys, self.values))
+        return twin
 
-    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
-        if self.tree is not None:
-            return tree_mask(self.tree, self.offset, window_size)
-        return super().make_mask(N, window_size=window_size, return_array=return_array)
+
+class QuantizedTreeKVCache(_Restorable, _TreeMask, QuantizedKVCache):
+    """mlx-lm's `QuantizedKVCache` (its `trim` only moves the offset, which is exact: the
+    next write overwrites the forgotten slots), with tree masks as `TreeKVCache`."""
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        return kv_slots(self.keys, 0, self.offset), kv_slots(self.values, 0, self.offset)
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values = (None, None) if not v else v
+
+    @property
+    def meta_state(self) -> tuple:
+        return tuple(map(str, (self.offset, self.group_size, self.bits)))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.offset, self.group_size, self.bits = map(int, v)
+
+
+def kv_slots(x, first: int, end: int):
+    """Slots [first, end) of a K or V buffer (an array, or a quantized triple)."""
+    return tree_map(lambda a: a[..., first:end, :], x)
+
+
+def _put(x, first: int, new) -> None:
+    """Write `new` into the slots from `first` on, in place (component by component)."""
+    for a, b in zip(_parts(x), _parts(new)):
+        a[..., first : first + b.shape[2], :] = b
+
+
+def _parts(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _length(x) -> int:
+    return _parts(x)[0].shape[2]
+
+
+def _nbytes(x) -> int:
+    return sum(a.nbytes for a in _parts(x))
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """K/V quantization for one model's cache (mlx-lm's kv_bits, kv_group_size and
+    quantized_kv_start): every layer switches to `bits` once the sequence holds `start`
+    tokens; until then it is full precision."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 0
+
+
+class QuantizedKVReader:
+    """The `cache` argument for an attention layer that reads K/V another layer quantized
+    (Gemma 4's KV-shared layers, the MTP assistant): it writes nothing, and its `bits` make
+    mlx-lm's attention use `mx.quantized_matmul` on them."""
+
+    def __init__(self, group_size: int, bits: int, offset: int = 0):
+        self.group_size, self.bits, self.offset = group_size, bits, offset
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+    @classmethod
+    def of(cls, layer) -> Optional["QuantizedKVReader"]:
+        """A reader for K/V as `layer` (a cache layer) holds them; None when they are plain."""
+        bits = getattr(layer, "bits", None)
+        return None if bits is None else cls(layer.group_size, bits, layer.offset)
+
+    @classmethod
+    def for_keys(cls, keys, head_dim: int) -> Optional["QuantizedKVReader"]:
+        """A reader for `keys` (a plain array: None, or a quantized triple of vectors of
+        `head_dim`, whose packed and scale widths tell the bits and group size)."""
+        if not isinstance(keys, (tuple, list)):
+            return None
+        packed, scales, _ = keys
+        return cls(head_dim // scales.shape[-1], 32 * packed.shape[-1] // head_dim)
 
 
 def make_cache(model, slack: int) -> list:
@@ -183,7 +354,7 @@ class _PositionedRoPE(nn.Module):
         return self.inner(rows, offset=self.positions).reshape(L, B, H, D).transpose(1, 2, 0, 3)
 
 
-def _attention_layers(model) -> list:
+def attention_layers(model) -> list:
     lm = getattr(model, "language_model", model)
     return [getattr(layer, "self_attn", None) for layer in lm.layers]
 
@@ -191,8 +362,8 @@ def _attention_layers(model) -> list:
 def tree_capable(model, cache: list) -> bool:
     """Whether a draft tree can be fed: every cache layer is ours (tree masks, compaction)
     and every attention layer has a `rope` to position by depth."""
-    layers = _attention_layers(model)
-    return (all(isinstance(c, (TreeKVCache, WindowKVCache)) for c in cache)
+    layers = attention_layers(model)
+    return (all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache, WindowKVCache)) for c in cache)
             and all(a is not None and isinstance(getattr(a, "rope", None), nn.Module) for a in layers))
 
 
@@ -201,7 +372,7 @@ def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
     """While the model's graph is built: tree masks in every cache layer, and each row's
     RoPE at root + depth. (MLX is lazy: the graph keeps them once the call returns.)"""
     positions = mx.array([root, *(root + d for d in shape.depth)], mx.int32)
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     ropes = [a.rope for a in layers]
     try:
         for layer in cache:
@@ -219,7 +390,7 @@ def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
 def _max_trim(layer) -> int:
     if isinstance(layer, WindowKVCache):
         return layer.max_trim()
-    if isinstance(layer, KVCache):
+    if isinstance(layer, (KVCache, QuantizedKVCache)):
         return layer.offset
     return 0  # recurrent state or an overwriting ring: no exact rollback
 
@@ -259,12 +430,16 @@ class SequenceCache:
     `vocab`: the model's embedding rows, when ids it lacks can reach it (a draft narrower
     than the target); such ids are fed as id 0 (MLX does not bounds-check gathers). `ids`
     keeps the real ids, so prefix reuse still compares what was said.
+
+    `kv`: quantize the K/V (see the module docstring), or None for full precision.
     """
 
-    def __init__(self, model, slack: int, vocab: Optional[int] = None):
+    def __init__(self, model, slack: int, vocab: Optional[int] = None,
+                 kv: Optional[KVQuantization] = None):
         self.model = model
         self.slack = slack
         self.vocab = vocab
+        self.kv = kv
         self.cache = make_cache(model, slack)
         self.ids: list[int] = []
         self.unsettled = 0
@@ -275,7 +450,34 @@ class SequenceCache:
     @property
     def rollbackable(self) -> bool:
         """Whether every layer can forget positions exactly (plain/windowed KV only)."""
-        return all(isinstance(c, (KVCache, WindowKVCache)) for c in self.cache)
+        return all(isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache)) for c in self.cache)
+
+    @property
+    def offset(self) -> int:
+        """Positions the cache holds, unsettled ones included."""
+        return self.cache[0].offset if self.cache else 0
+
+    @property
+    def quantized(self) -> bool:
+        return any(hasattr(c, "bits") for c in self.cache)
+
+    def _switch(self) -> int:
+        # mlx-lm checks after a forward, so an empty cache's first forward is never quantized
+        return max(self.kv.start, 1)
+
+    def draft_room(self) -> int:
+        """The most draft tokens the next verify pass (from position `offset`) may carry
+        without straddling the switch to quantized K/V: rows before the switch must see
+        full-precision keys, rows after it quantized ones, as in plain decoding."""
+        if self.kv is None or self.quantized or self.offset >= self._switch():
+            return MAX_ROOM
+        return self._switch() - 1 - self.offset
+
+    def _quantize_when_due(self) -> None:
+        # Before a forward, as mlx-lm's maybe_quantize_kv_cache after the previous one.
+        if self.kv is not None and not self.quantized and self.offset >= self._switch():
+            self.cache = [c.to_quantized(group_size=self.kv.group_size, bits=self.kv.bits)
+                          if hasattr(c, "to_quantized") else c for c in self.cache]
 
     def max_rollback(self) -> int:
         return min((_max_trim(c) for c in self.cache), default=0)
@@ -294,6 +496,7 @@ class SequenceCache:
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
         (logits [n, V], final hidden states [n, H]). With a `tree`, tokens are its
         flattened block [root, x_0..x_N-1] (see `mlx_spec.tree`), fed in one pass."""
+        self._quantize_when_due()
         if tree is not None:
             root = self.cache[0].offset  # the root's position: every layer agrees
             with _feeding_tree(self.model, self.cache, tree, root):
@@ -323,12 +526,16 @@ class SequenceCache:
         hidden states only. `embedded`: input embeddings for the rows (`final_hidden`)."""
         if self.vocab is not None:
             tokens = mx.where(tokens < self.vocab, tokens, 0)
+        cache = self.cache
+        if self.quantized:  # Gemma 4's KV-shared layers (no cache of their own) read quantized K/V
+            shared = len(getattr(self.model, "language_model", self.model).layers) - len(cache)
+            cache = cache + [QuantizedKVReader.of(cache[0])] * shared
         try:
             if not head:
-                return final_hidden(self.model, tokens, self.cache, **embedded)
+                return final_hidden(self.model, tokens, cache, **embedded)
             if hidden:
-                return logits_and_hidden(self.model, tokens, self.cache, **embedded)
-            return self.model(tokens, cache=self.cache, **embedded)
+                return logits_and_hidden(self.model, tokens, cache, **embedded)
+            return self.model(tokens, cache=cache, **embedded)
         except BaseException:
             # Interrupted half-way through the layers (Ctrl-C): their offsets disagree now,
             # so no rollback can be exact; start over rather than decode from a torn cache.
@@ -362,8 +569,8 @@ class SequenceCache:
             end = layer.offset - getattr(layer, "start", 0)  # WindowKVCache's slot 0 moves
             first = end - self.unsettled
             index = mx.array(rows) + first
-            layer.keys[..., first : first + len(rows), :] = layer.keys[..., index, :]
-            layer.values[..., first : first + len(rows), :] = layer.values[..., index, :]
+            for part in _parts(layer.keys) + _parts(layer.values):
+                part[..., first : first + len(rows), :] = part[..., index, :]
 
     def _trim(self, n: int) -> None:
         if n == 0:
@@ -401,7 +608,10 @@ class SequenceCache:
         keys = ids if keys is None else keys[: len(ids)]
         common = common_prefix_length(self.ids, keys)
         surplus = len(self.ids) - common
-        if surplus and surplus <= self.max_rollback():
+        if surplus and self.quantized and common < self._switch():
+            self.reset()  # a fresh cache would hold these positions in full precision
+            common = 0
+        elif surplus and surplus <= self.max_rollback():
             self.rollback(surplus)
         elif surplus:
             self.reset()
@@ -413,6 +623,7 @@ class SequenceCache:
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
             last = hidden and begin + chunk_size >= len(todo)
+            self._quantize_when_due()
             rows = slice(common + begin, common + begin + len(chunk))
             out = self._call(mx.array(chunk)[None], head=not last,
                              **{name: value[:, rows] for name, value in inputs.items()})
@@ -432,8 +643,8 @@ def _fork_layer(layer):
     for name, value in vars(layer).items():
         if isinstance(value, mx.array):
             setattr(twin, name, value[...])
-        elif isinstance(value, list) and any(isinstance(v, mx.array) for v in value):
-            setattr(twin, name, [v[...] if isinstance(v, mx.array) else v for v in value])
+        elif isinstance(value, (list, tuple)):  # a quantized (packed, scales, biases) triple
+            setattr(twin, name, type(value)(v[...] if isinstance(v, mx.array) else v for v in value))
     return twin
 
 
@@ -450,15 +661,17 @@ class PromptCache:
     """Both models' caches; pass the same object to successive calls (multi-turn chat) and
     only tokens not already held are prefilled."""
 
-    def __init__(self, target_model, slack: int):
+    def __init__(self, target_model, slack: int, kv: Optional[KVQuantization] = None,
+                 draft_kv: Optional[KVQuantization] = None):
         self.slack = slack
-        self.target = SequenceCache(target_model, slack)
+        self.draft_kv = draft_kv
+        self.target = SequenceCache(target_model, slack, kv=kv)
         self.draft: Optional[SequenceCache] = None
 
     def draft_for(self, draft_model, vocab: Optional[int] = None) -> SequenceCache:
         """The draft model's cache, created on first use (`vocab` as in `SequenceCache`)."""
         if self.draft is None or self.draft.model is not draft_model:
-            self.draft = SequenceCache(draft_model, self.slack, vocab)
+            self.draft = SequenceCache(draft_model, self.slack, vocab, kv=self.draft_kv)
         return self.draft
 
     def reset(self) -> None:

@@ -82,11 +82,12 @@ def _windows(layers: list) -> list:
     return [layer.window if isinstance(layer, WindowKVCache) else None for layer in layers]
 
 
-def model_key(model, slack: int, kv_bits=None, kv_group_size=None) -> dict:
-    """What a model's cache file must match: weights, dtype, kv-bits, windows, slack."""
-    return {"weights": model_fingerprint(model), "dtype": _dtype(model), "kv_bits": kv_bits,
-            "kv_group_size": kv_group_size, "windows": _windows(make_cache(model, slack)),
-            "slack": slack}
+def model_key(model, slack: int, kv=None) -> dict:
+    """What a model's cache file must match: weights, dtype, K/V quantization (`kv`, a
+    `cache.KVQuantization` or None), windows, slack."""
+    return {"weights": model_fingerprint(model), "dtype": _dtype(model),
+            "kv_bits": kv and kv.bits, "kv_group_size": kv and kv.group_size, "kv_start": kv and kv.start,
+            "windows": _windows(make_cache(model, slack)), "slack": slack}
 
 
 def cache_key(engine, tokenizer) -> dict:
@@ -97,10 +98,8 @@ def cache_key(engine, tokenizer) -> dict:
     slack = engine.max_gamma + 1
     draft = engine.drafter.model if isinstance(engine.drafter, ModelDrafter) else None
     return {"format": FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer),
-            "target": model_key(engine.target, slack, getattr(engine, "kv_bits", None),
-                                getattr(engine, "kv_group_size", None)),
-            "draft": model_key(draft, slack, getattr(engine, "draft_kv_bits", None),
-                               getattr(engine, "draft_kv_group_size", None)) if draft is not None else None}
+            "target": model_key(engine.target, slack, engine.kv),
+            "draft": model_key(draft, slack, engine.draft_kv) if draft is not None else None}
 
 
 def key_id(key: dict) -> str:
@@ -117,7 +116,8 @@ def _mismatch(found: dict, wanted: dict) -> Optional[str]:
         return "it was made with another tokenizer"
     # the specific differences first: another dtype changes the weights' fingerprint too
     for field, words in (("dtype", "another dtype"), ("kv_bits", "other --kv-bits"),
-                         ("kv_group_size", "another --kv-group-size"), ("windows", "other sliding windows"),
+                         ("kv_group_size", "another --kv-group-size"), ("kv_start", "another --kv-start"),
+                         ("windows", "other sliding windows"),
                          ("slack", "another rollback slack (max γ + 1)"), ("weights", "another model")):
         have, want = found.get("target", {}).get(field), wanted["target"][field]
         if have != want:
@@ -253,6 +253,10 @@ def sequence_arrays(seq: SequenceCache, prefix: str, arrays: dict) -> dict:
             if isinstance(value, mx.array):
                 arrays[f"{prefix}.{i}.{j}"] = value
                 items.append("@")
+            elif isinstance(value, (tuple, list)) and value and all(isinstance(v, mx.array) for v in value):
+                for k, part in enumerate(value):  # a quantized K or V: (packed, scales, biases)
+                    arrays[f"{prefix}.{i}.{j}.{k}"] = part
+                items.append({"parts": len(value)})
             elif value is None or isinstance(value, (int, float, str)):
                 items.append({"v": value})
             else:
@@ -273,10 +277,10 @@ def _cache_class(name: str):
     return cls
 
 
-def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict) -> SequenceCache:
-    """A `SequenceCache` of `model` from what `sequence_arrays` stored; CacheFileError if
-    its layers are not the ones `model` makes."""
-    seq = SequenceCache(model, slack, info.get("vocab"))
+def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict, kv=None) -> SequenceCache:
+    """A `SequenceCache` of `model` (K/V quantized as `kv`) from what `sequence_arrays`
+    stored; CacheFileError if its layers are not the ones `model` makes."""
+    seq = SequenceCache(model, slack, info.get("vocab"), kv=kv)
     fresh, stored = seq.cache, info["layers"]
     if len(stored) != len(fresh):
         raise CacheFileError(f"it holds {len(stored)} cache layers, the model makes {len(fresh)}")
@@ -286,10 +290,14 @@ def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict) -
     seq.ids = [int(t) for t in ids.tolist()]
     layers = []
     for i, (entry, made) in enumerate(zip(stored, fresh)):
-        if entry["class"] != type(made).__name__:
+        # a quantized cache (--kv-bits, past --kv-start) holds each layer's quantized twin
+        made_names = {type(made).__name__} | ({f"Quantized{type(made).__name__}"} if kv is not None else set())
+        if entry["class"] not in made_names:
             raise CacheFileError(f"layer {i} is a {entry['class']}, the model makes a {type(made).__name__}")
         try:
-            state = tuple(arrays[f"{prefix}.{i}.{j}"] if item == "@" else item["v"]
+            state = tuple(arrays[f"{prefix}.{i}.{j}"] if item == "@" else
+                          tuple(arrays[f"{prefix}.{i}.{j}.{k}"] for k in range(item["parts"])) if "parts" in item
+                          else item["v"]
                           for j, item in enumerate(entry["state"]))
         except KeyError as missing:
             raise CacheFileError(f"array {missing} is missing") from None
@@ -339,10 +347,11 @@ def load_prompt_cache(path: Path, engine, key: dict) -> tuple[PromptCache, Optio
         raise CacheFileError(f"{path} is damaged (its arrays do not match their digest)")
     try:
         cache = engine.make_prompt_cache()
-        cache.target = restore_sequence(engine.target, cache.slack, arrays, "target", info["target"])
+        cache.target = restore_sequence(engine.target, cache.slack, arrays, "target", info["target"], engine.kv)
         draft_model = getattr(engine.drafter, "model", None)
         if info.get("draft") and key.get("draft") is not None and info["key"].get("draft") == key["draft"]:
-            cache.draft = restore_sequence(draft_model, cache.slack, arrays, "draft", info["draft"])
+            cache.draft = restore_sequence(draft_model, cache.slack, arrays, "draft", info["draft"],
+                                           engine.draft_kv)
     except CacheFileError as error:
         raise CacheFileError(f"{path} does not fit this model: {error}") from None
     except (KeyError, TypeError, ValueError) as error:

@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache import PromptCache
+from mlx_spec.cache import KVQuantization, PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.grammar import Matcher, constrain
@@ -75,6 +75,8 @@ class Engine:
             work, and generation stops ("length") where the context ends.
         vision: the target's `mlx_spec.vision.Vision`, for prompts with images; None: it
             reads none.
+        kv, draft_kv: quantize the target's / the draft model's K/V cache (None: full
+            precision); see `mlx_spec.cache`.
     """
 
     pipeline_plain_rounds = True
@@ -94,6 +96,8 @@ class Engine:
         agree: Optional[Callable[[Verdict], Verdict]] = None,
         context_length: Optional[int] = None,
         vision=None,
+        kv: Optional[KVQuantization] = None,
+        draft_kv: Optional[KVQuantization] = None,
     ):
         self.target = target
         self.drafter = drafter
@@ -104,12 +108,13 @@ class Engine:
         self.agree = agree
         self.context_length = context_length
         self.vision = vision
+        self.kv, self.draft_kv = kv, draft_kv
         # Drafters that read the target's final hidden states (MTP heads) get them with
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
 
     def make_prompt_cache(self) -> PromptCache:
-        return PromptCache(self.target, slack=self.max_gamma + 1)
+        return PromptCache(self.target, slack=self.max_gamma + 1, kv=self.kv, draft_kv=self.draft_kv)
 
     def rounds(
         self,
@@ -192,7 +197,7 @@ class Engine:
                     key, key_draft, key_verify = mx.random.split(key, 3)
                 # 1. choose γ; the round adds one token of the target's own, hence the - 1
                 gamma = policy.choose(stats) if gamma_next is None else gamma_next
-                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1)
+                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1, cache.target.draft_room())
                 # 2. draft
                 draft = Draft.empty()
                 if drafting and gamma:

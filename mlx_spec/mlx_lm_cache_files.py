@@ -32,6 +32,8 @@ PLACEHOLDER = -1  # the id of a cached position whose id a file made by mlx-lm d
 
 def _theirs(layer):
     """Our layer as the mlx-lm cache it stands for."""
+    if getattr(layer, "bits", None) is not None:  # mlx-lm's files have no quantized sliding windows
+        raise CacheFileError("a quantized K/V cache (--kv-bits) cannot be written in mlx-lm's layout")
     if isinstance(layer, WindowKVCache):
         held = layer.offset - layer.start
         kept = min(held, layer.window)  # a RotatingKVCache holds the window's last positions
@@ -131,7 +133,7 @@ def _ours(layers: list, model, slack: int) -> list:
             held = keys.shape[2]
             if held < min(layer.offset, made.window - 1):
                 raise CacheFileError(f"layer {i} holds {held} positions, its window needs {made.window - 1}")
-            mine = WindowKVCache.from_state((keys, values, layer.offset, layer.offset - held, made.window, slack))
+            mine = WindowKVCache.from_state((keys, values), (made.window, slack, layer.offset, layer.offset - held))
         elif isinstance(made, TreeKVCache) and type(layer) is KVCache:
             mine = TreeKVCache.from_state((layer.keys[..., : layer.offset, :],
                                            layer.values[..., : layer.offset, :], layer.offset))

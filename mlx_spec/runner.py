@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from mlx_spec.cache import KVQuantization, attention_layers
 from mlx_spec.costs import load_or_measure
 from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
@@ -106,7 +107,8 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     return Choice(chosen, str(target), draft, drafter, gamma)
 
 
-def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GAMMA, world=None) -> Engine:
+def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GAMMA, world=None,
+                 kv: Optional[KVQuantization] = None, draft_kv: Optional[KVQuantization] = None) -> Engine:
     """An `Engine` for a loaded `ModelPair`.
 
     Args:
@@ -117,6 +119,7 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         world: the `distributed.World` the target is sharded over (default: this process's).
             Rank 0's verdict is broadcast every round; a draft model loaded on rank 0 only
             drafts there and its tokens are broadcast (`distributed.load_pair`).
+        kv, draft_kv: quantize the target's / draft model's K/V cache (None: full precision).
     """
     from mlx_spec.distributed import BroadcastDrafter, world as this_world
     from mlx_spec.models.pairing import is_assistant
@@ -151,10 +154,28 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         chosen = NgramDrafter()
     else:
         chosen = None
+    check_kv_group(pair.target.model, kv, "--kv-group-size")
+    if drafter == "model" and pair.draft is not None:
+        check_kv_group(pair.draft.model, draft_kv, "--kv-group-size (for --draft-kv-bits)")
     eos_ids = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     return Engine(pair.target.model, chosen, eos_ids=eos_ids, max_gamma=max_gamma,
                   context_length=pair.target.context_length,
-                  agree=w.agree_verdict if w.active else None, vision=pair.target.vision)
+                  agree=w.agree_verdict if w.active else None, vision=pair.target.vision,
+                  kv=kv, draft_kv=draft_kv)
+
+
+def check_kv_group(model, kv: Optional[KVQuantization], flag: str) -> None:
+    """A `UsageError` unless `kv`'s group size divides every attention layer's head size."""
+    if kv is None:
+        return
+    from mlx_spec.models.loader import GROUP_SIZES
+
+    heads = {getattr(a, "head_dim", 0) for a in attention_layers(model) if a is not None}
+    if any(h % kv.group_size for h in heads):
+        fits = [str(g) for g in GROUP_SIZES if not any(h % g for h in heads)]
+        raise UsageError(f"{flag} {kv.group_size} does not divide the model's head size "
+                         f"({', '.join(map(str, sorted(heads)))})"
+                         + (f": choose {' or '.join(fits)}" if fits else ""))
 
 
 def context_bucket(tokens: int) -> int:

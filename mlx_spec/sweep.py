@@ -274,6 +274,7 @@ def run_sweep(
     params: SamplingParams = SamplingParams(),
     progress: Optional[Callable[[int, int, str], None]] = None,
     calibration_progress: Optional[Callable[[int, int], None]] = None,
+    engine_options: Optional[dict] = None,
 ) -> SweepResult:
     """Sweep γ against a drafting-off baseline.
 
@@ -287,6 +288,7 @@ def run_sweep(
         params: sampling; at temperature 0 every run's tokens must equal the baseline's.
         progress: called with (runs done, runs total, description) after each run.
         calibration_progress: called with (done, total) while the cost curve is measured.
+        engine_options: more `build_engine` keywords for both engines (K/V quantization).
     Returns:
         A `SweepResult`; `.ok` is False when an output differed from the baseline.
     """
@@ -294,8 +296,8 @@ def run_sweep(
         raise MlxSpecError("no prompts to benchmark")
     if warm_runs < 1:
         raise MlxSpecError("--runs must be at least 1")
-    plain = build_engine(pair, "none")
-    spec = build_engine(pair, drafter)
+    plain = build_engine(pair, "none", **(engine_options or {}))
+    spec = build_engine(pair, drafter, **(engine_options or {}))
     if spec.drafter is None:
         raise MlxSpecError("the sweep needs a drafter: --drafter model, mtp or ngram")
     drafter_name = spec.drafter.name

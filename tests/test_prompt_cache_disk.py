@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import generate, load
 
+from mlx_spec.cache import KVQuantization
 from mlx_spec.cache_files import CacheFileError, cache_key, load_prompt_cache, save_prompt_cache
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.engine import Engine
@@ -192,15 +193,33 @@ def test_files_of_another_model_or_kv_bits_are_refused(saved, pair):
     other = Engine(draft, None, eos_ids=tokenizer.eos_token_ids)  # the draft's weights as target
     with pytest.raises(CacheFileError, match="another model"):
         load_prompt_cache(path, other, cache_key(other, tokenizer))
-    engine.kv_bits, engine.kv_group_size = 8, 64
-    try:
-        with pytest.raises(CacheFileError, match="other --kv-bits"):
-            load_prompt_cache(path, engine, cache_key(engine, tokenizer))
-    finally:
-        del engine.kv_bits, engine.kv_group_size
+    quantized = Engine(target, engine.drafter, eos_ids=tokenizer.eos_token_ids, kv=KVQuantization(8))
+    with pytest.raises(CacheFileError, match="other --kv-bits"):
+        load_prompt_cache(path, quantized, cache_key(quantized, tokenizer))
     bigger = Engine(target, engine.drafter, eos_ids=tokenizer.eos_token_ids, max_gamma=engine.max_gamma + 1)
     with pytest.raises(CacheFileError, match="another rollback slack"):
         load_prompt_cache(path, bigger, cache_key(bigger, tokenizer))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_cache_file_round_trips_and_answers_as_before(pair, tmp_path, bits):
+    """--kv-bits caches (packed K/V triples, sliding windows included) survive a file: the
+    conversation continued from the file answers as the one continued in memory."""
+    target, _, tokenizer = pair
+    engine = Engine(target, make_engine(pair).drafter, eos_ids=tokenizer.eos_token_ids, context_length=4096,
+                    kv=KVQuantization(bits, group_size=32), draft_kv=KVQuantization(bits, group_size=32))
+    key = cache_key(engine, tokenizer)
+    cache, ids = conversation(pair, engine, TEXTS[0])
+    assert any(getattr(layer, "bits", None) == bits for layer in cache.target.cache)
+    save_prompt_cache(tmp_path / "q.safetensors", cache, key)
+    loaded, _ = load_prompt_cache(tmp_path / "q.safetensors", engine, key)
+    follow = cache.target.ids + list(tokenizer.encode(" and then", add_special_tokens=False))
+
+    def answer(prompt_cache):
+        return [t for r in engine.rounds(follow, SamplingParams(), gamma=2, max_tokens=N, prompt_cache=prompt_cache)
+                for t in r.tokens]
+
+    assert answer(loaded) == answer(cache)
 
 
 def test_a_changed_draft_loses_only_its_own_part(saved, pair):

@@ -18,7 +18,7 @@ import typer
 from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, MaxTokensOpt,
+    OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MaxTokensOpt,
     ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, SeedOpt, setup_models, warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
@@ -55,6 +55,10 @@ def bench(
     draft_quantize: DraftQuantizeOpt = None,
     draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
+    kv_start: KvStartOpt = None,
+    draft_kv_bits: DraftKvBitsOpt = None,
     gammas: Annotated[Optional[list[str]], typer.Option(
         "--gamma", "-g", metavar="N[,N...]|auto|tree",
         help="γ values to compare with drafting off (repeatable or comma-separated; 'auto' adds "
@@ -139,6 +143,8 @@ def bench(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma="auto", dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
+                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
+                         draft_kv_bits=draft_kv_bits,
                          draft_on=draft_on, sampling=dict(temp=temp, seed=seed), preset_sampling=False)
     params = setup.params
     tokenizer = setup.pair.tokenizer
@@ -151,7 +157,7 @@ def bench(
 
     with StderrProgress() as progress:
         result = run_sweep(setup.pair, ids, drafter=setup.drafter, gammas=gamma_list, warm_runs=runs,
-                           max_tokens=max_tokens, params=params,
+                           max_tokens=max_tokens, params=params, engine_options=setup.engine_options,
                            progress=progress.task("bench", each=True),
                            calibration_progress=progress.task("calibrating the cost curve"))
     if single is not None:

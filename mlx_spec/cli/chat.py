@@ -26,10 +26,11 @@ from mlx_spec.cache_files import CacheFileError, cache_key, writable_folder
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GrammarOpt,
-    GroupSizeOpt, JsonSchemaOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt,
-    RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text,
-    setup_models, structured_output, template_kwargs, thought_splitter,
+    ChatTemplateOpt, ColorOpt, DraftKvBitsOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt,
+    GammaOpt, GrammarOpt, GroupSizeOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, MaxTokensOpt,
+    MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt, StopOpt,
+    TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models, structured_output,
+    template_kwargs, thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -344,6 +345,10 @@ def chat(
     draft_quantize: DraftQuantizeOpt = None,
     draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
+    kv_start: KvStartOpt = None,
+    draft_kv_bits: DraftKvBitsOpt = None,
     chat_template: ChatTemplateOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
@@ -392,11 +397,13 @@ def chat(
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
+                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
+                         draft_kv_bits=draft_kv_bits,
                          draft_on=draft_on, chat="later", chat_template=chat_template,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
-    engine = build_engine(setup.pair, setup.drafter)
+    engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     session = ChatSession(engine, setup.pair.tokenizer, system=system,
                           template_kwargs=template_kwargs(think, True))
     key = cache_key(engine, setup.pair.tokenizer) if saved_as is not None else None

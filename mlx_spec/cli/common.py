@@ -60,6 +60,25 @@ DraftQuantizeOpt = Annotated[Optional[int], typer.Option(
 GroupSizeOpt = Annotated[Optional[int], typer.Option(
     "--q-group-size", rich_help_panel=MODELS, metavar="32|64|128",
     help="Group size for --quantize / --draft-quantize (weights sharing one scale). Default: 64.")]
+KvBitsOpt = Annotated[Optional[int], typer.Option(
+    "--kv-bits", rich_help_panel=MODELS, metavar="8|4",
+    help="Quantize the target's KV cache to this many bits (sliding-window layers too): 8 bits "
+         "take 0.53x the memory of a bfloat16 cache (0.28x of a float32 one), 4 bits 0.28x "
+         "(0.16x), at some cost in quality (docs/kv-cache.md); attention runs on it through "
+         "quantized matmuls and speculation stays exact (output as plain decoding with the "
+         "same --kv-bits). Default: full precision.")]
+KvGroupSizeOpt = Annotated[Optional[int], typer.Option(
+    "--kv-group-size", rich_help_panel=MODELS, metavar="32|64|128",
+    help="Group size for --kv-bits / --draft-kv-bits (cached values sharing one scale); it "
+         "must divide the models' head size. Default: 64.")]
+KvStartOpt = Annotated[Optional[int], typer.Option(
+    "--kv-start", rich_help_panel=MODELS, metavar="N",
+    help="Keep the KV cache in full precision until a conversation holds N tokens, then "
+         "quantize all of it, as mlx-lm's quantized_kv_start. Default: 0 (from the start).")]
+DraftKvBitsOpt = Annotated[Optional[int], typer.Option(
+    "--draft-kv-bits", rich_help_panel=MODELS, metavar="8|4",
+    help="Quantize the draft model's KV cache to this many bits (--kv-group-size and "
+         "--kv-start apply too). Default: full precision.")]
 DraftOnOpt = Annotated[Optional[str], typer.Option(
     "--draft-on", rich_help_panel=MODELS, metavar="root|all",
     help="Across machines (under mlx.launch): run the draft model on rank 0 and broadcast its "
@@ -152,6 +171,13 @@ class Setup:
     choice: Choice
     params: SamplingParams
     pair: Any  # mlx_spec.models.ModelPair
+    kv: Any = None  # mlx_spec.cache.KVQuantization for the target's cache, or None
+    draft_kv: Any = None  # and for the draft model's
+
+    @property
+    def engine_options(self) -> dict:
+        """`build_engine` keywords from the flags: the caches' K/V quantization."""
+        return {"kv": self.kv, "draft_kv": self.draft_kv}
 
     def __getattr__(self, name):  # preset, target, draft, drafter, gamma, models
         return getattr(self.choice, name)
@@ -173,6 +199,10 @@ def setup_models(
     draft_on: Optional[str] = None,
     chat: Optional[bool | str] = None,
     chat_template: Optional[str] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: Optional[int] = None,
+    kv_start: Optional[int] = None,
+    draft_kv_bits: Optional[int] = None,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
@@ -188,6 +218,8 @@ def setup_models(
             chat templates at once (`load_model(for_chat=...)`).
         chat_template: --chat-template: a built-in template's name or a file, replacing
             the target's template.
+        kv_bits, kv_group_size, kv_start, draft_kv_bits: the caches' K/V quantization
+            (`kv_quantization`).
     """
     from mlx_spec.models import check_source, load_pair
     from mlx_spec.models.chat_templates import chat_template_text
@@ -201,6 +233,7 @@ def setup_models(
             raise UsageError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
         check_bits(quantize, "--quantize")
         check_bits(draft_quantize, "--draft-quantize")  # else checked only once the target has loaded
+        kv, draft_kv = kv_quantization(kv_bits, kv_group_size, kv_start, draft_kv_bits)
         if draft_on is not None and draft_on not in distributed.DRAFT_ON:
             raise UsageError(f"--draft-on must be root or all, not {draft_on!r}")
         check_source(choice.target, "target model", as_target=True)
@@ -221,7 +254,31 @@ def setup_models(
                                      progress=w.is_root, draft_options=draft_options, **kwargs)
     else:
         pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
-    return Setup(choice, params, pair)
+    return Setup(choice, params, pair, kv, draft_kv)
+
+
+KV_BITS = (4, 8)
+
+
+def kv_quantization(bits: Optional[int], group_size: Optional[int], start: Optional[int],
+                    draft_bits: Optional[int]):
+    """(target's, draft's) `KVQuantization` or None from --kv-bits, --kv-group-size,
+    --kv-start and --draft-kv-bits; a `UsageError` for a value that cannot work."""
+    from mlx_spec.cache import KVQuantization
+    from mlx_spec.models.loader import GROUP_SIZES
+
+    for value, flag in ((bits, "--kv-bits"), (draft_bits, "--draft-kv-bits")):
+        if value is not None and value not in KV_BITS:
+            raise UsageError(f"{flag} must be 8 or 4, not {value}")
+    if bits is None and draft_bits is None and (group_size is not None or start is not None):
+        raise UsageError("--kv-group-size and --kv-start apply to a quantized KV cache: add --kv-bits "
+                         "or --draft-kv-bits")
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise UsageError(f"--kv-group-size must be one of {', '.join(map(str, GROUP_SIZES))}, not {group_size}")
+    if start is not None and start < 0:
+        raise UsageError(f"--kv-start must be 0 or more, not {start}")
+    options = {"group_size": group_size or 64, "start": start or 0}
+    return tuple(None if b is None else KVQuantization(b, **options) for b in (bits, draft_bits))
 
 
 def sampling_params(

@@ -23,9 +23,10 @@ from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
-    GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt,
-    RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma,
-    image_prompt, read_prompt, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
+    DraftKvBitsOpt, GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt,
+    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt,
+    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt, setup_models,
+    structured_output, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -57,6 +58,10 @@ def generate(
     draft_quantize: DraftQuantizeOpt = None,
     draft_on: DraftOnOpt = None,
     group_size: GroupSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
+    kv_start: KvStartOpt = None,
+    draft_kv_bits: DraftKvBitsOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
@@ -93,15 +98,19 @@ def generate(
     images = [read_image_file(path, "--image") for path in image or ()]  # refused before any load
     if images and prompt_cache is not None:  # mlx-lm's layout keys positions by id, not by image
         raise UsageError("an image prompt cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
+    if kv_bits is not None and prompt_cache is not None:  # mlx-lm's layout has no quantized windows
+        raise UsageError("--kv-bits caches cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
     costs.recalibrate(recalibrate)
     setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                          gamma=gamma, dtype=dtype, quantize=quantize,
                          draft_quantize=draft_quantize, group_size=group_size,
+                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
+                         draft_kv_bits=draft_kv_bits,
                          draft_on=draft_on, chat=chat, chat_template=chat_template,
                          sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, seed=seed))
     params = setup.params
-    engine = build_engine(setup.pair, setup.drafter)
+    engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     constrained = structured_output(setup, engine, json_schema, regex, grammar)
     tokenizer = setup.pair.tokenizer
     # A template given on the command line is meant to be used, a base-model preset or not.

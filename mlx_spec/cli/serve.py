@@ -22,7 +22,7 @@ import typer
 from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
-    ChatTemplateOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, MinPOpt, ModelOpt,
+    ChatTemplateOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MinPOpt, ModelOpt,
     PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt,
     calibrate_gamma, setup_models,
 )
@@ -129,6 +129,10 @@ def serve(
     quantize: QuantizeOpt = None,
     draft_quantize: DraftQuantizeOpt = None,
     group_size: GroupSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
+    kv_start: KvStartOpt = None,
+    draft_kv_bits: DraftKvBitsOpt = None,
     chat_template: ChatTemplateOpt = None,
     temp: TempOpt = None,
     top_p: TopPOpt = None,
@@ -184,13 +188,15 @@ def serve(
         return setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
                             gamma=gamma, dtype=dtype, quantize=quantize,
                             draft_quantize=draft_quantize, group_size=group_size,
+                            kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
+                            draft_kv_bits=draft_kv_bits,
                             chat=True, chat_template=chat_template,  # /v1/chat/completions renders them
                             sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                                           repetition_penalty=repetition_penalty, seed=seed))
 
     setup = load_setup()
     params = setup.params
-    engine = build_engine(setup.pair, setup.drafter)
+    engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
 
@@ -198,7 +204,7 @@ def serve(
         """The engine again after a keep-alive unload: the same files, flags and drafter;
         the cost curve comes from the cache. The new tokenizer is dropped (the server keeps
         its own)."""
-        again = build_engine(load_setup().pair, setup.drafter)
+        again = build_engine(load_setup().pair, setup.drafter, **setup.engine_options)
         calibrate_gamma(again, gamma_mode, 256)
         return again
     preset_name = getattr(setup.preset, "name", None)

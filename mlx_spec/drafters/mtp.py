@@ -35,6 +35,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlx_spec.cache import kv_slots
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model
@@ -50,14 +51,15 @@ POSITION_ENV = "MLX_SPEC_MTP_POSITION"
 
 def shared_kv(layer_caches: list, layers: dict[str, int], window: int) -> dict:
     """{"sliding_attention": (keys, values), "full_attention": (keys, values)} from the
-    target's per-layer caches (plain `KVCache` or our `WindowKVCache`), each
-    [1, kv_heads, S, head_dim] in temporal order; sliding layers cut to window − 1 keys."""
+    target's per-layer caches (plain `KVCache` or our `WindowKVCache`, or their quantized
+    twins, whose K/V are (packed, scales, biases) triples), each [1, kv_heads, S, head_dim]
+    in temporal order; sliding layers cut to window − 1 keys."""
     out = {}
     for layer_type, index in layers.items():
         cache = layer_caches[index]
         used = cache.offset - getattr(cache, "start", 0)  # WindowKVCache drops old slots
         first = max(0, used - (window - 1)) if layer_type == "sliding_attention" else 0
-        out[layer_type] = (cache.keys[..., first:used, :], cache.values[..., first:used, :])
+        out[layer_type] = (kv_slots(cache.keys, first, used), kv_slots(cache.values, first, used))
     return out
 
 

@@ -25,6 +25,8 @@ import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs
 
+from mlx_spec.cache import QuantizedKVReader
+
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 
 
@@ -97,7 +99,10 @@ class AssistantTextModel(nn.Module):
     def __call__(self, x: mx.array, shared_kv: dict, position, masks: Optional[dict] = None) -> mx.array:
         for layer in self.layers:
             mask = None if masks is None else masks[layer.layer_type]
-            x, _, _ = layer(x, mask, None, shared_kv=shared_kv[layer.layer_type], offset=position)
+            kv = shared_kv[layer.layer_type]
+            # quantized target K/V: a reader makes attention use mx.quantized_matmul on them
+            reader = QuantizedKVReader.for_keys(kv[0], layer.self_attn.head_dim)
+            x, _, _ = layer(x, mask, reader, shared_kv=kv, offset=position)
         return self.norm(x)
 
 
