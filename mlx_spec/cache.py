@@ -86,10 +86,13 @@ class WindowKVCache:
         first = used - min(used, self.window - 1)
         return self.keys[..., first : used + n_new, :], self.values[..., first : used + n_new, :]
 
+    def keys_seen(self, N: int) -> int:
+        """Keys update_and_fetch will return for N new positions (the mask's width)."""
+        return min(self.offset - self._start_after(N), self.window - 1) + N
+
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         window = window_size or self.window
-        # keys returned before the new ones, as update_and_fetch will slice them
-        prior = min(self.offset - self._start_after(N), self.window - 1)
+        prior = self.keys_seen(N) - N  # keys returned before the new ones
         if self.tree is not None:
             return tree_mask(self.tree, prior, window)
         if prior + N <= window:  # every query sees every returned key: plain causal
@@ -185,23 +188,33 @@ def tree_capable(model, cache: list) -> bool:
 
 
 @contextmanager
-def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
-    """While the model's graph is built: tree masks in every cache layer, and each row's
-    RoPE at root + depth. (MLX is lazy: the graph keeps them once the call returns.)"""
-    positions = mx.array([root, *(root + d for d in shape.depth)], mx.int32)
+def ropes_replaced(model, positioned: Callable):
+    """While the model's graph is built, each attention layer's RoPE is `positioned(rope)`.
+    (MLX is lazy: the graph keeps them once the call returns.)"""
     layers = _attention_layers(model)
     ropes = [a.rope for a in layers]
     try:
+        for attention, rope in zip(layers, ropes):
+            attention.rope = positioned(rope)
+        yield
+    finally:
+        for attention, rope in zip(layers, ropes):
+            attention.rope = rope
+
+
+@contextmanager
+def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
+    """While the model's graph is built: tree masks in every cache layer, and each row's
+    RoPE at root + depth."""
+    positions = mx.array([root, *(root + d for d in shape.depth)], mx.int32)
+    try:
         for layer in cache:
             layer.tree = shape
-        for attention, rope in zip(layers, ropes):
-            attention.rope = _PositionedRoPE(rope, positions)
-        yield
+        with ropes_replaced(model, lambda rope: _PositionedRoPE(rope, positions)):
+            yield
     finally:
         for layer in cache:
             layer.tree = None
-        for attention, rope in zip(layers, ropes):
-            attention.rope = rope
 
 
 def _max_trim(layer) -> int:
@@ -233,6 +246,16 @@ def logits_and_hidden(model, inputs: mx.array, cache) -> tuple[mx.array, mx.arra
     if cap:
         logits = mx.tanh(logits / cap) * cap
     return logits, hidden
+
+
+def forward_model(model, tokens: mx.array, cache, hidden: bool = False, head: bool = True):
+    """The model over tokens [B, L]: logits; with hidden=True (logits, final hidden states);
+    with head=False the final hidden states only."""
+    if not head:
+        return final_hidden(model, tokens, cache)
+    if hidden:
+        return logits_and_hidden(model, tokens, cache)
+    return model(tokens, cache=cache)
 
 
 class SequenceCache:
@@ -310,11 +333,7 @@ class SequenceCache:
         if self.vocab is not None:
             tokens = mx.where(tokens < self.vocab, tokens, 0)
         try:
-            if not head:
-                return final_hidden(self.model, tokens, self.cache)
-            if hidden:
-                return logits_and_hidden(self.model, tokens, self.cache)
-            return self.model(tokens, cache=self.cache)
+            return forward_model(self.model, tokens, self.cache, hidden, head)
         except BaseException:
             # Interrupted half-way through the layers (Ctrl-C): their offsets disagree now,
             # so no rollback can be exact; start over rather than decode from a torn cache.

@@ -19,6 +19,7 @@ host waits for it (step 3b). A queued pass that turns out not to be needed is ro
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from time import perf_counter
@@ -26,6 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
+from mlx_spec.batch import TargetPass
 from mlx_spec.cache import PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
@@ -93,6 +95,13 @@ class Engine:
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
 
+    def for_request(self) -> "Engine":
+        """This engine with a drafter of its own (drafters keep one request's state between
+        begin and accept), for a request decoded beside others; models are shared."""
+        twin = copy.copy(self)
+        twin.drafter = copy.copy(self.drafter)
+        return twin
+
     def make_prompt_cache(self) -> PromptCache:
         return PromptCache(self.target, slack=self.max_gamma + 1)
 
@@ -107,6 +116,7 @@ class Engine:
         stats: Optional[Stats] = None,
         prefill_progress: Optional[Callable[[int, int], None]] = None,
         logprobs: Optional[int] = None,
+        batched: bool = False,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -122,8 +132,11 @@ class Engine:
                 this many top alternatives: of its logits after the repetition penalty,
                 before temperature and truncation, as mlx-lm's `generate_step` reports them
                 (so at temperature 0 the chosen token is the likeliest one shown).
+            batched: yield each round's target pass as a `batch.TargetPass` before the round
+                goes on, for the caller to run (`batch.run_passes`, beside other requests');
+                such rounds are chains (no trees) and plain rounds are not pipelined.
         Yields:
-            `Round`s; the last has a finish_reason.
+            `Round`s (and with `batched` the `TargetPass`es); the last has a finish_reason.
         """
         self.check_prompt(prompt_ids)
         if self.context_length is not None:
@@ -148,7 +161,7 @@ class Engine:
         drafting = drafter is not None and self._can_draft(cache)
         # Trees where the policy shapes them, the drafter branches, and the target's
         # layers take tree masks; a sharded target (agree) keeps chains.
-        branching = (drafting and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
+        branching = (drafting and not batched and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
                      and self.agree is None and cache.target.tree_capable)
 
         last, generated = prompt_ids[-1], 0
@@ -176,8 +189,8 @@ class Engine:
                     mx.eval(draft.tokens)
                 # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                verdict, hidden, scores, settle = self._verify(cache, block, draft, history, None, processor,
-                                                               key_verify, logprobs)
+                verdict, hidden, scores, settle = yield from self._verify(
+                    cache, block, draft, history, None, processor, key_verify, logprobs, batched)
             drafted = perf_counter()
             # 3b. Another plain round next? Then queue its pass, fed this round's token, so
             # the device computes it while the host waits below. A plain round teaches the
@@ -185,14 +198,14 @@ class Engine:
             gamma_next = None
             if gamma == 0 and generated + 1 < max_tokens:
                 gamma_next = policy.choose(stats) if drafting else 0
-                if gamma_next == 0 and self.pipeline_plain_rounds:
+                if gamma_next == 0 and self.pipeline_plain_rounds and not batched:
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
                     if settle is not None:  # an UNDECIDED token is no id: the pass is dropped below
                         block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)
-                    queued = self._verify(cache, block, Draft.empty(), history, block, processor,
-                                          key_verify, logprobs)
+                    queued = yield from self._verify(cache, block, Draft.empty(), history, block, processor,
+                                                     key_verify, logprobs)
                     mx.async_eval(queued[0])
             # 4. accept: the round's one host synchronisation (two where the cheap greedy
             # choice met a near-tie it leaves to the exact one: `LogitProcessor.greedy`)
@@ -239,16 +252,19 @@ class Engine:
             raise MlxSpecError(f"the prompt is {len(prompt_ids):,} tokens, but the model's context "
                                f"is {self.context_length:,} tokens")
 
-    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None) -> tuple:
+    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None, batched=False):
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
         acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
         [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
-        the host (a queued round's input), for the repetition penalty."""
+        the host (a queued round's input), for the repetition penalty. A generator: with
+        `batched` it yields the `TargetPass` for the caller to run; it returns the tuple."""
         # one target pass over the block (a tree's flattened, under its tree masks)
-        if self.wants_hidden:
-            logits, hidden = cache.target.forward(block, hidden=True, tree=draft.tree)
+        target_pass = TargetPass(cache.target, block, self.wants_hidden, draft.tree)
+        if batched:
+            yield target_pass
         else:
-            logits, hidden = cache.target.forward(block, tree=draft.tree), None
+            target_pass.run()
+        logits, hidden = target_pass.logits, target_pass.hidden_states
         if draft.tree is not None:
             windows = processor.tree_windows(history, draft.tokens, draft.tree)
         else:

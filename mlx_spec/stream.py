@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
+from mlx_spec.batch import TargetPass
 from mlx_spec.cache import PromptCache
 from mlx_spec.engine import Engine, Round
 from mlx_spec.policy import GammaPolicy
@@ -150,6 +151,7 @@ def stream_generate(
     stats: Optional[Stats] = None,
     prefill_progress=None,
     logprobs: Optional[int] = None,
+    batched: bool = False,
 ) -> Iterator[Response]:
     """Stream text from `prompt`, one `Response` per engine round.
 
@@ -157,8 +159,8 @@ def stream_generate(
         engine: the `Engine` (target, drafter).
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
-        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs: as
-            `Engine.rounds`.
+        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, batched: as
+            `Engine.rounds` (with `batched` its `TargetPass`es are yielded as they come).
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
     Yields:
@@ -178,8 +180,12 @@ def stream_generate(
         stats=stats,
         prefill_progress=prefill_progress,
         logprobs=logprobs,
+        batched=batched,
     )
     for rnd in rounds:
+        if isinstance(rnd, TargetPass):
+            yield rnd
+            continue
         for i, t in enumerate(rnd.tokens):
             if t in engine.eos_ids:
                 stops.add(t, "", [])
