@@ -52,9 +52,12 @@ class TargetPass:
 
 
 def run_passes(passes: list[TargetPass]) -> None:
-    """Run every pass, in one target forward when there are several (see the module)."""
-    if len(passes) == 1:
-        passes[0].run()
+    """Run every pass, in one target forward when there are several (see the module), or
+    one after another where the target's layers cannot take per-row positions and masks."""
+    # what a draft tree needs (our cache layers, a RoPE per attention layer) a batch needs too
+    if len(passes) == 1 or not all(p.cache.tree_capable for p in passes):
+        for p in passes:
+            p.run()
         return
     if any(p.tree is not None for p in passes):
         raise ValueError("draft trees are not batched")

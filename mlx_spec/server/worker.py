@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from mlx_spec.batch import Batch, TargetPass
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import gamma_policy
 from mlx_spec.sampling import SamplingParams
@@ -103,6 +104,7 @@ class Done:
     stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
     phases: PhaseAcceptance = field(default_factory=PhaseAcceptance)  # thought and answer apart
     load_seconds: Optional[float] = None  # set when this job first loaded the models (keep-alive)
+    batch_size: int = 1  # the most requests decoded in one forward with this one (itself included)
 
 
 @dataclass
@@ -114,7 +116,7 @@ class Failed:
 Event = Union[Piece, Done, Failed]
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the worker keys its running jobs by it
 class Job:
     """One request's work, and the channel its events travel back on."""
 
@@ -131,6 +133,7 @@ class Job:
     thinking: bool = False  # the prompt ends inside a thought
     thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
     keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
+    batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -173,11 +176,14 @@ class Worker:
             device memory left once the models are loaded.
         load: makes the engine again after an unload (the CLI's loader); None: never unload.
         keep_alive: idle seconds before unloading when a job names none (`FOREVER`: never).
+        parallel: jobs decoded together (`mlx_spec.batch`): each round one target forward
+            verifies every running job's block; jobs join and leave between rounds. 1: one
+            job at a time, as `Engine.rounds` decodes alone.
     """
 
     def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
-                 keep_alive: float = FOREVER):
+                 keep_alive: float = FOREVER, parallel: int = 1):
         self.engine = engine
         self.load = load
         self.keep_alive = keep_alive if load is not None else FOREVER
@@ -186,6 +192,9 @@ class Worker:
         self.tokenizer = tokenizer
         if queue_size < 1:  # queue.Queue(0) would be unbounded
             raise ValueError("queue_size must be at least 1")
+        if parallel < 1:
+            raise ValueError("parallel must be at least 1")
+        self.parallel = parallel
         self.gamma = gamma if engine.drafter is not None else "0"
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
@@ -193,12 +202,12 @@ class Worker:
         self.queue_size = queue_size
         self._waiting: deque[Job] = deque()  # guarded by _changed
         self._changed = threading.Condition()
-        self.current: Optional[Job] = None
+        self.running: dict[Job, float] = {}  # job -> when it took the device; guarded by _changed
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
         self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # guarded by _changed
-        self._started = 0.0  # when the current job took the device
         self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
         self._stopping = False
+        self._busy: dict[Job, object] = {}  # running jobs' prompt caches (worker thread only)
 
     # -- the request side (event-loop thread) ---------------------------------------------
 
@@ -234,7 +243,7 @@ class Worker:
         if self._durations:
             typical = statistics.median(self._durations)
         else:
-            typical = time.perf_counter() - self._started if self.current is not None else 1.0
+            typical = time.perf_counter() - min(self.running.values()) if self.running else 1.0
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(typical * (ahead + 1))))
 
     def cancel(self, job: Job) -> None:
@@ -244,14 +253,15 @@ class Worker:
             self._drop_cancelled()
 
     def shut_down(self) -> None:
-        """Take no more jobs, end the running one between rounds with a 503 event and answer
+        """Take no more jobs, end the running ones between rounds with a 503 event and answer
         each waiting one 503; returns at once (the thread ends on its own)."""
         with self._changed:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), deque()
+            running = list(self.running)
             self._changed.notify()
-        if self.current is not None:
-            self.current.cancelled.set()
+        for job in running:
+            job.cancelled.set()
         for job in waiting:
             job.cancelled.set()
             job.emit(SHUTTING_DOWN)
@@ -264,9 +274,9 @@ class Worker:
     def health(self) -> dict:
         with self._changed:
             self._drop_cancelled()
-            queued = len(self._waiting)
-        return {"loaded": self.engine is not None, "busy": self.current is not None, "queued": queued,
-                "queue_size": self.queue_size, **self.counts,
+            queued, running = len(self._waiting), len(self.running)
+        return {"loaded": self.engine is not None, "busy": running > 0, "running": running,
+                "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **self.counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget}
 
@@ -278,21 +288,38 @@ class Worker:
     # -- the device side (worker thread) -------------------------------------------------
 
     def _run(self) -> None:
+        # With parallel 1 a job's steps never yield a pass: `step` runs it to its end.
+        batch, jobs = Batch(), {}  # jobs: each running job's steps -> the job
         while True:
-            job = self._next_job()
-            if job is None:
-                return
-            if job is UNLOAD:
-                self._unload()
-            else:
-                self._serve(job)
+            while len(batch) < self.parallel:
+                job = self._next_job(wait=not batch)
+                if job is None:
+                    break
+                if job is UNLOAD:
+                    self._unload()
+                    continue
+                steps = self._serve(job, batched=self.parallel > 1)
+                batch.add(steps)
+                jobs[steps] = job
+            if not batch:
+                return  # stopping: `_next_job` waits while there is nothing to do
+            rows = batch.step()
+            if rows:
+                self.metrics.observe_batch(rows)
+            for steps in list(jobs):
+                if steps in batch.active:
+                    jobs[steps].batch_size = max(jobs[steps].batch_size, rows)
+                else:
+                    del jobs[steps]
 
-    def _next_job(self):
+    def _next_job(self, wait: bool = True):
         """The next job to run, `UNLOAD` once the keep-alive has run out with nothing to
-        do, or None when the server stops."""
+        do, or None when the server stops (or, unless `wait`, when none is waiting)."""
         with self._changed:
             while True:
                 while not self._waiting and not self._stopping:
+                    if not wait:
+                        return None
                     left = self._idle_since + self._idle_for - time.monotonic()
                     if self.engine is not None and left <= 0:
                         return UNLOAD
@@ -302,23 +329,29 @@ class Worker:
                 self._drop_cancelled()  # clients that left while they waited
                 if self._waiting:
                     job = self._waiting.popleft()
-                    self.current, self._started = job, time.perf_counter()
+                    self.running[job] = time.perf_counter()
                     return job
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, batched: bool = False):
+        """A generator: the job from start to finish, yielding its target passes when
+        `batched` (for `_run`'s batch to run beside others'), else none. An error ends this
+        job alone."""
         # The cache lives in this frame only: it holds the target model, which an unload
         # must find unreferenced once the job is done.
         try:
             load_seconds = self._ensure_loaded()
-            cache = self.caches.take(job.prompt_ids)
+            # another running job's cache is mid-round: never shared, never forked
+            cache = self.caches.take(job.prompt_ids, busy=self._busy.values())
         except Exception as error:  # the models did not load: this job fails, the next tries again
             log.exception("loading the models failed")
             self.counts["failed"] += 1
             job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
             self._finish(job)
             return
+        self._busy[job] = cache
         try:
-            self._generate(job, cache, load_seconds)
+            engine = self.engine.for_request() if batched else self.engine
+            yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
             self.counts["failed"] += 1
             job.emit(Failed(400, str(error)))
@@ -328,13 +361,13 @@ class Worker:
             self.caches.discard(cache)  # whatever state the error left, start clean
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
         finally:
+            del self._busy[job]
             self.caches.fit()
             self._finish(job)
 
     def _finish(self, job: Job) -> None:
         with self._changed:
-            self.current = None
-            self._durations.append(time.perf_counter() - self._started)
+            self._durations.append(time.perf_counter() - self.running.pop(job))
             self._idle_for = self.keep_alive if job.keep_alive is None or self.load is None else job.keep_alive
             self._idle_since = time.monotonic()
 
@@ -358,10 +391,10 @@ class Worker:
         self.engine = engine
         return time.perf_counter() - began
 
-    def _generate(self, job: Job, cache, load_seconds: Optional[float] = None) -> None:
+    def _generate(self, job: Job, engine, cache, load_seconds: Optional[float], batched: bool):
         stats = Stats()
         prefilled = [0]  # prompt tokens the target's prefill processed
-        policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids),
+        policy = gamma_policy(self.gamma, engine, context=len(job.prompt_ids),
                               reproducible=job.params.seed is not None)
         splitter = ThoughtSplitter(job.think, job.thinking)
         phases = PhaseAcceptance()
@@ -371,9 +404,9 @@ class Worker:
             budget = min(room, job.thought_budget)  # then see whether the thought has ended
         while True:
             limited, generated = budget < room, []
-            finish, stop_string = self._stream(job, cache, prompt, budget, policy, stats,
-                                               prefilled if prompt is job.prompt_ids else None,
-                                               splitter, phases, generated)
+            finish, stop_string = yield from self._stream(
+                job, engine, cache, prompt, budget, policy, stats, prefilled if prompt is job.prompt_ids else None,
+                splitter, phases, generated, batched)
             tokens, room = tokens + len(generated), room - len(generated)
             if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
                 break
@@ -399,27 +432,33 @@ class Worker:
         reasoning, text = splitter.finish()
         if reasoning or text:
             job.emit(Piece(text, [], reasoning))
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds))
+        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds,
+                      job.batch_size))
 
-    def _stream(self, job: Job, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
+    def _stream(self, job: Job, engine, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
                 prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
-                generated: list[int]):
+                generated: list[int], batched: bool):
         """One `stream_generate` run from `prompt`, its text split and emitted; the ids it
         released go into `generated`, the target's prefill count into `prefilled` (unless
-        None: a run that continues the job's own tokens). Returns (finish reason, stop string)."""
+        None: a run that continues the job's own tokens). A generator of its target passes
+        (`batched`); returns (finish reason, stop string)."""
 
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
             prefilled[0] = total
 
         responses = stream_generate(
-            self.engine, self.tokenizer, prompt, job.params, gamma=policy,
+            engine, self.tokenizer, prompt, job.params, gamma=policy,
             max_tokens=max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
             prefill_progress=on_prefill if prefilled is not None else None, logprobs=job.logprobs,
+            batched=batched,
         )
         finish, stop_string = None, None
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
+                if isinstance(response, TargetPass):
+                    yield response
+                    continue
                 # The ids released with the text: a stop string and what followed it are
                 # neither shown nor counted.
                 generated += response.tokens
