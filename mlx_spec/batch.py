@@ -33,6 +33,16 @@ from mlx_spec.cache import SequenceCache, WindowKVCache, forward_model, ropes_re
 from mlx_spec.tree import TreeShape
 
 
+class _Prefilling:
+    """Yielded by a request between its prompt's prefill chunks: no pass this step."""
+
+    def __repr__(self) -> str:
+        return "PREFILLING"
+
+
+PREFILLING = _Prefilling()
+
+
 @dataclass
 class TargetPass:
     """One request's verify pass: `block` ([n] ids) fed to the target's `cache`, and what
@@ -132,8 +142,10 @@ class _OffsetRoPE(nn.Module):
 class Batch:
     """Generators that yield `TargetPass`es (`Engine.rounds(batched=True)`, or anything
     that passes them up), stepped together: each `step` resumes every one up to its next
-    pass, then runs all those passes in one forward. Generators join (`add`) and leave
-    (they end) between steps. Whatever else a generator yields goes to `out`."""
+    pass (or the end of its next prefill chunk, `PREFILLING`), then runs all those passes
+    in one forward. So a long prompt is prefilled a chunk a step while the others decode.
+    Generators join (`add`) and leave (they end) between steps. Whatever else a generator
+    yields goes to `out`."""
 
     def __init__(self, out=None):
         self.active: list = []
@@ -145,22 +157,24 @@ class Batch:
     def add(self, generator) -> None:
         self.active.append(generator)
 
-    def step(self) -> int:
-        """One round of every active generator; returns the rows of its forward."""
-        passes, live = [], []
+    def step(self) -> list:
+        """One round of every active generator; returns those whose pass it ran (its rows)."""
+        passes, live, rows = [], [], []
         for generator in self.active:
             item = None
             try:
                 item = next(generator)
-                while not isinstance(item, TargetPass):
+                while not isinstance(item, TargetPass) and item is not PREFILLING:
                     if self.out is not None:
                         self.out(generator, item)
                     item = next(generator)
             except StopIteration:
                 continue
-            passes.append(item)
             live.append(generator)
+            if item is not PREFILLING:
+                passes.append(item)
+                rows.append(generator)
         self.active = live
         if passes:
             run_passes(passes)
-        return len(passes)
+        return rows

@@ -392,6 +392,17 @@ class SequenceCache:
         hidden=True also keeps the final hidden state at the last position fed, from the
         last chunk's own pass (no extra forward), in `prefill_hidden` (None if nothing was
         fed): an MTP drafter starts its first draft from it."""
+        chunks = self.prefill_chunks(ids, chunk_size, progress, hidden)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_chunks(self, ids: list[int], chunk_size: int = 512,
+                       progress: Optional[Callable[[int, int], None]] = None, hidden: bool = False):
+        """`prefill` as a generator that yields after each chunk but the last (a batch decodes
+        other requests in between) and returns the tokens processed."""
         self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
@@ -415,6 +426,8 @@ class SequenceCache:
             self.ids.extend(chunk)
             if progress is not None:
                 progress(begin + len(chunk), len(todo))
+            if begin + chunk_size < len(todo):
+                yield begin + len(chunk)
         return len(todo)
 
 

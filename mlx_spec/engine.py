@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import TargetPass
+from mlx_spec.batch import PREFILLING, TargetPass
 from mlx_spec.cache import PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
@@ -133,8 +133,9 @@ class Engine:
                 before temperature and truncation, as mlx-lm's `generate_step` reports them
                 (so at temperature 0 the chosen token is the likeliest one shown).
             batched: yield each round's target pass as a `batch.TargetPass` before the round
-                goes on, for the caller to run (`batch.run_passes`, beside other requests');
-                such rounds are chains (no trees) and plain rounds are not pipelined.
+                goes on, for the caller to run (`batch.run_passes`, beside other requests'),
+                and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
+                chains (no trees) and plain rounds are not pipelined.
         Yields:
             `Round`s (and with `batched` the `TargetPass`es); the last has a finish_reason.
         """
@@ -153,8 +154,11 @@ class Engine:
         # first verify pass feeds. A drafter that reads hidden states gets the last prefilled
         # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
         start = perf_counter()
-        processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
-                                         hidden=self.wants_hidden)
+        prompt = (prompt_ids[:-1], self.prefill_chunk, prefill_progress)
+        if batched:  # the batch decodes the other requests between chunks
+            processed = yield from _pausing(cache.target.prefill_chunks(*prompt, hidden=self.wants_hidden))
+        else:
+            processed = cache.target.prefill(*prompt, hidden=self.wants_hidden)
         if drafter is not None:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
@@ -325,6 +329,17 @@ class Engine:
                 )
                 return False
         return True
+
+
+def _pausing(chunks):
+    """A prefill's chunks with `PREFILLING` yielded after each but the last; returns the
+    tokens processed."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+        yield PREFILLING
 
 
 def _log_softmax(logits: mx.array) -> mx.array:

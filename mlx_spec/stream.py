@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
-from mlx_spec.batch import TargetPass
 from mlx_spec.cache import PromptCache
 from mlx_spec.engine import Engine, Round
 from mlx_spec.policy import GammaPolicy
@@ -160,7 +159,7 @@ def stream_generate(
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
         params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, batched: as
-            `Engine.rounds` (with `batched` its `TargetPass`es are yielded as they come).
+            `Engine.rounds` (with `batched` what it yields for the batch is yielded as it comes).
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
     Yields:
@@ -183,7 +182,7 @@ def stream_generate(
         batched=batched,
     )
     for rnd in rounds:
-        if isinstance(rnd, TargetPass):
+        if not isinstance(rnd, Round):  # a batch's TargetPass or PREFILLING
             yield rnd
             continue
         for i, t in enumerate(rnd.tokens):

@@ -39,7 +39,7 @@ def batched(requests, joins, out):
     while pending or len(batch):
         while pending and pending[0][0] <= step:
             batch.add(requests[pending.pop(0)[1]])
-        rows.append(batch.step())
+        rows.append(len(batch.step()))
         step += 1
     return rows
 
@@ -67,6 +67,34 @@ def test_batched_greedy_answers_equal_plain_decoding_and_each_alone(tiny_target,
         assert len(prompt) + MAX_TOKENS > WINDOW
         if kind == "model":
             assert 0 < seen.accepted < seen.drafted  # it speculated, with rejections
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_others_decode(tiny_target):
+    """A 600-token prompt in chunks of 64 takes ten steps to prefill; a short request that
+    joins at the next step is answered whole meanwhile (six plain rounds: no n-gram
+    matches), and both answers stay exact."""
+    engine = Engine(tiny_target, NgramDrafter(), prefill_chunk=64)
+    long_prompt = [2] + [(11 * i) % 250 + 6 for i in range(600)]
+    lengths = (8, 6)
+    requests = [engine.for_request().rounds(prompt, gamma=2, max_tokens=n, batched=True)
+                for prompt, n in zip((long_prompt, PROMPTS[2]), lengths)]
+    out, ended, step = {r: [] for r in requests}, {}, [0]
+
+    def collect(generator, r):
+        out[generator].extend(r.tokens)
+        if r.finish_reason:
+            ended[generator] = step[0]
+
+    batch = Batch(out=collect)
+    batch.add(requests[0])
+    while len(batch):
+        if step[0] == 1:
+            batch.add(requests[1])
+        batch.step()
+        step[0] += 1
+    assert ended[requests[1]] < 9 < ended[requests[0]]  # the long one's first pass: step 9
+    for prompt, rounds, n in zip((long_prompt, PROMPTS[2]), requests, lengths):
+        assert out[rounds] == greedy_reference(tiny_target, prompt, n)
 
 
 def prefilled(model, prompt):

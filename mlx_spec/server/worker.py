@@ -40,14 +40,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from mlx_spec.batch import Batch, TargetPass
+from mlx_spec.batch import Batch
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.runner import gamma_policy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.caches import CachePool, default_budget
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
-from mlx_spec.stream import stream_generate
+from mlx_spec.stream import Response, stream_generate
 from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax, ThoughtSplitter
 
 log = logging.getLogger("mlx_spec.server")
@@ -305,12 +305,11 @@ class Worker:
                 return  # stopping: `_next_job` waits while there is nothing to do
             rows = batch.step()
             if rows:
-                self.metrics.observe_batch(rows)
-            for steps in list(jobs):
-                if steps in batch.active:
-                    jobs[steps].batch_size = max(jobs[steps].batch_size, rows)
-                else:
-                    del jobs[steps]
+                self.metrics.observe_batch(len(rows))
+            for steps in rows:
+                jobs[steps].batch_size = max(jobs[steps].batch_size, len(rows))
+            for steps in [s for s in jobs if s not in batch.active]:
+                del jobs[steps]
 
     def _next_job(self, wait: bool = True):
         """The next job to run, `UNLOAD` once the keep-alive has run out with nothing to
@@ -456,7 +455,7 @@ class Worker:
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
-                if isinstance(response, TargetPass):
+                if not isinstance(response, Response):  # for the batch (`_run`)
                     yield response
                     continue
                 # The ids released with the text: a stop string and what followed it are
