@@ -42,6 +42,7 @@ from typing import Callable, Optional, Union
 
 from mlx_spec.batch import Batch
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.policy import BatchShare
 from mlx_spec.runner import gamma_policy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.caches import CachePool, default_budget
@@ -208,6 +209,7 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
         self._stopping = False
         self._busy: dict[Job, object] = {}  # running jobs' prompt caches (worker thread only)
+        self._share = BatchShare()  # the running jobs' γ choices, for auto γ in a batch
 
     # -- the request side (event-loop thread) ---------------------------------------------
 
@@ -394,45 +396,48 @@ class Worker:
         stats = Stats()
         prefilled = [0]  # prompt tokens the target's prefill processed
         policy = gamma_policy(self.gamma, engine, context=len(job.prompt_ids),
-                              reproducible=job.params.seed is not None)
-        splitter = ThoughtSplitter(job.think, job.thinking)
-        phases = PhaseAcceptance()
-        prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
-        budget = room
-        if job.thought_budget is not None and job.think is not None:
-            budget = min(room, job.thought_budget)  # then see whether the thought has ended
-        while True:
-            limited, generated = budget < room, []
-            finish, stop_string = yield from self._stream(
-                job, engine, cache, prompt, budget, policy, stats, prefilled if prompt is job.prompt_ids else None,
-                splitter, phases, generated, batched)
-            tokens, room = tokens + len(generated), room - len(generated)
-            if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
-                break
-            # The thought budget is spent. A thought still open is closed by its end marker,
-            # forced: what follows is the target's distribution given that forced text (the
-            # thought's end itself is not sampled). Either way generation goes on from what
-            # was committed, which the caches keep.
-            prompt = prompt + generated
-            if splitter.thinking:
-                forced = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
-                reasoning, text = splitter.feed(job.think.end)
-                job.emit(Piece(text, [], reasoning))
-                prompt, tokens, room = prompt + forced, tokens + len(forced), room - len(forced)
-                if room <= 0:
-                    break
+                              reproducible=job.params.seed is not None, batch=self._share if batched else None)
+        try:
+            splitter = ThoughtSplitter(job.think, job.thinking)
+            phases = PhaseAcceptance()
+            prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
             budget = room
-        self.counts["completed" if finish else "cancelled"] += 1
-        job.cached_tokens = cached_count(job, prefilled[0])
-        self.metrics.observe(stats, job.cached_tokens)
-        if finish is None and self._stopping:
-            job.emit(SHUTTING_DOWN)
-            return
-        reasoning, text = splitter.finish()
-        if reasoning or text:
-            job.emit(Piece(text, [], reasoning))
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds,
-                      job.batch_size))
+            if job.thought_budget is not None and job.think is not None:
+                budget = min(room, job.thought_budget)  # then see whether the thought has ended
+            while True:
+                limited, generated = budget < room, []
+                finish, stop_string = yield from self._stream(
+                    job, engine, cache, prompt, budget, policy, stats, prefilled if prompt is job.prompt_ids else None,
+                    splitter, phases, generated, batched)
+                tokens, room = tokens + len(generated), room - len(generated)
+                if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
+                    break
+                # The thought budget is spent. A thought still open is closed by its end marker,
+                # forced: what follows is the target's distribution given that forced text (the
+                # thought's end itself is not sampled). Either way generation goes on from what
+                # was committed, which the caches keep.
+                prompt = prompt + generated
+                if splitter.thinking:
+                    forced = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
+                    reasoning, text = splitter.feed(job.think.end)
+                    job.emit(Piece(text, [], reasoning))
+                    prompt, tokens, room = prompt + forced, tokens + len(forced), room - len(forced)
+                    if room <= 0:
+                        break
+                budget = room
+            self.counts["completed" if finish else "cancelled"] += 1
+            job.cached_tokens = cached_count(job, prefilled[0])
+            self.metrics.observe(stats, job.cached_tokens)
+            if finish is None and self._stopping:
+                job.emit(SHUTTING_DOWN)
+                return
+            reasoning, text = splitter.finish()
+            if reasoning or text:
+                job.emit(Piece(text, [], reasoning))
+            job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds,
+                          job.batch_size))
+        finally:
+            self._share.leave(policy)  # its row is gone from the batch
 
     def _stream(self, job: Job, engine, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
                 prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
