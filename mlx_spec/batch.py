@@ -176,5 +176,18 @@ class Batch:
                 rows.append(generator)
         self.active = live
         if passes:
-            run_passes(passes)
+            try:
+                run_passes(passes)
+            except Exception as error:
+                # Every request in the forward fails with it (each generator may answer it,
+                # as a worker's job does); the others go on.
+                for generator in rows:
+                    self.active.remove(generator)
+                    try:
+                        generator.throw(error)
+                    except StopIteration:
+                        pass
+                    finally:
+                        generator.close()
+                return []
         return rows

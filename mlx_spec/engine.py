@@ -15,6 +15,9 @@ One round (Leviathan et al. 2023, Algorithm 1):
 A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_step is: the
 next round's pass is queued on the device, fed the token still being computed, before the
 host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
+
+With `rounds(batched=True)` step 3's target pass is handed to the caller, which runs it in
+one forward with other requests' (`mlx_spec.batch`); everything else stays per request.
 """
 
 from __future__ import annotations
@@ -137,7 +140,8 @@ class Engine:
                 and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
                 chains (no trees) and plain rounds are not pipelined.
         Yields:
-            `Round`s (and with `batched` the `TargetPass`es); the last has a finish_reason.
+            `Round`s (with `batched`, also the `TargetPass`es and `PREFILLING`s); the last
+            `Round` has a finish_reason.
         """
         self.check_prompt(prompt_ids)
         if self.context_length is not None:

@@ -191,3 +191,24 @@ def test_shutting_down_ends_every_running_job_and_answers_the_queue_503(pair):
     for tokens, last in results:  # the two running and the one waiting alike
         assert isinstance(last, Failed) and last.status == 503 and "shutting down" in last.message
     assert all(len(tokens) < 200 for tokens, _ in results)
+
+
+def test_a_fault_in_the_shared_forward_fails_its_jobs_alone_and_the_worker_goes_on(pair, monkeypatch):
+    import mlx_spec.batch as batch_module
+
+    real, calls = batch_module.run_passes, []
+
+    def failing_third(passes):
+        calls.append(len(passes))
+        if len(calls) == 3:
+            raise RuntimeError("the device failed")
+        return real(passes)
+
+    monkeypatch.setattr(batch_module, "run_passes", failing_third)
+    specs = [{"prompt": PROMPTS[0], "max_tokens": 24}, {"prompt": PROMPTS[1], "max_tokens": 30},
+             {"prompt": PROMPTS[3], "max_tokens": 28}]  # the third waits for a place
+    results = run_jobs(make_worker(pair, parallel=2), specs)
+    for tokens, last in results[:2]:
+        assert isinstance(last, Failed) and last.status == 500 and "RuntimeError" in last.message
+    assert results[2][0] == reference(pair, specs[2]["prompt"], specs[2]["max_tokens"])
+    assert calls[2] == 2  # the failed forward held both running jobs

@@ -1,8 +1,14 @@
-"""One generation at a time: a worker thread owns the device, both models' caches and the
-detokenizer; requests wait in a bounded queue in front of it.
+"""A worker thread owns the device, both models' caches and the detokenizer; requests wait
+in a bounded queue in front of it.
 
-All MLX work runs on this one thread (mlx-lm's server does the same), so no two requests
-ever share a cache. The caches live as long as the server, several conversations' worth
+Up to `parallel` jobs decode together (`mlx_spec.batch`): each job is a generator that
+yields its round's target pass; every round the worker admits waiting jobs while there is
+room, then runs the running jobs' passes in one forward. A job that ends (finished,
+failed, cancelled) leaves between rounds. With parallel 1 a job yields nothing and runs
+to its end, as one generation at a time always did.
+
+All MLX work runs on this one thread (mlx-lm's server does the same), and no two running
+requests ever share a cache. The caches live as long as the server, several conversations' worth
 (`caches.CachePool`): each request prefills only the tokens after the longest common prefix
 of its prompt and what a cache holds, so a conversation that grows by a turn reuses
 everything before it, however many others came in between, and a request that diverges
@@ -17,7 +23,7 @@ A request is cancelled by setting `Job.cancelled` (its client went away). A wait
 gives up its place in the queue at once; a running one is checked between rounds, and the
 worker closes the `stream_generate` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
-ends the running job the same way with a 503 event and answers every waiting one 503.
+ends the running jobs the same way with a 503 event and answers every waiting one 503.
 
 Keep-alive (`serve --keep-alive`, a request's `keep_alive`): once nothing has run or waited
 for that long, the worker drops the engine (both models) and its prompt caches and frees
