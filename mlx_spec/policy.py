@@ -174,6 +174,7 @@ class AutoGamma:
         explore_every: int = 8,
         batch: Optional[BatchShare] = None,
     ):
+        self.calibrated = costs  # the curve as measured, whatever LiveCosts learns
         self.costs = LiveCosts(costs) if learn_costs else costs
         self.batch = batch
         self.max_gamma = max_gamma
@@ -217,10 +218,6 @@ class AutoGamma:
         seconds = (gamma * curve.draft_step + full_acceptance(acceptance, gamma) * curve.catch_up + drafting
                    + curve.verify_time(rows + gamma + 1))
         return (expected_tokens(acceptance, gamma) + tokens) / seconds
-
-    @property
-    def calibrated(self) -> CostCurve:
-        return self.costs.prior if isinstance(self.costs, LiveCosts) else self.costs
 
     def predicted_speedup(self, gamma: int) -> float:
         """Expected speedup over plain decoding at γ (Theorem 3.8 with measured costs and
@@ -316,7 +313,6 @@ class TreePolicy(AutoGamma):
         self.rank_taken: dict[tuple[int, int], float] = {}  # decayed: of those, accepted
         # the cost model's forecast for the rounds so far, on the calibrated curve: expected
         # tokens and seconds, summed (`forecast_speedup`)
-        self.calibrated = costs
         self.forecast_tokens = self.forecast_seconds = 0.0
         self.cuts = 0  # cuts that kept nodes, for exploration
 
