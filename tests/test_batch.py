@@ -19,7 +19,7 @@ from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 from mlx_spec.testing.tiny import TINY_VOCAB
-from test_distribution import PARAMS, VOCAB, chi_square, models, recovered_from_p  # noqa: F401
+from test_distribution import PARAMS, VOCAB, chi_square, exact_joint, models, recovered_from_p  # noqa: F401
 
 WINDOW = 16  # the tiny models' sliding window
 MAX_TOKENS = 40
@@ -126,23 +126,13 @@ def test_a_rows_logits_and_cache_do_not_depend_on_its_neighbours(tiny_target, ne
 
 ROW_PROMPTS = [[2, 5, 3, 5, 1], [2, 5, 3, 5, 1, 4, 6, 0, 7], [3, 1, 1], [2, 5, 3, 5, 1]]
 ROW_SETUPS = [("model", 3), ("ngram", 2), ("model", 1), ("none", 0)]
-DRAWS = 500
+DRAWS = 400  # ~20 s on a quiet 2-core CPU
 BROKEN_DRAWS = 250  # row 0's drafts meet many rejections: the broken rule shows at once
 
 
 def exact_joints(target, params):
     """P(t1, t2) for each row's prompt under plain sampling from the target, computed."""
-    from test_distribution import PROMPT
-    import test_distribution
-
-    joints = []
-    for prompt in ROW_PROMPTS:
-        test_distribution.PROMPT = prompt
-        try:
-            joints.append(test_distribution.exact_joint(target, params))
-        finally:
-            test_distribution.PROMPT = PROMPT
-    return joints
+    return [exact_joint(target, params, prompt) for prompt in ROW_PROMPTS]
 
 
 def sampled_joints(target, draft, params, draws):
@@ -176,6 +166,7 @@ def test_each_row_of_a_batch_of_four_samples_the_target_distribution(models):
         assert stat < critical
 
 
+@pytest.mark.slow  # ~12 s quiet, more under load: the check's power, shown once
 def test_the_batched_check_catches_a_broken_rule(models, monkeypatch):
     target, draft = models
     params = SamplingParams(**PARAMS)
