@@ -153,10 +153,11 @@ def concurrent(server: Running, model: str, prompts: list[str], tokens: int) -> 
             "tokens": [r["tokens"] for r in results], "texts": [r["text"] for r in results]}
 
 
-def stall(server: Running, model: str, tokens: int, lead: float = 1.0) -> dict:
+def stall(server: Running, model: str, tokens: int, run: int, lead: float = 1.0) -> dict:
     """A ~4,000-token prompt, then `lead` seconds later a short one: the short one's time to
-    its first token, and the long one's (its prefill alone takes most of that)."""
-    long_prompt = " ".join(NOTICES * 17)  # ~4,000 tokens
+    its first token, and the long one's (its prefill alone takes most of that). `run` makes
+    each long prompt new from its first token, so no prompt cache holds any of it."""
+    long_prompt = f"Document {run}. " + " ".join(NOTICES * 17)  # ~4,000 tokens
     long, short = {}, {}
     first = threading.Thread(target=one_request, args=(server.base, model, long_prompt, tokens, long))
     first.start()
@@ -224,8 +225,8 @@ def main() -> None:
         if args.stall:
             for name in ("batched", "serial"):
                 if name in servers:
-                    stall(servers[name], models[name], 8)  # warm-up
-                    stalls[name] = [stall(servers[name], models[name], 8) for _ in range(args.runs)]
+                    stall(servers[name], models[name], 8, run=0)  # warm-up
+                    stalls[name] = [stall(servers[name], models[name], 8, run) for run in range(1, args.runs + 1)]
                     print(json.dumps({name: stalls[name]}), flush=True)
     finally:
         for server in servers.values():
