@@ -141,15 +141,18 @@ class _OffsetRoPE(nn.Module):
 
 class Batch:
     """Generators that yield `TargetPass`es (`Engine.rounds(batched=True)`, or anything
-    that passes them up), stepped together: each `step` resumes every one up to its next
-    pass (or the end of its next prefill chunk, `PREFILLING`), then runs all those passes
-    in one forward. So a long prompt is prefilled a chunk a step while the others decode.
+    that passes them up), stepped together: each `step` resumes every decoding one up to
+    its next pass, runs all those passes in one forward, and then lets each one that is
+    prefilling feed its next prompt chunk (it yields `PREFILLING` after each). So a long
+    prompt costs the others one chunk a round, after their tokens, never its whole prefill.
     Generators join (`add`) and leave (they end) between steps. Whatever else a generator
     yields goes to `out`."""
 
     def __init__(self, out=None):
         self.active: list = []
         self.out = out
+        self.prefilling: set = set()  # generators whose last item was PREFILLING
+        self.ready: dict = {}  # generator -> the pass it yielded after its prefill's last chunk
 
     def __len__(self) -> int:
         return len(self.active)
@@ -157,24 +160,30 @@ class Batch:
     def add(self, generator) -> None:
         self.active.append(generator)
 
+    def _advance(self, generator):
+        """Resume `generator` to its next pass or PREFILLING (None once it ends)."""
+        try:
+            item = next(generator)
+            while not isinstance(item, TargetPass) and item is not PREFILLING:
+                if self.out is not None:
+                    self.out(generator, item)
+                item = next(generator)
+        except StopIteration:
+            self.active.remove(generator)
+            self.prefilling.discard(generator)
+            return None
+        return item
+
     def step(self) -> list:
         """One round of every active generator; returns those whose pass it ran (its rows)."""
-        passes, live, rows = [], [], []
-        for generator in self.active:
-            item = None
-            try:
-                item = next(generator)
-                while not isinstance(item, TargetPass) and item is not PREFILLING:
-                    if self.out is not None:
-                        self.out(generator, item)
-                    item = next(generator)
-            except StopIteration:
-                continue
-            live.append(generator)
-            if item is not PREFILLING:
+        passes, rows, prefilling = [], [], list(self.prefilling)
+        for generator in [g for g in self.active if g not in self.prefilling]:
+            item = self.ready.pop(generator, None) or self._advance(generator)
+            if item is PREFILLING:
+                self.prefilling.add(generator)
+            elif item is not None:
                 passes.append(item)
                 rows.append(generator)
-        self.active = live
         if passes:
             try:
                 run_passes(passes)
@@ -189,5 +198,10 @@ class Batch:
                         pass
                     finally:
                         generator.close()
-                return []
+                rows = []
+        for generator in prefilling:  # one chunk each, after the others' round
+            item = self._advance(generator)
+            if isinstance(item, TargetPass):
+                self.prefilling.discard(generator)
+                self.ready[generator] = item  # verified with the others next step
         return rows

@@ -73,6 +73,9 @@ class Engine:
     """
 
     pipeline_plain_rounds = True
+    # Prompt tokens per prefill chunk in a batch (`rounds(batched=True)`): ~1 s of a 2-core
+    # CPU's prefill under load, so a request arriving meanwhile waits about that long.
+    batch_prefill_chunk = 128
 
     def __init__(
         self,
@@ -158,7 +161,9 @@ class Engine:
         # first verify pass feeds. A drafter that reads hidden states gets the last prefilled
         # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
         start = perf_counter()
-        prompt = (prompt_ids[:-1], self.prefill_chunk, prefill_progress)
+        # in a batch, smaller chunks: the others wait one chunk a round
+        chunk = min(self.prefill_chunk, self.batch_prefill_chunk) if batched else self.prefill_chunk
+        prompt = (prompt_ids[:-1], chunk, prefill_progress)
         if batched:  # the batch decodes the other requests between chunks
             processed = yield from _pausing(cache.target.prefill_chunks(*prompt, hidden=self.wants_hidden))
         else:
