@@ -137,10 +137,13 @@ class WindowKVCache(_Restorable):
             twin.keys, twin.values = twin._pack(self.keys), twin._pack(self.values)
         return twin
 
+    def keys_seen(self, N: int) -> int:
+        """Keys update_and_fetch will return for N new positions (the mask's width)."""
+        return min(self.offset - self._start_after(N), self.window - 1) + N
+
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         window = window_size or self.window
-        # keys returned before the new ones, as update_and_fetch will slice them
-        prior = min(self.offset - self._start_after(N), self.window - 1)
+        prior = self.keys_seen(N) - N  # keys returned before the new ones
         if self.tree is not None:
             return tree_mask(self.tree, prior, window)
         if prior + N <= window:  # every query sees every returned key: plain causal
@@ -368,23 +371,33 @@ def tree_capable(model, cache: list) -> bool:
 
 
 @contextmanager
-def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
-    """While the model's graph is built: tree masks in every cache layer, and each row's
-    RoPE at root + depth. (MLX is lazy: the graph keeps them once the call returns.)"""
-    positions = mx.array([root, *(root + d for d in shape.depth)], mx.int32)
+def ropes_replaced(model, positioned: Callable):
+    """While the model's graph is built, each attention layer's RoPE is `positioned(rope)`.
+    (MLX is lazy: the graph keeps them once the call returns.)"""
     layers = attention_layers(model)
     ropes = [a.rope for a in layers]
     try:
+        for attention, rope in zip(layers, ropes):
+            attention.rope = positioned(rope)
+        yield
+    finally:
+        for attention, rope in zip(layers, ropes):
+            attention.rope = rope
+
+
+@contextmanager
+def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
+    """While the model's graph is built: tree masks in every cache layer, and each row's
+    RoPE at root + depth."""
+    positions = mx.array([root, *(root + d for d in shape.depth)], mx.int32)
+    try:
         for layer in cache:
             layer.tree = shape
-        for attention, rope in zip(layers, ropes):
-            attention.rope = _PositionedRoPE(rope, positions)
-        yield
+        with ropes_replaced(model, lambda rope: _PositionedRoPE(rope, positions)):
+            yield
     finally:
         for layer in cache:
             layer.tree = None
-        for attention, rope in zip(layers, ropes):
-            attention.rope = rope
 
 
 def _max_trim(layer) -> int:
@@ -417,6 +430,17 @@ def logits_and_hidden(model, inputs: mx.array, cache, **embedded) -> tuple[mx.ar
     if cap:
         logits = mx.tanh(logits / cap) * cap
     return logits, hidden
+
+
+def forward_model(model, tokens: mx.array, cache, hidden: bool = False, head: bool = True, **embedded):
+    """The model over tokens [B, L]: logits; with hidden=True (logits, final hidden states);
+    with head=False the final hidden states only. `embedded`: `input_embeddings` for the
+    rows (an image prompt's)."""
+    if not head:
+        return final_hidden(model, tokens, cache, **embedded)
+    if hidden:
+        return logits_and_hidden(model, tokens, cache, **embedded)
+    return model(tokens, cache=cache, **embedded)
 
 
 class SequenceCache:
@@ -531,11 +555,7 @@ class SequenceCache:
             shared = len(getattr(self.model, "language_model", self.model).layers) - len(cache)
             cache = cache + [QuantizedKVReader.of(cache[0])] * shared
         try:
-            if not head:
-                return final_hidden(self.model, tokens, cache, **embedded)
-            if hidden:
-                return logits_and_hidden(self.model, tokens, cache, **embedded)
-            return self.model(tokens, cache=cache, **embedded)
+            return forward_model(self.model, tokens, cache, hidden, head, **embedded)
         except BaseException:
             # Interrupted half-way through the layers (Ctrl-C): their offsets disagree now,
             # so no rollback can be exact; start over rather than decode from a torn cache.
@@ -602,6 +622,18 @@ class SequenceCache:
         inputs: inputs(begin, end) returns more inputs for the forward of rows begin..end of
         `ids`, by row over the whole of `keys` (an image prompt's input embeddings), or {}
         when those rows need none; called once, when there is anything to feed."""
+        chunks = self.prefill_chunks(ids, chunk_size, progress, hidden, keys, inputs)
+        while True:
+            try:
+                next(chunks)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_chunks(self, ids: list[int], chunk_size: int = 512,
+                       progress: Optional[Callable[[int, int], None]] = None, hidden: bool = False,
+                       keys: Optional[list] = None, inputs: Optional[Callable[[int, int], dict]] = None):
+        """`prefill` as a generator that yields after each chunk but the last (a batch decodes
+        other requests in between) and returns the tokens processed."""
         self.prefill_hidden = None
         if self.unsettled:
             self.settle([])  # an interrupted round: drop its unsettled positions
@@ -633,6 +665,8 @@ class SequenceCache:
             self.ids.extend(keys[rows])
             if progress is not None:
                 progress(begin + len(chunk), len(todo))
+            if begin + chunk_size < len(todo):
+                yield begin + len(chunk)
         return len(todo)
 
 

@@ -22,10 +22,14 @@ Draft trees are not drawn under a grammar (the policy's chains are).
 A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_step is: the
 next round's pass is queued on the device, fed the token still being computed, before the
 host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
+
+With `rounds(batched=True)` step 3's target pass is handed to the caller, which runs it in
+one forward with other requests' (`mlx_spec.batch`); everything else stays per request.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from time import perf_counter
@@ -33,6 +37,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
+from mlx_spec.batch import PREFILLING, TargetPass
 from mlx_spec.cache import KVQuantization, PromptCache
 from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
@@ -84,6 +89,10 @@ class Engine:
     # constrained round verifies only what the drafter proposed (the bench's baseline).
     grammar_drafts = True
 
+    # Prompt tokens per prefill chunk in a batch (`rounds(batched=True)`): ~1 s of a 2-core
+    # CPU's prefill under load, so a request arriving meanwhile waits about that long.
+    batch_prefill_chunk = 128
+
     def __init__(
         self,
         target,
@@ -113,6 +122,13 @@ class Engine:
         # accept(); the target pass computes them only for those.
         self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
 
+    def for_request(self) -> "Engine":
+        """This engine with a drafter of its own (drafters keep one request's state between
+        begin and accept), for a request decoded beside others; models are shared."""
+        twin = copy.copy(self)
+        twin.drafter = copy.copy(self.drafter)
+        return twin
+
     def make_prompt_cache(self) -> PromptCache:
         return PromptCache(self.target, slack=self.max_gamma + 1, kv=self.kv, draft_kv=self.draft_kv)
 
@@ -129,6 +145,7 @@ class Engine:
         logprobs: Optional[int] = None,
         images=None,
         grammar: Optional[Matcher] = None,
+        batched: bool = False,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -148,8 +165,13 @@ class Engine:
                 prefill reads its image features; drafters see the ids as they are.
             grammar: a `Matcher` the output must follow (see the module docstring); it
                 ends generation ("stop") once the value is complete.
+            batched: yield each round's target pass as a `batch.TargetPass` before the round
+                goes on, for the caller to run (`batch.run_passes`, beside other requests'),
+                and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
+                chains (no trees) and plain rounds are not pipelined.
         Yields:
-            `Round`s; the last has a finish_reason.
+            `Round`s (with `batched`, also the `TargetPass`es and `PREFILLING`s); the last
+            `Round` has a finish_reason.
         """
         self.check_prompt(prompt_ids)
         if self.context_length is not None:
@@ -173,15 +195,22 @@ class Engine:
             if len(images.keys) != len(prompt_ids):
                 raise ValueError(f"the ImagePrompt has {len(images.keys)} positions for {len(prompt_ids)} prompt ids")
             keys, inputs = images.keys, lambda begin, end: self.vision.embed(images, begin, end)
-        processed = cache.target.prefill(prompt_ids[:-1], self.prefill_chunk, prefill_progress,
-                                         hidden=self.wants_hidden, keys=keys, inputs=inputs)
+        # in a batch, smaller chunks: the others wait one chunk a round
+        chunk = min(self.prefill_chunk, self.batch_prefill_chunk) if batched else self.prefill_chunk
+        prompt = (prompt_ids[:-1], chunk, prefill_progress)
+        extra = dict(hidden=self.wants_hidden, keys=keys, inputs=inputs)
+        if batched:  # the batch decodes the other requests between chunks
+            processed = yield from _pausing(cache.target.prefill_chunks(*prompt, **extra))
+        else:
+            processed = cache.target.prefill(*prompt, **extra)
         if drafter is not None:
             processed += drafter.begin(prompt_ids, cache, processor)
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
         drafting = drafter is not None and self._can_draft(cache)
         # Trees where the policy shapes them, the drafter branches, and the target's
         # layers take tree masks; a sharded target (agree) keeps chains.
-        branching = (drafting and grammar is None and hasattr(policy, "prune") and hasattr(drafter, "propose_tree")
+        branching = (drafting and grammar is None and not batched and hasattr(policy, "prune")
+                     and hasattr(drafter, "propose_tree")
                      and self.agree is None and cache.target.tree_capable)
 
         last, generated = prompt_ids[-1], 0
@@ -213,8 +242,8 @@ class Engine:
                     mx.eval(draft.tokens)
                 # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                verdict, hidden, scores, settle = self._verify(cache, block, draft, history, None, processor,
-                                                               key_verify, logprobs, masks)
+                verdict, hidden, scores, settle = yield from self._verify(
+                    cache, block, draft, history, None, processor, key_verify, logprobs, masks, batched)
             drafted = perf_counter()
             # 3b. Another plain round next? Then queue its pass, fed this round's token, so
             # the device computes it while the host waits below. A plain round teaches the
@@ -222,14 +251,14 @@ class Engine:
             gamma_next = None
             if gamma == 0 and generated + 1 < max_tokens:
                 gamma_next = policy.choose(stats) if drafting else 0
-                if gamma_next == 0 and self.pipeline_plain_rounds and grammar is None:
+                if gamma_next == 0 and self.pipeline_plain_rounds and grammar is None and not batched:
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
                     if settle is not None:  # an UNDECIDED token is no id: the pass is dropped below
                         block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)
-                    queued = self._verify(cache, block, Draft.empty(), history, block, processor,
-                                          key_verify, logprobs)
+                    queued = yield from self._verify(cache, block, Draft.empty(), history, block, processor,
+                                                     key_verify, logprobs)
                     mx.async_eval(queued[0])
             # 4. accept: the round's one host synchronisation (two where the cheap greedy
             # choice met a near-tie it leaves to the exact one: `LogitProcessor.greedy`)
@@ -285,18 +314,22 @@ class Engine:
             raise MlxSpecError(f"the prompt is {len(prompt_ids):,} tokens, but the model's context "
                                f"is {self.context_length:,} tokens")
 
-    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None, masks=None) -> tuple:
+    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None, masks=None,
+                batched=False):
         """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
         acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
         [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
         the host (a queued round's input), for the repetition penalty. `masks`: a function
         giving the grammar's allowed tokens per block row [rows, V] (bool), called once the
-        pass is on the device, so the host computes them meanwhile; or None."""
+        pass is on the device, so the host computes them meanwhile; or None. A generator: with
+        `batched` it yields the `TargetPass` for the caller to run; it returns the tuple."""
         # one target pass over the block (a tree's flattened, under its tree masks)
-        if self.wants_hidden:
-            logits, hidden = cache.target.forward(block, hidden=True, tree=draft.tree)
+        target_pass = TargetPass(cache.target, block, self.wants_hidden, draft.tree)
+        if batched:
+            yield target_pass
         else:
-            logits, hidden = cache.target.forward(block, tree=draft.tree), None
+            target_pass.run()
+        logits, hidden = target_pass.logits, target_pass.hidden_states
         if masks is not None:
             mx.async_eval(logits)
             logits = constrain(logits, masks())
@@ -380,6 +413,17 @@ def _constrain_draft(draft: Draft, grammar: Matcher, room: int, forced: bool) ->
             q = mx.concatenate([q, one_hot.astype(q.dtype)])
     return (Draft(mx.array(path, dtype=mx.uint32), q, forwards=draft.forwards), len(x),
             lambda: grammar.path_masks(path))
+
+
+def _pausing(chunks):
+    """A prefill's chunks with `PREFILLING` yielded after each but the last; returns the
+    tokens processed."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+        yield PREFILLING
 
 
 def _log_softmax(logits: mx.array) -> mx.array:

@@ -72,12 +72,18 @@ def full_acceptance(acceptance: list[float], gamma: int) -> float:
     return math.prod(acceptance[:gamma])
 
 
-def tokens_per_second(costs: CostCurve, acceptance: Sequence[float], gamma: int) -> float:
-    """The cost model: E(γ) / (γ·t_draft + t_verify(γ+1)), with conditional acceptances
-    a_1..a_γ (the last one repeats past the end of the list)."""
+def _padded(acceptance: Sequence[float], gamma: int) -> list[float]:
+    """a_1..a_γ, the last one repeated past the end of the list."""
     acceptance = list(acceptance)
     if len(acceptance) < gamma:
         acceptance += [acceptance[-1] if acceptance else 0.0] * (gamma - len(acceptance))
+    return acceptance
+
+
+def tokens_per_second(costs: CostCurve, acceptance: Sequence[float], gamma: int) -> float:
+    """The cost model: E(γ) / (γ·t_draft + t_verify(γ+1)), with conditional acceptances
+    a_1..a_γ (the last one repeats past the end of the list)."""
+    acceptance = _padded(acceptance, gamma)
     return expected_tokens(acceptance, gamma) / costs.round_time(gamma, full_acceptance(acceptance, gamma))
 
 
@@ -102,6 +108,28 @@ def theorem_speedup(alpha: float, gamma: float, c: float) -> float:
     return tokens / (gamma * c + 1)
 
 
+class BatchShare:
+    """What the requests decoding together chose last (`serve --parallel`): per policy, the
+    rows its block adds to the batch's forward (γ + 1), its expected tokens E(γ) and its
+    draft seconds. An `AutoGamma` given one chooses its γ for the batch's tokens per second
+    (its `rate`), the others' latest choices held fixed; each request answering the others
+    in turn climbs the same objective."""
+
+    def __init__(self):
+        self.choices: dict[int, tuple[int, float, float]] = {}  # id(policy) -> (rows, E, draft s)
+
+    def others(self, policy) -> tuple[int, float, float]:
+        """(rows, expected tokens, draft seconds) of every request but `policy`'s."""
+        rest = [c for key, c in self.choices.items() if key != id(policy)]
+        return sum(c[0] for c in rest), sum(c[1] for c in rest), sum(c[2] for c in rest)
+
+    def record(self, policy, rows: int, tokens: float, draft_seconds: float) -> None:
+        self.choices[id(policy)] = (rows, tokens, draft_seconds)
+
+    def leave(self, policy) -> None:
+        self.choices.pop(id(policy), None)
+
+
 class AutoGamma:
     """Bandwidth-aware γ from a measured cost curve and live per-position acceptance.
 
@@ -123,6 +151,13 @@ class AutoGamma:
         explore_every: while learning costs, every this many drafting rounds draft one
             token more than the best γ (where it is likely accepted), so widths the
             calibration priced too high get measured.
+        batch: the `BatchShare` of the requests this one decodes beside; then γ maximises
+            the batch's tokens per second, with the verify cost at the batch's total rows
+            (the curve's last measured slope extended past its widths):
+                (E(γ) + E_others) / (γ·t_draft + D_others + t_verify(R_others + γ + 1))
+            where R_others, E_others and D_others are the other requests' rows, expected
+            tokens and draft seconds as they last chose. Alone (or None) it is the
+            single-request rate.
     """
 
     def __init__(
@@ -137,8 +172,11 @@ class AutoGamma:
         max_probe_every: int = 128,
         learn_costs: bool = True,
         explore_every: int = 8,
+        batch: Optional[BatchShare] = None,
     ):
+        self.calibrated = costs  # the curve as measured, whatever LiveCosts learns
         self.costs = LiveCosts(costs) if learn_costs else costs
+        self.batch = batch
         self.max_gamma = max_gamma
         self.prior, self.prior_weight = prior, prior_weight
         self.decay, self.parked_decay = decay, parked_decay
@@ -168,8 +206,18 @@ class AutoGamma:
         return rates
 
     def rate(self, gamma: int, acceptance: list[float] | None = None) -> float:
-        """Expected tokens per second at γ."""
-        return tokens_per_second(self.costs, self.acceptance() if acceptance is None else acceptance, gamma)
+        """Expected tokens per second at γ: of this request alone, or of the batch (`batch`)."""
+        acceptance = self.acceptance() if acceptance is None else acceptance
+        rows, tokens, drafting = self.batch.others(self) if self.batch is not None else (0, 0.0, 0.0)
+        if not rows:
+            return tokens_per_second(self.costs, acceptance, gamma)
+        # the calibrated curve: a batched round's measured time is the batch's, not this
+        # request's, so it teaches LiveCosts nothing (`observe`)
+        curve = self.calibrated
+        acceptance = _padded(acceptance, gamma)
+        seconds = (gamma * curve.draft_step + full_acceptance(acceptance, gamma) * curve.catch_up + drafting
+                   + curve.verify_time(rows + gamma + 1))
+        return (expected_tokens(acceptance, gamma) + tokens) / seconds
 
     def predicted_speedup(self, gamma: int) -> float:
         """Expected speedup over plain decoding at γ (Theorem 3.8 with measured costs and
@@ -202,10 +250,15 @@ class AutoGamma:
                 self.parked_for, self.probing = 0, True
                 gamma = self.best(min_gamma=1)
         self.last_choice = gamma
+        if self.batch is not None:
+            acceptance = self.acceptance()
+            draft_seconds = gamma * self.calibrated.draft_step
+            self.batch.record(self, gamma + 1, expected_tokens(acceptance, gamma), draft_seconds)
         return gamma
 
     def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
-        if seconds is not None and isinstance(self.costs, LiveCosts):
+        batched = self.batch is not None and self.batch.others(self)[0] > 0
+        if seconds is not None and isinstance(self.costs, LiveCosts) and not batched:
             self.costs.observe(gamma, seconds)
         keep = self.decay if gamma else self.parked_decay
         self.reached = [keep * r for r in self.reached]
@@ -260,7 +313,6 @@ class TreePolicy(AutoGamma):
         self.rank_taken: dict[tuple[int, int], float] = {}  # decayed: of those, accepted
         # the cost model's forecast for the rounds so far, on the calibrated curve: expected
         # tokens and seconds, summed (`forecast_speedup`)
-        self.calibrated = costs
         self.forecast_tokens = self.forecast_seconds = 0.0
         self.cuts = 0  # cuts that kept nodes, for exploration
 

@@ -195,6 +195,7 @@ def gamma_policy(
     progress: Optional[Callable[[int, int], None]] = None,
     name: str = "--gamma",
     reproducible: bool = False,
+    batch=None,
 ) -> GammaPolicy:
     """`FixedGamma(n)` for a whole number, `AutoGamma` from the measured cost curve for
     "auto" (measured once per pair and machine, then read from the cache), `tree_policy` for
@@ -202,7 +203,9 @@ def gamma_policy(
 
     `reproducible` (a seeded sample): γ follows the cached cost curve and the acceptance
     seen, never the clock. Learning from round times would make each run's γ choices, and
-    with them how each round splits the seed's key, depend on how busy the machine was."""
+    with them how each round splits the seed's key, depend on how busy the machine was.
+    `batch`: a `policy.BatchShare`, for auto γ chosen for the batch's tokens per second
+    (not for a reproducible request: its γ, and so its draws, must not depend on others)."""
     gamma = parse_gamma(gamma, name=name, limit=engine.max_gamma)
     if gamma == TREE:
         return tree_policy(engine, context=context, refresh=refresh, progress=progress,
@@ -217,7 +220,8 @@ def gamma_policy(
         engine.target, draft_model, max_width=max_gamma + 1,
         context=context_bucket(context), refresh=refresh, progress=progress,
     )
-    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible))
+    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible),
+                     batch=None if reproducible else batch)
 
 
 def _learn_costs(reproducible: bool) -> bool:

@@ -154,6 +154,7 @@ def stream_generate(
     logprobs: Optional[int] = None,
     images=None,
     grammar=None,
+    batched: bool = False,
 ) -> Iterator[Response]:
     """Stream text from `prompt`, one `Response` per engine round.
 
@@ -161,8 +162,9 @@ def stream_generate(
         engine: the `Engine` (target, drafter).
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
-        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images, grammar: as
-            `Engine.rounds` (grammar: a fresh `mlx_spec.grammar.Matcher` per generation).
+        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images, grammar,
+            batched: as `Engine.rounds` (grammar: a fresh `mlx_spec.grammar.Matcher` per
+            generation; with `batched` what it yields for the batch is yielded as it comes).
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
     Yields:
@@ -184,8 +186,12 @@ def stream_generate(
         logprobs=logprobs,
         images=images,
         grammar=grammar,
+        batched=batched,
     )
     for rnd in rounds:
+        if not isinstance(rnd, Round):  # a batch's TargetPass or PREFILLING
+            yield rnd
+            continue
         for i, t in enumerate(rnd.tokens):
             if t in engine.eos_ids:
                 stops.add(t, "", [])

@@ -32,20 +32,20 @@ def models():
     return target, draft
 
 
-def exact_joint(target, params):
-    """P(t1, t2) under plain sampling from the target, computed, not sampled."""
+def exact_joint(target, params, prompt=PROMPT):
+    """P(t1, t2) after `prompt` under plain sampling from the target, computed, not sampled."""
     processor = LogitProcessor(params)
 
     def p_next(ids):
         logits = target(mx.array(ids)[None])[0, -1:]
         return processor.distribution(logits, processor.windows(ids, None, 1))[0]
 
-    p1 = p_next(PROMPT)
+    p1 = p_next(prompt)
     return {
         (a, b): p1[a].item() * p2b
         for a in range(VOCAB)
         if p1[a].item() > 0
-        for b, p2b in enumerate(p_next(PROMPT + [a]).tolist())
+        for b, p2b in enumerate(p_next(prompt + [a]).tolist())
         if p2b > 0
     }
 

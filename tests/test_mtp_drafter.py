@@ -395,3 +395,31 @@ def test_trees_hand_the_assistant_the_accepted_paths_hidden_state(distilled):
         assert tokens == greedy_reference(target, prompt, 48)
     assert checked and all(checked)
     assert stats.tree_rounds > 0 and sum(stats.accepted_at_rank[1:]) > 0
+
+
+def test_batched_mtp_rows_match_plain_decoding(distilled):
+    """Two MTP requests in one batch (`mlx_spec.batch`): each answer is still mlx-lm's
+    greedy one, and each row's drafter drafts what it drafts alone (its own row's hidden
+    states reached it: a neighbour's would change the drafts, not the answer)."""
+    from mlx_spec.batch import Batch
+
+    engine = build_engine(distilled)  # trained on these prompts: its drafts follow h
+    out = {}
+    batch = Batch(out=lambda generator, r: out[generator].append((r.gamma, r.accepted, r.tokens)))
+    requests, alone = [], []
+    for prompt, gamma in ((TRAIN_PROMPTS[0], 3), (TRAIN_PROMPTS[1], 2)):
+        rounds = engine.for_request().rounds(prompt, gamma=gamma, max_tokens=TRAIN_LENGTH, batched=True)
+        out[rounds] = []
+        requests.append(rounds)
+        batch.add(rounds)
+        alone.append([(r.gamma, r.accepted, r.tokens) for r in
+                      engine.for_request().rounds(prompt, gamma=gamma, max_tokens=TRAIN_LENGTH)])
+    widths = []
+    while len(batch):
+        widths.append(len(batch.step()))
+    assert max(widths) == 2
+    for rounds, prompt, own in zip(requests, TRAIN_PROMPTS, alone):
+        tokens = [t for _, _, round_tokens in out[rounds] for t in round_tokens]
+        assert tokens == greedy_reference(distilled.target.model, prompt, TRAIN_LENGTH)
+        assert out[rounds] == own
+        assert sum(accepted for _, accepted, _ in own) > 0

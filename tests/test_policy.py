@@ -299,3 +299,25 @@ def test_a_calibration_made_under_load_cannot_park_drafting(tiny_target, monkeyp
     assert given.drafted <= 300 // 16  # probes only: the curve says it never pays
     assert learned.drafted > 200 and all(r.gamma >= 5 for r in rounds[-10:-1])  # learned: long drafts
     assert learned.decode_time < 0.4 * given.decode_time
+
+
+def test_auto_gamma_in_a_batch_backs_off_where_rows_cost_compute():
+    """Rows free up to a width of 4, then each costs a step (a compute-bound device): alone
+    γ = 3 fills the free rows; beside three requests that already fill them, every draft
+    row costs a full step of the whole batch's round, and γ drops to plain decoding. Where
+    rows stay free (bandwidth-bound), the batch changes nothing."""
+    from mlx_spec.policy import BatchShare
+
+    for verify, batched_gamma in (([1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 4.0], 0), ([1.0] * 7, None)):
+        costs = CostCurve(verify=verify, draft_step=0.0, context=256)
+        alone = AutoGamma(costs, max_gamma=6, learn_costs=False).choose()
+        share = BatchShare()
+        others = [AutoGamma(costs, max_gamma=6, learn_costs=False) for _ in range(3)]
+        for other in others:
+            share.record(other, 4, 3.439, 0.0)  # γ = 3 at a = 0.9: E = 1 + .9 + .81 + .729
+        mine = AutoGamma(costs, max_gamma=6, learn_costs=False, batch=share)
+        assert mine.choose() == (alone if batched_gamma is None else batched_gamma)
+        assert alone == (3 if verify[4] > 1 else 6)
+        assert share.others(others[0])[0] == 2 * 4 + mine.last_choice + 1  # it recorded its row
+        share.leave(mine)
+        assert share.others(others[0])[0] == 2 * 4

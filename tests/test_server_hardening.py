@@ -30,8 +30,8 @@ def env(cost_cache):
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs, env):
-    """Plain decoding, one place in the queue."""
-    yield from serving(["--model", tiny_dirs[0], "--drafter", "none", "--queue-size", 1], env)
+    """Plain decoding, one request at a time, one place in the queue."""
+    yield from serving(["--model", tiny_dirs[0], "--drafter", "none", "--parallel", 1, "--queue-size", 1], env)
 
 
 @pytest.fixture(scope="module")

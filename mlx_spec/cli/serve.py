@@ -60,8 +60,13 @@ def serve(
              "shows only by its last part when it is a local path.")] = None,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", rich_help_panel=SERVER, min=1,
-        help="Requests that may wait (or be tokenized) while one generates; more are "
+        help="Requests that may wait (or be tokenized) while --parallel generate; more are "
              "answered 503 with Retry-After, before tokenizing.")] = 8,
+    parallel: Annotated[int, typer.Option(
+        "--parallel", rich_help_panel=SERVER, min=1, max=64,
+        help="Requests decoded together: each round one target forward verifies every running "
+             "request's draft, each exact as if alone; requests join and leave between rounds. "
+             "1 serves one at a time. More wait in the queue (--queue-size).")] = 4,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", "-n", rich_help_panel=SERVER, min=1,
         help="Completion tokens when a request does not say (always within the context).")] = 512,
@@ -218,6 +223,7 @@ def serve(
         max_tokens=max_tokens,
         context_length=_context_length(setup.pair.target.config),
         queue_size=queue_size,
+        parallel=parallel,
         api_key=api_key,
         allowed_hosts=served_hosts,
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),

@@ -69,7 +69,8 @@ class ServerOptions:
         defaults: sampling values for fields a request leaves out.
         max_tokens: completion length when a request gives none.
         context_length: prompt plus completion tokens the model takes.
-        queue_size: requests that may wait while one generates.
+        queue_size: requests that may wait while `parallel` generate.
+        parallel: requests decoded together (`worker.Worker`); 1: one at a time.
         api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
             "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
         allowed_hosts: Host names served besides loopback ones; None serves any.
@@ -95,6 +96,7 @@ class ServerOptions:
     max_tokens: int = 512
     context_length: int = 8192
     queue_size: int = 8
+    parallel: int = 1  # `serve` defaults to 4
     api_key: Optional[str] = None
     allowed_hosts: Optional[tuple[str, ...]] = ()
     public_name: Optional[str] = None
@@ -115,7 +117,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     unload (None: the models stay loaded)."""
     worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
                     load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
-                    cache_disk=options.prompt_cache_disk)
+                    cache_disk=options.prompt_cache_disk, parallel=options.parallel)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
     vocab = tokenizer.get_vocab()
     vocab_size = len(vocab)  # ids the detokenizer knows
@@ -498,4 +500,5 @@ def statistics(done: Done) -> dict:
     thought and answer apart included (`thinking.PhaseAcceptance`)."""
     loaded = {} if done.load_seconds is None else {"load_seconds": round(done.load_seconds, 3)}
     return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target,
-            **done.phases.as_dict(), "loaded": done.load_seconds is not None, **loaded}
+            **done.phases.as_dict(), "loaded": done.load_seconds is not None, **loaded,
+            "batch_size": done.batch_size}

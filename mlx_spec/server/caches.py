@@ -14,7 +14,7 @@ answer.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from mlx_spec.cache import PromptCache, common_prefix_length
 
@@ -51,11 +51,15 @@ class CachePool:
         self.caches: list[PromptCache] = []  # least recently used first
         self.hits = 0  # requests that reused at least one cached token
 
-    def take(self, prompt_ids: list[int]) -> PromptCache:
-        """The cache to serve `prompt_ids` from, now the most recently used."""
+    def take(self, prompt_ids: list[int], busy: Iterable[PromptCache] = ()) -> PromptCache:
+        """The cache to serve `prompt_ids` from, now the most recently used; never one of
+        `busy` (those of requests still decoding, which another must not move)."""
         held = prompt_ids[:-1]  # what a prefill leaves in the cache
+        busy = {id(cache) for cache in busy}
         best, common = None, 0
         for cache in reversed(self.caches):  # the most recent wins a tie
+            if id(cache) in busy:
+                continue
             n = common_prefix_length(cache.target.ids, held)
             if n > common:
                 best, common = cache, n

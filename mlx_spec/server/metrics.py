@@ -3,7 +3,9 @@
 HTTP responses by status code, generations by outcome, queue depth, prompt and decode tokens with the seconds they took
 (tokens/s is their ratio; Prometheus' rate() of each gives it over any window), drafted and
 accepted tokens, acceptance **by position** (`stats` definitions: rounds whose draft token
-i was accepted / rounds that drafted at least i), and prompt-cache reuse.
+i was accepted / rounds that drafted at least i), prompt-cache reuse, and the decode batch
+(requests running, and rows per target forward: batch_rows / batch_forwards is the mean
+batch size).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ class Metrics:
         self.cached_tokens = 0
         self.cache_hits = 0
         self.responses: dict[int, int] = {}  # HTTP status -> responses sent
+        self.batch_forwards = 0  # target forwards of the worker's batch (one per round)
+        self.batch_rows = 0  # requests' verify blocks those forwards held
+
+    def observe_batch(self, rows: int) -> None:
+        with self.lock:
+            self.batch_forwards += 1
+            self.batch_rows += rows
 
     def observe_response(self, status: int) -> None:
         with self.lock:
@@ -63,6 +72,12 @@ class Metrics:
                    [({"outcome": k}, health[k]) for k in ("completed", "cancelled", "failed", "refused")])
             metric("queue_depth", "gauge", "Requests waiting for the device.", [({}, health["queued"])])
             metric("busy", "gauge", "1 while a request generates.", [({}, int(health["busy"]))])
+            metric("running", "gauge", "Requests decoding together now.", [({}, health["running"])])
+            metric("parallel", "gauge", "Requests that may decode together (serve --parallel).",
+                   [({}, health["parallel"])])
+            metric("batch_forwards", "counter", "Target forwards of the decode batch.", [({}, self.batch_forwards)])
+            metric("batch_rows", "counter", "Requests those forwards verified (rows / forwards: mean batch size).",
+                   [({}, self.batch_rows)])
             metric("prompt_tokens", "counter", "Prompt tokens of finished requests.", [({}, t.prompt_tokens)])
             metric("prefill_tokens", "counter", "Prompt tokens processed (the rest came from a cache).",
                    [({}, t.prefill_tokens)])

@@ -1,8 +1,14 @@
-"""One generation at a time: a worker thread owns the device, both models' caches and the
-detokenizer; requests wait in a bounded queue in front of it.
+"""A worker thread owns the device, both models' caches and the detokenizer; requests wait
+in a bounded queue in front of it.
 
-All MLX work runs on this one thread (mlx-lm's server does the same), so no two requests
-ever share a cache. The caches live as long as the server, several conversations' worth
+Up to `parallel` jobs decode together (`mlx_spec.batch`): each job is a generator that
+yields its round's target pass; every round the worker admits waiting jobs while there is
+room, then runs the running jobs' passes in one forward. A job that ends (finished,
+failed, cancelled) leaves between rounds. With parallel 1 a job yields nothing and runs
+to its end, as one generation at a time always did.
+
+All MLX work runs on this one thread (mlx-lm's server does the same), and no two running
+requests ever share a cache. The caches live as long as the server, several conversations' worth
 (`caches.CachePool`): each request prefills only the tokens after the longest common prefix
 of its prompt and what a cache holds, so a conversation that grows by a turn reuses
 everything before it, however many others came in between, and a request that diverges
@@ -17,7 +23,7 @@ A request is cancelled by setting `Job.cancelled` (its client went away). A wait
 gives up its place in the queue at once; a running one is checked between rounds, and the
 worker closes the `stream_generate` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
-ends the running job the same way with a 503 event and answers every waiting one 503.
+ends the running jobs the same way with a 503 event and answers every waiting one 503.
 
 Keep-alive (`serve --keep-alive`, a request's `keep_alive`): once nothing has run or waited
 for that long, the worker drops the engine (both models) and its prompt caches and frees
@@ -40,13 +46,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+from mlx_spec.batch import Batch
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.policy import BatchShare
 from mlx_spec.runner import gamma_policy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.caches import CachePool, default_budget
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
-from mlx_spec.stream import stream_generate
+from mlx_spec.stream import Response, stream_generate
 from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax, ThoughtSplitter
 from mlx_spec.vision import ImagePrompt
 
@@ -104,6 +112,7 @@ class Done:
     stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
     phases: PhaseAcceptance = field(default_factory=PhaseAcceptance)  # thought and answer apart
     load_seconds: Optional[float] = None  # set when this job first loaded the models (keep-alive)
+    batch_size: int = 1  # the most requests decoded in one forward with this one (itself included)
 
 
 @dataclass
@@ -115,7 +124,7 @@ class Failed:
 Event = Union[Piece, Done, Failed]
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the worker keys its running jobs by it
 class Job:
     """One request's work, and the channel its events travel back on."""
 
@@ -134,6 +143,7 @@ class Job:
     keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
     images: Optional[ImagePrompt] = None  # the prompt's images (its ids are prompt_ids)
     grammar: Optional[object] = None  # a compiled `mlx_spec.grammar.Grammar` the answer follows
+    batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -179,11 +189,15 @@ class Worker:
         cache_dir: a folder where evicted conversations' caches go, and where they are found
             again, by this server or a later one (`disk_caches.DiskCaches`); None: memory only.
         cache_disk: bytes the folder's cache files may take.
+        parallel: jobs decoded together (`mlx_spec.batch`): each round one target forward
+            verifies every running job's block; jobs join and leave between rounds. 1: one
+            job at a time, as `Engine.rounds` decodes alone.
     """
 
     def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
-                 keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30):
+                 keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30,
+                 parallel: int = 1):
         self.engine = engine
         self.load = load
         self.keep_alive = keep_alive if load is not None else FOREVER
@@ -192,6 +206,9 @@ class Worker:
         self.tokenizer = tokenizer
         if queue_size < 1:  # queue.Queue(0) would be unbounded
             raise ValueError("queue_size must be at least 1")
+        if parallel < 1:
+            raise ValueError("parallel must be at least 1")
+        self.parallel = parallel
         self.gamma = gamma if engine.drafter is not None else "0"
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
@@ -201,12 +218,13 @@ class Worker:
         self.queue_size = queue_size
         self._waiting: deque[Job] = deque()  # guarded by _changed
         self._changed = threading.Condition()
-        self.current: Optional[Job] = None
+        self.running: dict[Job, float] = {}  # job -> when it took the device; guarded by _changed
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
         self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # guarded by _changed
-        self._started = 0.0  # when the current job took the device
         self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
         self._stopping = False
+        self._busy: dict[Job, object] = {}  # running jobs' prompt caches (worker thread only)
+        self._share = BatchShare()  # the running jobs' γ choices, for auto γ in a batch
 
     # -- the request side (event-loop thread) ---------------------------------------------
 
@@ -242,7 +260,7 @@ class Worker:
         if self._durations:
             typical = statistics.median(self._durations)
         else:
-            typical = time.perf_counter() - self._started if self.current is not None else 1.0
+            typical = time.perf_counter() - min(self.running.values()) if self.running else 1.0
         return max(1, min(MAX_RETRY_AFTER_S, math.ceil(typical * (ahead + 1))))
 
     def cancel(self, job: Job) -> None:
@@ -252,14 +270,15 @@ class Worker:
             self._drop_cancelled()
 
     def shut_down(self) -> None:
-        """Take no more jobs, end the running one between rounds with a 503 event and answer
+        """Take no more jobs, end the running ones between rounds with a 503 event and answer
         each waiting one 503; returns at once (the thread ends on its own)."""
         with self._changed:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), deque()
+            running = list(self.running)
             self._changed.notify()
-        if self.current is not None:
-            self.current.cancelled.set()
+        for job in running:
+            job.cancelled.set()
         for job in waiting:
             job.cancelled.set()
             job.emit(SHUTTING_DOWN)
@@ -273,9 +292,9 @@ class Worker:
     def health(self) -> dict:
         with self._changed:
             self._drop_cancelled()
-            queued = len(self._waiting)
-        return {"loaded": self.engine is not None, "busy": self.current is not None, "queued": queued,
-                "queue_size": self.queue_size, **self.counts,
+            queued, running = len(self._waiting), len(self.running)
+        return {"loaded": self.engine is not None, "busy": running > 0, "running": running,
+                "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **self.counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget,
                 "prompt_cache_disk_hits": self.disk.hits if self.disk is not None else 0}
@@ -289,15 +308,29 @@ class Worker:
 
     def _run(self) -> None:
         self._open_disk()
+        # With parallel 1 a job's steps never yield a pass: `step` runs it to its end.
+        batch, jobs = Batch(), {}  # jobs: each running job's steps -> the job
         while True:
-            job = self._next_job()
-            if job is None:
+            while len(batch) < self.parallel:
+                job = self._next_job(wait=not batch)
+                if job is None:
+                    break
+                if job is UNLOAD:
+                    self._unload()
+                    continue
+                steps = self._serve(job, batched=self.parallel > 1)
+                batch.add(steps)
+                jobs[steps] = job
+            if not batch:  # stopping: `_next_job` waits while there is nothing to do
                 self.caches.persist()
                 return
-            if job is UNLOAD:
-                self._unload()
-            else:
-                self._serve(job)
+            rows = batch.step()
+            if rows:
+                self.metrics.observe_batch(len(rows))
+            for steps in rows:
+                jobs[steps].batch_size = max(jobs[steps].batch_size, len(rows))
+            for steps in [s for s in jobs if s not in batch.active]:
+                del jobs[steps]
 
     def _open_disk(self) -> None:
         if self.cache_dir is None:
@@ -313,12 +346,14 @@ class Worker:
             return
         self.caches = CachePool(self.caches.make, self.caches.budget, self.disk, self.engine)
 
-    def _next_job(self):
+    def _next_job(self, wait: bool = True):
         """The next job to run, `UNLOAD` once the keep-alive has run out with nothing to
-        do, or None when the server stops."""
+        do, or None when the server stops (or, unless `wait`, when none is waiting)."""
         with self._changed:
             while True:
                 while not self._waiting and not self._stopping:
+                    if not wait:
+                        return None
                     left = self._idle_since + self._idle_for - time.monotonic()
                     if self.engine is not None and left <= 0:
                         return UNLOAD
@@ -328,23 +363,30 @@ class Worker:
                 self._drop_cancelled()  # clients that left while they waited
                 if self._waiting:
                     job = self._waiting.popleft()
-                    self.current, self._started = job, time.perf_counter()
+                    self.running[job] = time.perf_counter()
                     return job
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, batched: bool = False):
+        """A generator: the job from start to finish, yielding its target passes when
+        `batched` (for `_run`'s batch to run beside others'), else none. An error ends this
+        job alone."""
         # The cache lives in this frame only: it holds the target model, which an unload
         # must find unreferenced once the job is done.
         try:
             load_seconds = self._ensure_loaded()
-            cache = self.caches.take(job.prompt_ids if job.images is None else job.images.keys)
+            # another running job's cache is mid-round: never shared, never forked
+            cache = self.caches.take(job.prompt_ids if job.images is None else job.images.keys,
+                                     busy=self._busy.values())
         except Exception as error:  # the models did not load: this job fails, the next tries again
             log.exception("loading the models failed")
             self.counts["failed"] += 1
             job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
             self._finish(job)
             return
+        self._busy[job] = cache
         try:
-            self._generate(job, cache, load_seconds)
+            engine = self.engine.for_request() if batched else self.engine
+            yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
             self.counts["failed"] += 1
             job.emit(Failed(400, str(error)))
@@ -354,13 +396,13 @@ class Worker:
             self.caches.discard(cache)  # whatever state the error left, start clean
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
         finally:
+            del self._busy[job]
             self.caches.fit()
             self._finish(job)
 
     def _finish(self, job: Job) -> None:
         with self._changed:
-            self.current = None
-            self._durations.append(time.perf_counter() - self._started)
+            self._durations.append(time.perf_counter() - self.running.pop(job))
             self._idle_for = self.keep_alive if job.keep_alive is None or self.load is None else job.keep_alive
             self._idle_since = time.monotonic()
 
@@ -385,72 +427,81 @@ class Worker:
         self.engine = engine
         return time.perf_counter() - began
 
-    def _generate(self, job: Job, cache, load_seconds: Optional[float] = None) -> None:
+    def _generate(self, job: Job, engine, cache, load_seconds: Optional[float], batched: bool):
         stats = Stats()
         prefilled = [0]  # prompt tokens the target's prefill processed
-        policy = gamma_policy(self.gamma, self.engine, context=len(job.prompt_ids),
-                              reproducible=job.params.seed is not None)
-        splitter = ThoughtSplitter(job.think, job.thinking)
-        phases = PhaseAcceptance()
-        matcher = job.grammar.matcher(self.engine.eos_ids) if job.grammar is not None else None
-        prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
-        budget = room
-        if job.thought_budget is not None and job.think is not None:
-            budget = min(room, job.thought_budget)  # then see whether the thought has ended
-        while True:
-            limited, generated = budget < room, []
-            finish, stop_string = self._stream(job, cache, prompt, budget, policy, stats,
-                                               prefilled if prompt is job.prompt_ids else None,
-                                               splitter, phases, generated, matcher)
-            tokens, room = tokens + len(generated), room - len(generated)
-            if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
-                break
-            # The thought budget is spent. A thought still open is closed by its end marker,
-            # forced: what follows is the target's distribution given that forced text (the
-            # thought's end itself is not sampled). Either way generation goes on from what
-            # was committed, which the caches keep.
-            prompt = prompt + generated
-            if splitter.thinking:
-                forced = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
-                reasoning, text = splitter.feed(job.think.end)
-                job.emit(Piece(text, [], reasoning))
-                prompt, tokens, room = prompt + forced, tokens + len(forced), room - len(forced)
-                if room <= 0:
-                    break
+        policy = gamma_policy(self.gamma, engine, context=len(job.prompt_ids),
+                              reproducible=job.params.seed is not None, batch=self._share if batched else None)
+        try:
+            splitter = ThoughtSplitter(job.think, job.thinking)
+            phases = PhaseAcceptance()
+            prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
+            matcher = job.grammar.matcher(engine.eos_ids) if job.grammar is not None else None
             budget = room
-        self.counts["completed" if finish else "cancelled"] += 1
-        job.cached_tokens = cached_count(job, prefilled[0])
-        self.metrics.observe(stats, job.cached_tokens)
-        if finish is None and self._stopping:
-            job.emit(SHUTTING_DOWN)
-            return
-        reasoning, text = splitter.finish()
-        if reasoning or text:
-            job.emit(Piece(text, [], reasoning))
-        job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds))
+            if job.thought_budget is not None and job.think is not None:
+                budget = min(room, job.thought_budget)  # then see whether the thought has ended
+            while True:
+                limited, generated = budget < room, []
+                finish, stop_string = yield from self._stream(
+                    job, engine, cache, prompt, budget, policy, stats, prefilled if prompt is job.prompt_ids else None,
+                    splitter, phases, generated, batched, matcher)
+                tokens, room = tokens + len(generated), room - len(generated)
+                if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
+                    break
+                # The thought budget is spent. A thought still open is closed by its end marker,
+                # forced: what follows is the target's distribution given that forced text (the
+                # thought's end itself is not sampled). Either way generation goes on from what
+                # was committed, which the caches keep.
+                prompt = prompt + generated
+                if splitter.thinking:
+                    forced = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
+                    reasoning, text = splitter.feed(job.think.end)
+                    job.emit(Piece(text, [], reasoning))
+                    prompt, tokens, room = prompt + forced, tokens + len(forced), room - len(forced)
+                    if room <= 0:
+                        break
+                budget = room
+            self.counts["completed" if finish else "cancelled"] += 1
+            job.cached_tokens = cached_count(job, prefilled[0])
+            self.metrics.observe(stats, job.cached_tokens)
+            if finish is None and self._stopping:
+                job.emit(SHUTTING_DOWN)
+                return
+            reasoning, text = splitter.finish()
+            if reasoning or text:
+                job.emit(Piece(text, [], reasoning))
+            job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds,
+                          job.batch_size))
+        finally:
+            self._share.leave(policy)  # its row is gone from the batch
 
-    def _stream(self, job: Job, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
+    def _stream(self, job: Job, engine, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
                 prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
-                generated: list[int], grammar=None):
+                generated: list[int], batched: bool, grammar=None):
         """One `stream_generate` run from `prompt`, its text split and emitted; the ids it
         released go into `generated`, the target's prefill count into `prefilled` (unless
-        None: a run that continues the job's own tokens). Returns (finish reason, stop string)."""
+        None: a run that continues the job's own tokens). A generator of its target passes
+        (`batched`); returns (finish reason, stop string)."""
 
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
             prefilled[0] = total
 
         images = job.images if job.images is None or prompt is job.prompt_ids else job.images.extended(prompt)
         responses = stream_generate(
-            self.engine, self.tokenizer, prompt, job.params, gamma=policy,
+            engine, self.tokenizer, prompt, job.params, gamma=policy,
             max_tokens=max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
             prefill_progress=on_prefill if prefilled is not None else None, logprobs=job.logprobs,
             images=images,
             grammar=grammar,
+            batched=batched,
         )
         finish, stop_string = None, None
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
+                if not isinstance(response, Response):  # for the batch (`_run`)
+                    yield response
+                    continue
                 # The ids released with the text: a stop string and what followed it are
                 # neither shown nor counted.
                 generated += response.tokens

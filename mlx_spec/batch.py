@@ -1,0 +1,208 @@
+"""Several requests' verify passes as one target forward (a continuous batch).
+
+Each request keeps everything of its own: its `SequenceCache` (so rollback, sliding windows
+and the prompt-cache pool work as for one request), drafter, γ policy, sampling, stats and
+stop handling (`Engine.rounds(batched=True)` yields its pass as a `TargetPass` instead of
+running it). Only the target's forward is shared: `run_passes` feeds every row's block,
+right-padded to the longest, in one call, where each layer
+
+- writes row i's K/V into row i's own cache (padding included: the engine's settle rolls
+  back every position it does not keep, as it rolls back rejected drafts),
+- attends over every row's keys left-padded to the longest row's, under a per-row mask
+  that is the row's own cache's mask (causal, sliding window) with the padding hidden,
+- puts row i's RoPE at row i's own position.
+
+A row's padding comes after its real tokens, so causality already hides it from them; the
+left padding of the keys is masked; rows never see each other. So each row's logits are
+those its request would get alone (up to the BLAS's rounding across batch shapes, which
+the greedy rule's near-tie check absorbs as it does for a verify block's width).
+
+Cost: each layer copies every row's visible keys and values into the batch tensor once
+per round (a row's whole context on full-attention layers, its window on sliding ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_spec.cache import SequenceCache, WindowKVCache, forward_model, ropes_replaced
+from mlx_spec.tree import TreeShape
+
+
+class _Prefilling:
+    """Yielded by a request between its prompt's prefill chunks: no pass this step."""
+
+    def __repr__(self) -> str:
+        return "PREFILLING"
+
+
+PREFILLING = _Prefilling()
+
+
+@dataclass
+class TargetPass:
+    """One request's verify pass: `block` ([n] ids) fed to the target's `cache`, and what
+    it gave (lazy): logits [n, V] and, with `hidden`, final hidden states [n, H]."""
+
+    cache: SequenceCache
+    block: mx.array
+    hidden: bool = False
+    tree: Optional[TreeShape] = None
+    logits: Optional[mx.array] = None
+    hidden_states: Optional[mx.array] = None
+
+    def run(self) -> None:
+        """The pass alone, as a request without a batch runs it."""
+        out = self.cache.forward(self.block, hidden=self.hidden, tree=self.tree)
+        self.logits, self.hidden_states = out if self.hidden else (out, None)
+
+
+def run_passes(passes: list[TargetPass]) -> None:
+    """Run every pass, in one target forward when there are several (see the module), or
+    one after another where the target's layers cannot take per-row positions and masks."""
+    # what a draft tree needs (our cache layers, a RoPE per attention layer) a batch needs
+    # too, and K/V it can stack (not --kv-bits' packed triples)
+    if len(passes) == 1 or not all(p.cache.tree_capable and not p.cache.quantized for p in passes):
+        for p in passes:
+            p.run()
+        return
+    if any(p.tree is not None for p in passes):
+        raise ValueError("draft trees are not batched")
+    rows = [p.cache for p in passes]
+    lengths = [p.block.shape[0] for p in passes]
+    width = max(lengths)
+    tokens = mx.stack([mx.pad(p.block.astype(mx.uint32), (0, width - n)) for p, n in zip(passes, lengths)])
+    layers = [_BatchLayer([row.cache[i] for row in rows]) for i in range(len(rows[0].cache))]
+    offsets = mx.array([row.cache[0].offset for row in rows], mx.int32)  # every layer agrees
+    hidden = passes[0].hidden
+    try:
+        with ropes_replaced(rows[0].model, lambda rope: _OffsetRoPE(rope, offsets)):
+            out = forward_model(rows[0].model, tokens, layers, hidden=hidden)
+    except BaseException:
+        for row in rows:  # half-fed layers disagree now (see `SequenceCache._call`)
+            row.reset()
+        raise
+    logits, states = out if hidden else (out, None)
+    for i, (p, row, n) in enumerate(zip(passes, rows, lengths)):
+        row.unsettled += width
+        row.prefill_hidden = None
+        p.logits = logits[i, :n]
+        p.hidden_states = None if states is None else states[i, :n]
+
+
+class _BatchLayer:
+    """One layer of every row's cache, seen by the model as one batched cache."""
+
+    offset = 0  # unused: `_OffsetRoPE` gives each row its own RoPE position
+
+    def __init__(self, layers: list):
+        self.layers = layers
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        fetched = [layer.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+                   for i, layer in enumerate(self.layers)]
+        width = max(k.shape[2] for k, _ in fetched)
+        return tuple(mx.concatenate([_pad_left(kv[j], width, 2) for kv in fetched]) for j in (0, 1))
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        masks = []
+        for layer in self.layers:
+            mask = layer.make_mask(N, window_size=window_size, return_array=True)
+            masks.append(mx.ones((N, _keys_seen(layer, N)), mx.bool_) if mask is None else mask)
+        width = max(m.shape[-1] for m in masks)
+        return mx.stack([_pad_left(m, width, 1) for m in masks])[:, None]  # [B, 1, N, keys]
+
+
+def _keys_seen(layer, N: int) -> int:
+    """Keys a row's layer returns for N new queries (its mask's width)."""
+    return layer.keys_seen(N) if isinstance(layer, WindowKVCache) else layer.offset + N
+
+
+def _pad_left(x: mx.array, width: int, axis: int) -> mx.array:
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (width - x.shape[axis], 0)
+    return mx.pad(x, pad) if pad[axis][0] else x
+
+
+class _OffsetRoPE(nn.Module):
+    """An attention layer's own RoPE with batch row i at offsets[i] (MLX's rope takes one
+    offset per batch row)."""
+
+    def __init__(self, rope, offsets: mx.array):
+        super().__init__()
+        self.inner, self.offsets = rope, offsets
+
+    def __call__(self, x: mx.array, offset=None) -> mx.array:
+        return self.inner(x, offset=self.offsets)
+
+
+class Batch:
+    """Generators that yield `TargetPass`es (`Engine.rounds(batched=True)`, or anything
+    that passes them up), stepped together: each `step` resumes every decoding one up to
+    its next pass, runs all those passes in one forward, and then lets each one that is
+    prefilling feed its next prompt chunk (it yields `PREFILLING` after each). So a long
+    prompt costs the others one chunk a round, after their tokens, never its whole prefill.
+    Generators join (`add`) and leave (they end) between steps. Whatever else a generator
+    yields goes to `out`."""
+
+    def __init__(self, out=None):
+        self.active: list = []
+        self.out = out
+        self.prefilling: set = set()  # generators whose last item was PREFILLING
+        self.ready: dict = {}  # generator -> the pass it yielded after its prefill's last chunk
+
+    def __len__(self) -> int:
+        return len(self.active)
+
+    def add(self, generator) -> None:
+        self.active.append(generator)
+
+    def _advance(self, generator):
+        """Resume `generator` to its next pass or PREFILLING (None once it ends)."""
+        try:
+            item = next(generator)
+            while not isinstance(item, TargetPass) and item is not PREFILLING:
+                if self.out is not None:
+                    self.out(generator, item)
+                item = next(generator)
+        except StopIteration:
+            self.active.remove(generator)
+            self.prefilling.discard(generator)
+            return None
+        return item
+
+    def step(self) -> list:
+        """One round of every active generator; returns those whose pass it ran (its rows)."""
+        passes, rows, prefilling = [], [], list(self.prefilling)
+        for generator in [g for g in self.active if g not in self.prefilling]:
+            item = self.ready.pop(generator, None) or self._advance(generator)
+            if item is PREFILLING:
+                self.prefilling.add(generator)
+            elif item is not None:
+                passes.append(item)
+                rows.append(generator)
+        if passes:
+            try:
+                run_passes(passes)
+            except Exception as error:
+                # Every request in the forward fails with it (each generator may answer it,
+                # as a worker's job does); the others go on.
+                for generator in rows:
+                    self.active.remove(generator)
+                    try:
+                        generator.throw(error)
+                    except StopIteration:
+                        pass
+                    finally:
+                        generator.close()
+                rows = []
+        for generator in prefilling:  # one chunk each, after the others' round
+            item = self._advance(generator)
+            if isinstance(item, TargetPass):
+                self.prefilling.discard(generator)
+                self.ready[generator] = item  # verified with the others next step
+        return rows

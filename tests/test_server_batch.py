@@ -1,0 +1,214 @@
+"""`serve --parallel N`: up to N requests decode together (issue 28), each exact as if alone.
+
+The worker runs in-process on the tiny Gemma 3 pair (sliding window 16) with a draft model;
+its jobs are submitted as the HTTP routes submit them. References: mlx-lm's own greedy
+decoding for every answer, and for a seeded sampled answer the same job on a serial worker
+(`--parallel 1`, today's path). A job that fails, is cancelled or is refused ends alone;
+the others' tokens do not change. Last, one live server through the official client: the
+answers' `mlx_spec.batch_size` and `/metrics`' batch counters.
+"""
+
+import asyncio
+import threading
+
+import httpx
+import openai
+import pytest
+from mlx_lm import generate, load
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import greedy_reference
+from mlx_spec.drafters import ModelDrafter
+from mlx_spec.engine import Engine
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.server.worker import Done, Failed, Job, Worker
+from mlx_spec.testing.tiny import TINY_VOCAB
+from server_support import Server, server_env
+
+pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
+
+PROMPTS = [
+    [2, 40, 41, 42, 43, 44, 45, 40, 41],
+    [2] + [(7 * i) % 250 + 6 for i in range(30)],  # longer than the window
+    [2, 9, 8, 7],
+    [2] + [40, 41, 42, 43] * 5,
+]
+LENGTHS = [24, 30, 20, 28]  # every answer crosses the window
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dirs):
+    target, tokenizer = load(tiny_dirs[0])
+    draft, _ = load(tiny_dirs[1])
+    return target, draft, tokenizer
+
+
+def make_worker(pair, parallel: int, context_length=None) -> Worker:
+    target, draft, tokenizer = pair
+    engine = Engine(target, ModelDrafter(draft, TINY_VOCAB), eos_ids=tokenizer.eos_token_ids,
+                    context_length=context_length)
+    worker = Worker(engine, tokenizer, gamma="2", cache_budget=2**28, parallel=parallel)
+    return worker
+
+
+def reference(pair, prompt, max_tokens):
+    target, _, tokenizer = pair
+    tokens = greedy_reference(target, prompt, max_tokens)
+    cut = next((i + 1 for i, t in enumerate(tokens) if t in tokenizer.eos_token_ids), len(tokens))
+    return tokens[:cut]
+
+
+class Faulty(str):
+    """A stop "string" whose search fails: the job fails at its first round's stop check,
+    mid-batch, as a parser error would."""
+
+    def __bool__(self):
+        return True
+
+    def __len__(self):
+        raise RuntimeError("a fault inside one request")
+
+
+def run_jobs(worker: Worker, specs: list[dict], act=None) -> list[tuple[list[int], object]]:
+    """Submit one job per spec (prompt, max_tokens, and Job fields) before the worker starts
+    (so they join together), collect each job's token ids and its last event. `act(jobs,
+    job, event)` is called on each event (from the event loop)."""
+    loop = asyncio.new_event_loop()
+    jobs = [Job(spec["prompt"], spec.get("params", SamplingParams()), spec["max_tokens"], spec.get("stop", ()),
+                loop, logprobs=0) for spec in specs]
+
+    async def collect(job):
+        tokens = []
+        while True:
+            event = await asyncio.wait_for(job.events.get(), 120)
+            if act is not None:
+                act(jobs, job, event)
+            if isinstance(event, (Done, Failed)):
+                return tokens, event
+            tokens += [t for t, _, _ in event.logprobs]
+
+    async def collect_all():
+        return await asyncio.gather(*map(collect, jobs))
+
+    for job in jobs:
+        worker.submit(job)
+    worker.start()
+    try:
+        return loop.run_until_complete(collect_all())
+    finally:
+        worker.stop()
+        loop.close()
+
+
+def test_jobs_decoded_together_each_answer_as_alone(pair):
+    sampled = SamplingParams(temperature=1.0, seed=7)
+    specs = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS, LENGTHS)]
+    specs[2]["params"] = sampled
+    results = run_jobs(make_worker(pair, parallel=4), specs)
+    for spec, (tokens, done) in zip(specs, results):
+        assert isinstance(done, Done) and done.batch_size == 4
+        if spec.get("params") is None:
+            assert tokens == reference(pair, spec["prompt"], spec["max_tokens"])
+    assert results[0][1].stats.accepted > 0  # it drafted, and drafts were kept
+    # the seeded sampled answer is the one a serial worker gives it
+    alone = run_jobs(make_worker(pair, parallel=1), [specs[2]])[0]
+    assert results[2][0] == alone[0] and alone[1].batch_size == 1
+
+
+def test_a_job_that_fails_mid_batch_ends_alone(pair):
+    specs = [{"prompt": PROMPTS[0], "max_tokens": 24}, {"prompt": PROMPTS[1], "max_tokens": 30, "stop": (Faulty("x"),)},
+             {"prompt": PROMPTS[3], "max_tokens": 28}]
+    results = run_jobs(make_worker(pair, parallel=4), specs)
+    assert isinstance(results[1][1], Failed) and results[1][1].status == 500
+    assert "\n" not in results[1][1].message
+    for i in (0, 2):
+        assert results[i][0] == reference(pair, specs[i]["prompt"], specs[i]["max_tokens"])
+        assert results[i][1].batch_size == 3
+
+
+def test_cancelling_one_job_leaves_the_others_tokens_unchanged(pair):
+    def cancel_the_first(jobs, job, event):
+        if job is jobs[0]:
+            job.cancelled.set()  # as the route does when its client goes away
+
+    specs = [{"prompt": PROMPTS[1], "max_tokens": 200}, {"prompt": PROMPTS[0], "max_tokens": 24},
+             {"prompt": PROMPTS[2], "max_tokens": 20}]
+    results = run_jobs(make_worker(pair, parallel=4), specs, act=cancel_the_first)
+    assert results[0][1].finish_reason is None and len(results[0][0]) < 200
+    for i in (1, 2):
+        assert results[i][0] == reference(pair, specs[i]["prompt"], specs[i]["max_tokens"])
+
+
+def test_a_job_past_the_context_is_refused_before_it_joins(pair):
+    specs = [{"prompt": PROMPTS[0], "max_tokens": 24}, {"prompt": list(range(2, 70)), "max_tokens": 8},
+             {"prompt": PROMPTS[3], "max_tokens": 28}]
+    results = run_jobs(make_worker(pair, parallel=4, context_length=64), specs)
+    assert isinstance(results[1][1], Failed) and results[1][1].status == 400
+    assert "context" in results[1][1].message
+    for i in (0, 2):
+        assert results[i][0] == reference(pair, specs[i]["prompt"], specs[i]["max_tokens"])
+        assert results[i][1].batch_size == 2  # the refused one never took a row
+
+
+def test_served_answers_say_their_batch_size_and_metrics_count_the_batch(tiny_dirs, cost_cache, pair):
+    target, draft = tiny_dirs
+    server = Server(["--model", target, "--draft-model", draft, "--gamma", "2", "--parallel", "4"],
+                    server_env(cost_cache))
+    try:
+        client = openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=120)
+        answers = [None] * 3
+
+        def ask(i):
+            answers[i] = client.completions.create(model=target, prompt=PROMPTS[i], max_tokens=40, temperature=0)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        model, _, tokenizer = pair
+        sizes = [answer.model_extra["mlx_spec"]["batch_size"] for answer in answers]
+        assert max(sizes) > 1, sizes  # three at once: some shared a forward
+        for i, answer in enumerate(answers):
+            assert answer.choices[0].text == generate(model, tokenizer, PROMPTS[i], max_tokens=40)
+        text = httpx.get(server.base.removesuffix("/v1") + "/metrics", timeout=10).text
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples["mlx_spec_parallel"] == 4 and samples["mlx_spec_running"] == 0
+        assert samples["mlx_spec_batch_rows_total"] > samples["mlx_spec_batch_forwards_total"] > 0
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log, server.log
+
+
+def test_shutting_down_ends_every_running_job_and_answers_the_queue_503(pair):
+    worker = make_worker(pair, parallel=2)
+
+    def shut_down_at_the_first_text(jobs, job, event):
+        worker.shut_down()  # as SIGTERM does; a no-op once it has begun
+
+    specs = [{"prompt": PROMPTS[i], "max_tokens": 200} for i in range(3)]
+    results = run_jobs(worker, specs, act=shut_down_at_the_first_text)
+    for tokens, last in results:  # the two running and the one waiting alike
+        assert isinstance(last, Failed) and last.status == 503 and "shutting down" in last.message
+    assert all(len(tokens) < 200 for tokens, _ in results)
+
+
+def test_a_fault_in_the_shared_forward_fails_its_jobs_alone_and_the_worker_goes_on(pair, monkeypatch):
+    import mlx_spec.batch as batch_module
+
+    real, calls = batch_module.run_passes, []
+
+    def failing_third(passes):
+        calls.append(len(passes))
+        if len(calls) == 3:
+            raise RuntimeError("the device failed")
+        return real(passes)
+
+    monkeypatch.setattr(batch_module, "run_passes", failing_third)
+    specs = [{"prompt": PROMPTS[0], "max_tokens": 24}, {"prompt": PROMPTS[1], "max_tokens": 30},
+             {"prompt": PROMPTS[3], "max_tokens": 28}]  # the third waits for a place
+    results = run_jobs(make_worker(pair, parallel=2), specs)
+    for tokens, last in results[:2]:
+        assert isinstance(last, Failed) and last.status == 500 and "RuntimeError" in last.message
+    assert results[2][0] == reference(pair, specs[2]["prompt"], specs[2]["max_tokens"])
+    assert calls[2] == 2  # the failed forward held both running jobs
