@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from mlx_spec.errors import MlxSpecError, UsageError
 
@@ -128,6 +127,8 @@ class Matcher:
         self.eos_ids = frozenset(t for t in eos_ids if t < width)
         self.ahead: list[int] = []  # consumed beyond the committed tokens
         self.masks: dict[tuple[int, ...], mx.array] = {}  # path -> mask, this round
+        import numpy as np  # lazily: the CLI starts without it
+
         # llguidance fills exactly one bit per id of its tokenizer, in whole 32-bit words
         self._bits = np.zeros((width + 31) // 32, dtype=np.int32)
 
@@ -186,6 +187,8 @@ class Matcher:
         if mask is None:
             self._walk(key)
             self.llm.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            import numpy as np  # imported already, by __init__
+
             bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.width]
             if self.eos_ids:  # EOS where the value may end, and where nothing else may come
                 bits[list(self.eos_ids)] = self.llm.is_accepting() or not bits.any()

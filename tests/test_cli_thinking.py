@@ -34,7 +34,7 @@ def thinker(tmp_path_factory):
 def model(thinker, monkeypatch):
     path, _, engine = thinker
     for command in ("generate", "chat"):
-        monkeypatch.setattr(f"mlx_spec.cli.{command}.build_engine", lambda pair, drafter: engine)
+        monkeypatch.setattr(f"mlx_spec.cli.{command}.build_engine", lambda pair, drafter, **options: engine)
     return ["--model", str(path), *FLAGS]
 
 

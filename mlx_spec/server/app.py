@@ -119,6 +119,8 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
                     load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
                     cache_disk=options.prompt_cache_disk, parallel=options.parallel)
     drafter = engine.drafter.name if engine.drafter is not None else "none"
+    # No closure below may hold `engine`: a keep-alive unload must find its weights unreferenced.
+    eos_ids = engine.eos_ids
     vocab = tokenizer.get_vocab()
     vocab_size = len(vocab)  # ids the detokenizer knows
     # No token's text is longer than its vocabulary entry in UTF-8 (byte-level and
@@ -127,7 +129,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     gamma_mode = worker.gamma
     syntax = tool_syntax(tokenizer)
     think = think_syntax(tokenizer)
-    describe = token_describer(tokenizer, engine.eos_ids)
+    describe = token_describer(tokenizer, eos_ids)
     trims = trims_first_space(tokenizer)
     prompts = ChatPrompts(tokenizer, parse_special=options.parse_special_in_text)
     # The processor needs no weights: it stays while a keep-alive unload drops the models.
@@ -143,7 +145,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
         worker.start()
         # llguidance's view of the tokenizer takes seconds to build (Gemma's 262k ids): built
         # now, on the parsing thread, rather than by the first structured request.
-        parsing.submit(llg_tokenizer, tokenizer, engine.eos_ids)
+        parsing.submit(llg_tokenizer, tokenizer, eos_ids)
         yield
         worker.stop()
         tokenizing.shutdown(wait=False, cancel_futures=True)
@@ -268,7 +270,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
             (kind, source), param = wanted, ("response_format" if hasattr(body, "response_format")
                                              else "output_config.format")
         try:
-            return compile_grammar(tokenizer, kind, source, engine.eos_ids)
+            return compile_grammar(tokenizer, kind, source, eos_ids)
         except UsageError as error:
             raise ApiError(400, f"{param}: {error}", param=param, code="invalid_value") from None
 
