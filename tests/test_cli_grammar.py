@@ -54,9 +54,15 @@ def test_a_value_cut_by_max_tokens_says_length(models):
     (["--json-schema", "{oops"], ["--json-schema", "not valid JSON"]),
     (["--regex", "[a-"], ["--regex", "unclosed character class"]),
     (["--regex", "a", "--json-schema", "{}"], ["--json-schema", "--regex"]),
+    (["--regex", "a", "--think"], ["--regex", "--think"]),
 ])
 def test_a_bad_grammar_is_a_one_line_usage_error(models, args, fragments):
     assert_usage_error(invoke(["generate", "Hi", *models, "--raw", "-n", "4", *args]), *fragments)
+
+
+def test_chat_refuses_a_grammar_with_thinking(models):
+    assert_usage_error(invoke(["chat", *models, "--think", "--json-schema", "{}"], input="Hi\n"),
+                       "--json-schema", "--think")
 
 
 def test_chat_answers_follow_the_schema(models):

@@ -241,3 +241,22 @@ def test_history_thoughts_reach_a_template_that_shows_them(tmp_path):
         assert served.model.seen[: len(ids)] == ids
     finally:
         served.server.stop()
+
+
+def test_structured_output_with_thinking_is_refused_not_silently_wrong(served):
+    """A grammar starts at the first generated token, which with thinking on is the thought:
+    the combination is a 400 in each API's shape (not a thought forced into JSON), and the
+    same request without thinking is answered."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"}}
+    refused = httpx.post(f"{served.base}/chat/completions", timeout=60,
+                         json={**body, "chat_template_kwargs": {"enable_thinking": True}})
+    assert refused.status_code == 400 and "thinking" in refused.json()["error"]["message"]
+    answered = httpx.post(f"{served.base}/chat/completions", timeout=60,
+                          json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert answered.status_code == 200, answered.text
+    schema = {"type": "json_schema", "schema": {"type": "object"}}
+    refused = httpx.post(f"{served.base.removesuffix('/v1')}/v1/messages", timeout=60, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 200, "output_config": {"format": schema},
+        "thinking": {"type": "enabled", "budget_tokens": 150}})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert "thinking" in refused.json()["error"]["message"]

@@ -29,7 +29,8 @@ from mlx_spec.cli.common import (
     ChatTemplateOpt, ColorOpt, DraftKvBitsOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt,
     GammaOpt, GrammarOpt, GroupSizeOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, MaxTokensOpt,
     MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt, StopOpt,
-    TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, setup_models, structured_output,
+    TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, refuse_thinking_with_grammar,
+    setup_models, structured_output,
     template_kwargs, thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
@@ -383,6 +384,7 @@ def chat(
     or lines between two lines of triple quotes, is one message; Ctrl-D leaves.
     """
     saved_as = save or resume
+    refuse_thinking_with_grammar(think, json_schema, regex, grammar)
     if saved_as is not None:
         if world().active:
             raise UsageError("--save and --resume do not run across ranks (mlx.launch): each "

@@ -310,6 +310,17 @@ def sampling_params(
     )
 
 
+def refuse_thinking_with_grammar(think: Optional[bool], json_schema, regex, grammar) -> None:
+    """--think with --json-schema / --regex / --grammar is a usage error, before any load:
+    the grammar holds from the first token, so the thought would be forced into the
+    answer's shape or not be written."""
+    flag = next((f for f, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+                 if v is not None), None)
+    if think and flag is not None:
+        raise UsageError(f"{flag} cannot be combined with --think yet: the grammar would hold from "
+                         "the first token, the thought's")
+
+
 def structured_output(setup: "Setup", engine, json_schema: Optional[str] = None, regex: Optional[str] = None,
                       grammar: Optional[str] = None):
     """From --json-schema / --regex / --grammar (at most one) to a function giving each

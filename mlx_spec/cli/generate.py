@@ -25,8 +25,8 @@ from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     DraftKvBitsOpt, GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt,
     MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt,
-    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt, setup_models,
-    structured_output, template_kwargs, thought_splitter, use_chat,
+    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt,
+    refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -95,6 +95,7 @@ def generate(
     ·  mlx-spec generate "An address in Paris:" --json-schema address.json
     """
     text = read_prompt(prompt)
+    refuse_thinking_with_grammar(think, json_schema, regex, grammar)
     images = [read_image_file(path, "--image") for path in image or ()]  # refused before any load
     if images and prompt_cache is not None:  # mlx-lm's layout keys positions by id, not by image
         raise UsageError("an image prompt cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")

@@ -339,7 +339,8 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, output_gra
     the queue is full if `queued`; `cancel(job)` stops a job;
     `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
     `mlx_spec` statistics field; `think`: the model's `ThinkSyntax` or None;
-    `output_grammar(body, plan)` -> the compiled grammar the answer must follow, or None)."""
+    `output_grammar(body, plan, template kwargs)` -> the compiled grammar the answer must
+    follow, or None)."""
 
     async def prompt_of(request: Request, model: type, queued: bool) -> tuple:
         def read(raw: bytes) -> tuple:
@@ -347,8 +348,9 @@ def add_routes(app, *, options, syntax, think, parsed, check_request, output_gra
             check_request(body, queued)
             body.refuse_unsupported()
             plan = tool_plan(body, syntax)
-            grammar = output_grammar(body, plan) if queued else None
-            return (body, plan, *template_messages(body), body.template_kwargs(think), grammar)
+            kwargs = body.template_kwargs(think)
+            grammar = output_grammar(body, plan, kwargs) if queued else None
+            return (body, plan, *template_messages(body), kwargs, grammar)
 
         body, plan, messages, prefill, kwargs, grammar = await parsed(request, read)
         return body, plan, grammar, *await chat_ids(messages, plan, queued, continue_final=prefill,

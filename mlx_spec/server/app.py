@@ -249,18 +249,21 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
         body = parse_body(raw, ChatRequest)
         check_request(body)
         plan = openai_plan(body, syntax)
+        kwargs = body.template_kwargs()
         return (body, plan, template_messages(body.messages, syntax), body.prompt_mode(),
-                body.template_kwargs(), output_grammar(body, plan))
+                kwargs, output_grammar(body, plan, kwargs))
 
     def read_completion(raw: bytes) -> tuple:
         body = parse_body(raw, CompletionRequest)
         check_request(body)
         return body, output_grammar(body)
 
-    def output_grammar(body, plan: ToolPlan = ToolPlan()):
+    def output_grammar(body, plan: ToolPlan = ToolPlan(), template_kwargs: Optional[dict] = None):
         """The compiled grammar the answer must follow (on the parsing thread): a forced
         strict call's (`tools.forced_call_grammar`), else the body's output format, else
-        None. One that cannot compile is a 400 naming the feature."""
+        None. One that cannot compile is a 400 naming the feature, and so is a grammar
+        with thinking on (`template_kwargs`' enable_thinking): it would hold from the first
+        token, so the thought would be forced into the answer's shape or not be written."""
         if plan.grammar is not None:
             kind, source, param = "lark", plan.grammar, "tools"
         else:
@@ -269,6 +272,10 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
                 return None
             (kind, source), param = wanted, ("response_format" if hasattr(body, "response_format")
                                              else "output_config.format")
+        if (template_kwargs or {}).get("enable_thinking"):
+            raise ApiError(400, f"{param}: structured output cannot be combined with thinking yet (the "
+                                "grammar would hold from the first token, the thought's); turn thinking off",
+                           param=param, code="thinking_with_structured_output")
         try:
             return compile_grammar(tokenizer, kind, source, eos_ids)
         except UsageError as error:
