@@ -33,3 +33,11 @@ py shard_memory.py
 py trees.py --prompts quote long --gammas 2 4 6 --max-tokens 96 --repeats 3
 py trees.py --pair layered-tiny-loose --max-tokens 96 --repeats 5 --sampled
 py trees.py --pair gemma270m-q8 --prompts long --gammas 2 4 --max-tokens 48 --repeats 2
+# Serving many clients, structured output, quantized and saved KV caches (issues 28, 34, 29).
+py concurrency.py --gamma 3
+py concurrency.py --gamma auto --name concurrency_auto
+py concurrency.py --stall --clients 1 --runs 2 --servers batched,serial --name concurrency_stall
+py grammar_libs.py   # add --xgrammar-python /tmp/xg/bin/python (a venv with xgrammar) for its half
+py structured.py
+py kv_quality.py
+py prompt_cache_disk.py --tokens 2048 --repeats 1
