@@ -96,7 +96,7 @@ COPY_PROMPT = ("'Copy the notice exactly. Notice: \"The library on Harbour Stree
 
 def test_example_outputs_are_generated_by_the_script():
     found = {name: [b.example for b in examples.code_blocks(text) if b.example] for name, text in PAGES.items()}
-    assert found["README.md"] == [("generate", "run"), ("chat", "chat")]
+    assert found["README.md"] == [("generate", "run")]
     assert found["docs/performance.md"] == [("generate-json", "excerpt"), ("chat-stats", "chat"),
                                             ("bench-full", "run")]
     assert found["docs/server.md"] == [("serve-completion", "server"), ("serve-openai", "server"),
