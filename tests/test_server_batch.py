@@ -75,7 +75,7 @@ def run_jobs(worker: Worker, specs: list[dict], act=None) -> list[tuple[list[int
     job, event)` is called on each event (from the event loop)."""
     loop = asyncio.new_event_loop()
     jobs = [Job(spec["prompt"], spec.get("params", SamplingParams()), spec["max_tokens"], spec.get("stop", ()),
-                loop, logprobs=0) for spec in specs]
+                loop, logprobs=0, grammar=spec.get("grammar")) for spec in specs]
 
     async def collect(job):
         tokens = []
@@ -113,6 +113,31 @@ def test_jobs_decoded_together_each_answer_as_alone(pair):
     # the seeded sampled answer is the one a serial worker gives it
     alone = run_jobs(make_worker(pair, parallel=1), [specs[2]])[0]
     assert results[2][0] == alone[0] and alone[1].batch_size == 1
+
+
+def test_constrained_jobs_in_a_batch_answer_as_alone(pair):
+    """Structured output in a batch (issue 34 with 28): each row is masked by its own grammar
+    (or none), its tokens those it gets alone, a finished JSON value valid."""
+    import json
+
+    from mlx_spec.grammar import compile_grammar
+
+    tokenizer = pair[2]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "kind": {"enum": ["ab", "cde"]}},
+              "required": ["n", "kind"], "additionalProperties": False}
+    grammars = [compile_grammar(tokenizer, "json_schema", json.dumps(schema), tokenizer.eos_token_ids), None,
+                compile_grammar(tokenizer, "regex", "[a-z]{3,12}", tokenizer.eos_token_ids)]
+    specs = [{"prompt": p, "max_tokens": n, "grammar": g} for p, n, g in zip(PROMPTS, LENGTHS, grammars)]
+    together = run_jobs(make_worker(pair, parallel=4), specs)
+    for spec, (tokens, done) in zip(specs, together):
+        assert isinstance(done, Done) and done.batch_size == 3
+        alone = run_jobs(make_worker(pair, parallel=1), [spec])[0]
+        assert tokens == alone[0] and alone[1].batch_size == 1
+    text = tokenizer.decode([t for t in together[0][0] if t not in tokenizer.eos_token_ids])
+    if together[0][1].finish_reason == "stop":
+        value = json.loads(text)
+        assert set(value) == {"n", "kind"} and value["kind"] in ("ab", "cde")
+    assert tokens != together[1][0]  # the rows differ: the masks are the rows' own
 
 
 def test_a_job_that_fails_mid_batch_ends_alone(pair):
