@@ -46,12 +46,10 @@ def _theirs(layer):
     return layer
 
 
-def save_mlx_lm_cache(path: Path, seq: SequenceCache, key: dict, model_name: str) -> int:
-    """Write the target's cache in mlx-lm's layout (what `mlx_lm.cache_prompt` writes for
-    `model_name`), with our ids and key, atomically. Every id it holds must have been fed
-    (mlx-lm continues right after them). Raises OSError when the write fails."""
-    layers = [_theirs(layer) for layer in seq.cache]
-    arrays, scalars = {}, [""]  # as mlx-lm's save_prompt_cache encodes them
+def _state_arrays(layers: list) -> tuple[dict, list]:
+    """mlx-lm cache layers' states as the arrays its `save_prompt_cache` writes (scalars as
+    0-d arrays), and its list of the names that were scalars."""
+    arrays, scalars = {}, [""]
     for name, value in tree_flatten([layer.state for layer in layers]):
         if isinstance(value, mx.array):
             arrays[name] = value
@@ -60,6 +58,15 @@ def save_mlx_lm_cache(path: Path, seq: SequenceCache, key: dict, model_name: str
             arrays[name] = mx.array(value)
         else:
             raise CacheFileError(f"a cache state of type {type(value).__name__} cannot be saved")
+    return arrays, scalars
+
+
+def save_mlx_lm_cache(path: Path, seq: SequenceCache, key: dict, model_name: str) -> int:
+    """Write the target's cache in mlx-lm's layout (what `mlx_lm.cache_prompt` writes for
+    `model_name`), with our ids and key, atomically. Every id it holds must have been fed
+    (mlx-lm continues right after them). Raises OSError when the write fails."""
+    layers = [_theirs(layer) for layer in seq.cache]
+    arrays, scalars = _state_arrays(layers)
     ours = {"key": key, "ids": seq.ids, "digest": _digest(arrays)}
     user = {"model": model_name, "tokenizer_config": json.dumps({}), "mlx_spec": json.dumps(ours)}
     metadata = dict(tree_flatten([user, [type(layer).__name__ for layer in layers], scalars]))
@@ -90,8 +97,8 @@ def load_mlx_lm_cache(path: Path, engine, key: dict, model_names: tuple) -> tupl
         why = _mismatch(ours.get("key") or {}, key)
         if why:
             raise CacheFileError(f"{path} does not fit this model: {why}")
-        arrays, _ = mx.load(str(path), return_metadata=True)
-        if ours.get("digest") != _digest(arrays):
+        # the loaded layers' states are the file's arrays: no second read of the file
+        if ours.get("digest") != _digest(_state_arrays(layers)[0]):
             raise CacheFileError(f"{path} is damaged (its arrays do not match their digest)")
     elif user.get("model") not in (None, *model_names) and not any(_same_path(user["model"], name)
                                                                   for name in model_names):

@@ -125,6 +125,11 @@ def test_files_that_do_not_fit_are_refused_in_one_line(global_dir, tiny_dirs, th
     ours(target, tmp_path / "windowed-mine.safetensors", DOC)
     assert_one_line_error(invoke([*args, tmp_path / "windowed-mine.safetensors", "--model", tiny_dirs[1]]),
                           "another model")
+    damaged = bytearray((tmp_path / "windowed-mine.safetensors").read_bytes())
+    damaged[-5] ^= 0xFF  # inside the last array, past the header
+    (tmp_path / "damaged.safetensors").write_bytes(bytes(damaged))
+    assert_one_line_error(invoke([*args, tmp_path / "damaged.safetensors", "--model", target]),
+                          "damaged (its arrays do not match their digest)")
     (tmp_path / "junk.safetensors").write_bytes(b"\x07" * 64)
     assert_one_line_error(invoke([*args, tmp_path / "junk.safetensors", "--model", target]), "not an mlx-lm prompt cache")
 
