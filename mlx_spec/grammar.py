@@ -25,6 +25,7 @@ from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 
+from mlx_spec.cache import common_prefix_length
 from mlx_spec.errors import MlxSpecError, UsageError
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
@@ -202,11 +203,7 @@ class Matcher:
     def _walk(self, path: Sequence[int]) -> None:
         """Put the matcher at committed + `path`, reusing what it already walked."""
         path = list(path)
-        common = 0
-        for a, b in zip(self.ahead, path):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix_length(self.ahead, path)
         if common < len(self.ahead):
             self.llm.rollback(len(self.ahead) - common)
             del self.ahead[common:]
