@@ -19,13 +19,12 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from mlx_spec.cache import PromptCache
+from mlx_spec.cache import PromptCache, common_prefix_length
 from mlx_spec.cache_files import (
     CacheFileError, key_id, load_prompt_cache, save_prompt_cache, write_text_atomically,
 )
@@ -109,11 +108,7 @@ class DiskCaches:
         ours = block_hashes(held)
         best, best_n = None, better_than
         for entry in sorted(entries, key=lambda e: -e.get("used", 0)):  # the most recent wins a tie
-            n = 0
-            for mine, theirs in zip(ours, entry.get("blocks", [])):
-                if mine != theirs:
-                    break
-                n += BLOCK
+            n = BLOCK * common_prefix_length(ours, entry.get("blocks", []))
             if entry["tokens"] <= len(held) and _ids_hash(held[: entry["tokens"]]) == entry.get("ids"):
                 n = entry["tokens"]  # the whole stored conversation is a prefix of the prompt
             if n > best_n:
