@@ -425,11 +425,9 @@ def chat(
     if saved_as is not None:
         try:
             session.save(save_path, key)
-        except OSError as error:  # a full disk costs the saved session, not the chat
-            print(f"warning: could not save session {saved_as!r}: {error.strerror or error}",
+        except (OSError, MlxSpecError) as error:  # a full disk (or images) costs the saved session, not the chat
+            print(f"warning: could not save session {saved_as!r}: {getattr(error, 'strerror', None) or error}",
                   file=sys.stderr)
-        except MlxSpecError as error:
-            print(f"warning: could not save session {saved_as!r}: {error}", file=sys.stderr)
         else:
             repl.say(f"session saved as {saved_as!r}")
 
