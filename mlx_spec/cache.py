@@ -18,7 +18,9 @@ packed (weights, scales, biases) layout once its sequence holds `start` tokens (
 least one), checked before each forward as mlx-lm's `maybe_quantize_kv_cache` checks after
 one: the same switch points, so a prompt's first prefill chunk is full precision even with
 start 0. The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them
-through `mx.quantized_matmul`. Positions are quantized one by one (a group lies along
+through `mx.quantized_matmul`; they hand it their K/V as `PackedKV`, for which the module
+global mlx-lm's attention calls is routed to `quantized_attention` (the same result, without
+copying the packed arrays per query head; anything else still runs mlx-lm's own). Positions are quantized one by one (a group lies along
 head_dim), so trimming the packed arrays is as exact as trimming plain ones. A verify pass
 never straddles the switch (`draft_room`): each row sees keys of the precision plain
 decoding would have given it.
