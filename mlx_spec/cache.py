@@ -18,7 +18,9 @@ packed (weights, scales, biases) layout once its sequence holds `start` tokens (
 least one), checked before each forward as mlx-lm's `maybe_quantize_kv_cache` checks after
 one: the same switch points, so a prompt's first prefill chunk is full precision even with
 start 0. The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them
-through `mx.quantized_matmul`. Positions are quantized one by one (a group lies along
+through `mx.quantized_matmul`; they hand it their K/V as `PackedKV`, for which the module
+global mlx-lm's attention calls is routed to `quantized_attention` (the same result, without
+copying the packed arrays per query head; anything else still runs mlx-lm's own). Positions are quantized one by one (a group lies along
 head_dim), so trimming the packed arrays is as exact as trimming plain ones. A verify pass
 never straddles the switch (`draft_room`): each row sees keys of the precision plain
 decoding would have given it.
@@ -36,6 +38,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm.models.base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (KVCache, QuantizedKVCache, RotatingKVCache, create_attention_mask,
                                  make_prompt_cache)
@@ -200,7 +203,14 @@ class WindowKVCache(_Restorable):
         return 0 if self.keys is None else _nbytes(self.keys) + _nbytes(self.values)
 
 
-class QuantizedWindowKVCache(WindowKVCache):
+class _PackedFetch:
+    """A quantized cache layer whose K/V reach attention as `PackedKV`."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        return tuple(map(PackedKV, super().update_and_fetch(keys, values)))
+
+
+class QuantizedWindowKVCache(_PackedFetch, WindowKVCache):
     """`WindowKVCache` holding K/V in mlx-lm's quantized layout ((packed, scales, biases),
     as `QuantizedKVCache`); `bits` makes mlx-lm's attention use `mx.quantized_matmul`.
     mlx-lm's own `RotatingKVCache` cannot be quantized ("Quantization NYI",
@@ -241,7 +251,7 @@ class TreeKVCache(_TreeMask, KVCache):
         return twin
 
 
-class QuantizedTreeKVCache(_Restorable, _TreeMask, QuantizedKVCache):
+class QuantizedTreeKVCache(_PackedFetch, _Restorable, _TreeMask, QuantizedKVCache):
     """mlx-lm's `QuantizedKVCache` (its `trim` only moves the offset, which is exact: the
     next write overwrites the forgotten slots), with tree masks as `TreeKVCache`."""
 
@@ -288,6 +298,53 @@ def _length(x) -> int:
 
 def _nbytes(x) -> int:
     return sum(a.nbytes for a in _parts(x))
+
+
+class PackedKV(tuple):
+    """A quantized (packed, scales, biases) K or V as our caches return it to attention,
+    which then runs `quantized_attention`."""
+
+
+def quantized_attention(queries, q_keys, q_values, scale: float, mask, group_size: int = 64, bits: int = 8):
+    """mlx-lm's `quantized_scaled_dot_product_attention`, with the query heads that share a
+    KV head as rows of one `mx.quantized_matmul` rather than a batch broadcast against the
+    packed K/V. The same products in the same order, so the same result bit for bit; MLX's
+    CPU kernels copy a broadcast operand first, which cost a copy of every layer's packed
+    K and V per query head per step (bench/kv_decode_profile.py)."""
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = q_keys[0].shape[-3]
+    n_repeats = n_q_heads // n_kv_heads
+    if n_repeats == 1:
+        return _mlx_lm_quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+    rows = (queries * scale).reshape(B, n_kv_heads, n_repeats * L, D)
+    scores = mx.quantized_matmul(rows, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    scores = scores.reshape(B, n_kv_heads, n_repeats, L, -1)  # mlx-lm's shape, for its masks
+    if mask is not None:
+        if isinstance(mask, str):
+            qL, kL = scores.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+        if mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores += mask
+    scores = mx.softmax(scores, axis=-1, precise=True).reshape(B, n_kv_heads, n_repeats * L, -1)
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, n_q_heads, L, D)
+
+
+def _dispatch_quantized_attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+    # mlx-lm's attention calls this module global for every quantized cache: ours take the
+    # folded path, anything else (mlx-lm's own QuantizedKVCache) runs mlx-lm's function.
+    attention = quantized_attention if isinstance(q_keys, PackedKV) else _mlx_lm_quantized_attention
+    return attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+
+
+_mlx_lm_quantized_attention = getattr(mlx_lm_base.quantized_scaled_dot_product_attention, "mlx_lm",
+                                      mlx_lm_base.quantized_scaled_dot_product_attention)  # once on a reload
+_dispatch_quantized_attention.mlx_lm = _mlx_lm_quantized_attention
+mlx_lm_base.quantized_scaled_dot_product_attention = _dispatch_quantized_attention
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from cli_support import assert_usage_error, invoke, invoke_json
-from mlx_spec.cache import (KVQuantization, QuantizedTreeKVCache, QuantizedWindowKVCache, SequenceCache,
-                            WindowKVCache)
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from mlx_spec.cache import (KVQuantization, PackedKV, QuantizedTreeKVCache, QuantizedWindowKVCache, SequenceCache,
+                            WindowKVCache, quantized_attention)
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
@@ -52,6 +53,32 @@ def test_plain_quantized_decoding_is_mlx_lm_generate_step(bits, start):
     assert run(Engine(model, None, kv=KVQuantization(bits, GROUP, start))) == reference
     if bits == 4:  # the check has power: full precision decodes otherwise
         assert run(Engine(model, None)) != reference
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("heads,rows,mask", [(4, 1, None), (4, 3, "causal"), (2, 3, "bool"), (4, 3, "additive"),
+                                             (1, 3, "causal")])
+def test_quantized_attention_is_mlx_lm_s_bit_for_bit(bits, heads, rows, mask):
+    """Query heads folded into rows (the Gemma 3 270M's 4 on 1 KV head, the tiny models' 2)
+    give mlx-lm's quantized attention exactly, for each kind of mask mlx-lm passes."""
+    B, keys_seen, D = 2, 70, 64
+    queries = mx.random.normal((B, heads, rows, D), key=mx.random.key(1))
+    k, v = (mx.random.normal((B, 1, keys_seen, D), key=mx.random.key(i)) for i in (2, 3))
+    q_keys, q_values = (tuple(mx.quantize(x, group_size=GROUP, bits=bits)) for x in (k, v))
+    causal = mx.arange(keys_seen - rows, keys_seen)[:, None] >= mx.arange(keys_seen)[None]
+    mask = {"bool": causal & (mx.arange(keys_seen)[None] % 5 != 0),
+            "additive": mx.random.normal((B, 1, rows, keys_seen), key=mx.random.key(4))}.get(mask, mask)
+    reference = quantized_scaled_dot_product_attention(queries * 1, q_keys, q_values, 0.125, mask, GROUP, bits)
+    ours = quantized_attention(queries, PackedKV(q_keys), PackedKV(q_values), 0.125, mask, GROUP, bits)
+    assert np.array_equal(np.array(ours), np.array(reference))
+
+
+def test_quantized_caches_hand_attention_their_packed_kv():
+    cache = filled(tiny_gemma3(seed=0), KVQuantization(8, GROUP), PROMPT)  # past the window
+    new = mx.zeros((1, 1, 2, 32))
+    fetched = [layer.update_and_fetch(new, new) for layer in cache.cache]
+    assert {type(c) for c in cache.cache} == {QuantizedTreeKVCache, QuantizedWindowKVCache}
+    assert all(isinstance(part, PackedKV) for kv in fetched for part in kv)
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,11 @@ def pair(tiny_dirs):
     return target, draft, tokenizer
 
 
-def make_worker(pair, parallel: int, context_length=None) -> Worker:
+def make_worker(pair, parallel: int, context_length=None, **options) -> Worker:
     target, draft, tokenizer = pair
     engine = Engine(target, ModelDrafter(draft, TINY_VOCAB), eos_ids=tokenizer.eos_token_ids,
                     context_length=context_length)
-    worker = Worker(engine, tokenizer, gamma="2", cache_budget=2**28, parallel=parallel)
-    return worker
+    return Worker(engine, tokenizer, gamma="2", parallel=parallel, **{"cache_budget": 2**28, **options})
 
 
 def reference(pair, prompt, max_tokens):
@@ -237,3 +236,30 @@ def test_a_fault_in_the_shared_forward_fails_its_jobs_alone_and_the_worker_goes_
         assert isinstance(last, Failed) and last.status == 500 and "RuntimeError" in last.message
     assert results[2][0] == reference(pair, specs[2]["prompt"], specs[2]["max_tokens"])
     assert calls[2] == 2  # the failed forward held both running jobs
+
+
+def test_a_request_that_ends_first_never_evicts_a_running_ones_cache(pair, tmp_path, monkeypatch):
+    """With a one-byte budget every finished request evicts what it may. The long request
+    takes its cache first (the least recent); the short one ends while it still decodes:
+    the long one's cache must stay in the pool, unwritten, and hold its whole conversation
+    once it ends."""
+    from mlx_spec.server.disk_caches import DiskCaches
+
+    worker = make_worker(pair, parallel=2, cache_budget=1, cache_dir=tmp_path)
+    stored_while_running = []
+    real_store = DiskCaches.store
+
+    def store(disk, cache):
+        stored_while_running.append(any(cache is running for running in worker._busy.values()))
+        real_store(disk, cache)
+
+    monkeypatch.setattr(DiskCaches, "store", store)
+    specs = [{"prompt": PROMPTS[1], "max_tokens": 30}, {"prompt": PROMPTS[2], "max_tokens": 3}]
+    results = run_jobs(worker, specs)
+    for spec, (tokens, done) in zip(specs, results):
+        assert isinstance(done, Done) and done.batch_size == 2
+        assert tokens == reference(pair, spec["prompt"], spec["max_tokens"])
+    assert stored_while_running and not any(stored_while_running)
+    long_tokens = results[0][0]
+    # the long conversation, as it ended (the last token is never fed back), stayed cached
+    assert [c.target.ids for c in worker.caches.caches] == [PROMPTS[1] + long_tokens[:-1]]

@@ -14,7 +14,7 @@ answer.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from mlx_spec.cache import PromptCache, common_prefix_length
 
@@ -80,13 +80,22 @@ class CachePool:
         self.caches.append(chosen)
         return chosen
 
-    def fit(self) -> None:
-        """Drop least recently used caches until the pool is within its budget; the most
-        recent one always stays."""
-        while len(self.caches) > 1 and self.nbytes > self.budget:
-            evicted = self.caches.pop(0)
+    def fit(self, busy: Iterable[PromptCache] = (), used: Optional[PromptCache] = None) -> None:
+        """Drop least recently used caches until the pool is within its budget, never one of
+        `busy` (a running request's: evicting it would lose what it goes on to decode, and
+        writing it to disk would read it mid-round); the most recent one always stays.
+        `used`: the cache a request has just finished with, which becomes the most recent
+        (with several running at once, take order is not use order)."""
+        if used is not None and used in self.caches:
+            self.caches.remove(used)
+            self.caches.append(used)
+        busy = {id(cache) for cache in busy}
+        for cache in [c for c in self.caches[:-1] if id(c) not in busy]:  # least recent first
+            if self.nbytes <= self.budget:
+                break
+            self.caches.remove(cache)
             if self.disk is not None:
-                self.disk.store(evicted)
+                self.disk.store(cache)
 
     def persist(self) -> None:
         """Write every cached conversation to disk (when the server stops)."""

@@ -397,7 +397,7 @@ class Worker:
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
         finally:
             del self._busy[job]
-            self.caches.fit()
+            self.caches.fit(busy=self._busy.values(), used=cache)
             self._finish(job)
 
     def _finish(self, job: Job) -> None:
