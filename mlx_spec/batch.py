@@ -45,8 +45,25 @@ class _Prefilling:
 PREFILLING = _Prefilling()
 
 
+class Pass:
+    """A forward that a request's round needs: run alone (`run`), or beside other requests'
+    passes of the same `group` in one call (`run_together`)."""
+
+    def group(self) -> tuple:
+        """Passes that can share one forward have equal groups."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def run_together(cls, passes: list) -> None:
+        for p in passes:
+            p.run()
+
+
 @dataclass
-class ModelPass:
+class ModelPass(Pass):
     """One forward of a request's model over `block` ([n] ids) into its `cache`, and what it
     gave (lazy): logits [n, V] and, with `hidden`, final hidden states [n, H]."""
 
@@ -57,10 +74,44 @@ class ModelPass:
     logits: Optional[mx.array] = None
     hidden_states: Optional[mx.array] = None
 
+    def group(self) -> tuple:
+        return ModelPass, id(self.cache.model), self.hidden
+
     def run(self) -> None:
         """The pass alone, as a request without a batch runs it."""
         out = self.cache.forward(self.block, hidden=self.hidden, tree=self.tree)
         self.logits, self.hidden_states = out if self.hidden else (out, None)
+
+    @classmethod
+    def run_together(cls, passes: list["ModelPass"]) -> None:
+        """One model's passes in one forward (see the module), or one after another where
+        its layers cannot take per-row positions and masks."""
+        if len(passes) == 1 or not all(p.cache.batchable for p in passes):
+            return super().run_together(passes)
+        if any(p.tree is not None for p in passes):
+            raise ValueError("draft trees are not batched")
+        rows = [p.cache for p in passes]
+        lengths = [p.block.shape[0] for p in passes]
+        width = max(lengths)
+        tokens = mx.stack([mx.pad(row.fed_ids(p.block.astype(mx.uint32)), (0, width - n))
+                           for p, row, n in zip(passes, rows, lengths)])
+        layers = [_BatchLayer([row.cache[i] for row in rows]) for i in range(len(rows[0].cache))]
+        offsets = mx.array([row.cache[0].offset for row in rows], mx.int32)  # every layer agrees
+        hidden = passes[0].hidden
+        try:
+            with ropes_replaced(rows[0].model, lambda rope: _OffsetRoPE(rope, offsets)):
+                out = forward_model(rows[0].model, tokens, layers, hidden=hidden)
+        except BaseException:
+            for row in rows:  # half-fed layers disagree now (see `SequenceCache._call`)
+                row.reset()
+            raise
+        logits, states = out if hidden else (out, None)
+        for i, (p, row, n) in enumerate(zip(passes, rows, lengths)):
+            row.unsettled += n
+            row.prefill_hidden = None
+            row.forget_padding(width - n)  # at once: a draft model's next step writes where n ended
+            p.logits = logits[i, :n]
+            p.hidden_states = None if states is None else states[i, :n]
 
 
 class TargetPass(ModelPass):
@@ -68,7 +119,7 @@ class TargetPass(ModelPass):
 
 
 class DraftPass(ModelPass):
-    """One draft step of a request's draft model; more of its round follow."""
+    """One step of a request's draft model; more passes of its round follow."""
 
 
 def run_alone(steps):
@@ -83,47 +134,21 @@ def run_alone(steps):
         return done.value
 
 
-def run_passes(passes: list[ModelPass]) -> None:
-    """Run every pass: one forward per model (the target's passes in one, the draft model's
-    in another), or one after another for a model whose layers cannot take per-row
-    positions and masks."""
+def run_passes(passes: list[Pass]) -> None:
+    """Run every pass: one call per group (the target's passes in one forward, a draft
+    model's in another, the MTP assistant's in a third)."""
     groups: dict = {}
     for p in passes:
-        groups.setdefault((id(p.cache.model), p.hidden), []).append(p)
+        groups.setdefault(p.group(), []).append(p)
     for group in groups.values():
-        _run_together(group)
+        type(group[0]).run_together(group)
 
 
-def _run_together(passes: list[ModelPass]) -> None:
-    """One model's passes in one forward (see the module)."""
-    if len(passes) == 1 or not all(p.cache.batchable for p in passes):
-        for p in passes:
-            p.run()
-        return
-    if any(p.tree is not None for p in passes):
-        raise ValueError("draft trees are not batched")
-    rows = [p.cache for p in passes]
-    lengths = [p.block.shape[0] for p in passes]
-    width = max(lengths)
-    tokens = mx.stack([mx.pad(row.fed_ids(p.block.astype(mx.uint32)), (0, width - n))
-                       for p, row, n in zip(passes, rows, lengths)])
-    layers = [_BatchLayer([row.cache[i] for row in rows]) for i in range(len(rows[0].cache))]
-    offsets = mx.array([row.cache[0].offset for row in rows], mx.int32)  # every layer agrees
-    hidden = passes[0].hidden
-    try:
-        with ropes_replaced(rows[0].model, lambda rope: _OffsetRoPE(rope, offsets)):
-            out = forward_model(rows[0].model, tokens, layers, hidden=hidden)
-    except BaseException:
-        for row in rows:  # half-fed layers disagree now (see `SequenceCache._call`)
-            row.reset()
-        raise
-    logits, states = out if hidden else (out, None)
-    for i, (p, row, n) in enumerate(zip(passes, rows, lengths)):
-        row.unsettled += n
-        row.prefill_hidden = None
-        row.forget_padding(width - n)  # at once: a draft model's next step writes where n ended
-        p.logits = logits[i, :n]
-        p.hidden_states = None if states is None else states[i, :n]
+def pad_left(x: mx.array, width: int, axis: int) -> mx.array:
+    """`x` zero-padded before its entries along `axis` to `width` (a batch's ragged rows)."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (width - x.shape[axis], 0)
+    return mx.pad(x, pad) if pad[axis][0] else x
 
 
 class _BatchLayer:
@@ -138,7 +163,7 @@ class _BatchLayer:
         fetched = [layer.update_and_fetch(keys[i : i + 1], values[i : i + 1])
                    for i, layer in enumerate(self.layers)]
         width = max(k.shape[2] for k, _ in fetched)
-        return tuple(mx.concatenate([_pad_left(kv[j], width, 2) for kv in fetched]) for j in (0, 1))
+        return tuple(mx.concatenate([pad_left(kv[j], width, 2) for kv in fetched]) for j in (0, 1))
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         masks = []
@@ -146,18 +171,12 @@ class _BatchLayer:
             mask = layer.make_mask(N, window_size=window_size, return_array=True)
             masks.append(mx.ones((N, _keys_seen(layer, N)), mx.bool_) if mask is None else mask)
         width = max(m.shape[-1] for m in masks)
-        return mx.stack([_pad_left(m, width, 1) for m in masks])[:, None]  # [B, 1, N, keys]
+        return mx.stack([pad_left(m, width, 1) for m in masks])[:, None]  # [B, 1, N, keys]
 
 
 def _keys_seen(layer, N: int) -> int:
     """Keys a row's layer returns for N new queries (its mask's width)."""
     return layer.keys_seen(N) if isinstance(layer, WindowKVCache) else layer.offset + N
-
-
-def _pad_left(x: mx.array, width: int, axis: int) -> mx.array:
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (width - x.shape[axis], 0)
-    return mx.pad(x, pad) if pad[axis][0] else x
 
 
 class _OffsetRoPE(nn.Module):
@@ -175,7 +194,8 @@ class _OffsetRoPE(nn.Module):
 class Batch:
     """Generators that yield passes (`Engine.rounds(batched=True)`, or anything that passes
     them up), stepped together. Each `step` resumes every decoding one up to its next pass;
-    while any of them has yielded a `DraftPass`, those run (one forward per draft model)
+    while any of them has yielded a draft step's pass (a `DraftPass`, or the MTP
+    assistant's), those run (one forward per draft model)
     and their generators resume, until each has yielded its `TargetPass` (a row with
     shorter chains, or none, waits for the others); then the target passes run in one
     forward, and each generator that is prefilling feeds its next prompt chunk (it yields
@@ -200,7 +220,7 @@ class Batch:
         """Resume `generator` to its next pass or PREFILLING (None once it ends)."""
         try:
             item = next(generator)
-            while not isinstance(item, ModelPass) and item is not PREFILLING:
+            while not isinstance(item, Pass) and item is not PREFILLING:
                 if self.out is not None:
                     self.out(generator, item)
                 item = next(generator)
@@ -236,9 +256,9 @@ class Batch:
                 self.prefilling.add(generator)
             elif item is not None:
                 pending[generator] = item
-        while drafting := {g: p for g, p in pending.items() if isinstance(p, DraftPass)}:
+        while drafting := {g: p for g, p in pending.items() if not isinstance(p, TargetPass)}:
             self._run(drafting)
-            for generator in [g for g in pending if isinstance(pending[g], DraftPass)]:
+            for generator in [g for g in pending if not isinstance(pending[g], TargetPass)]:
                 if generator in drafting:
                     item = self._advance(generator)
                     if item is not None:
@@ -249,7 +269,7 @@ class Batch:
             self._run(pending)
         for generator in prefilling:  # one chunk each, after the others' round
             item = self._advance(generator)
-            if isinstance(item, ModelPass):
+            if isinstance(item, Pass):
                 self.prefilling.discard(generator)
                 self.ready[generator] = item  # run with the others' next step
         return list(pending)

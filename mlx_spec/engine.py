@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import PREFILLING, TargetPass, run_alone
+from mlx_spec.batch import PREFILLING, TargetPass
 from mlx_spec.cache import KVQuantization, PromptCache
 from mlx_spec.drafters import Draft, Drafter, draft_steps
 from mlx_spec.errors import MlxSpecError
@@ -235,8 +235,8 @@ class Engine:
                     draft = policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
                                          self.max_gamma)
                 elif drafting and gamma:  # in a batch, each draft step's pass runs beside the others'
-                    steps = draft_steps(drafter, gamma, history, key_draft)
-                    draft = (yield from steps) if batched else run_alone(steps)
+                    draft = ((yield from draft_steps(drafter, gamma, history, key_draft)) if batched else
+                             drafter.propose(gamma, history, key_draft))
                 masks, drafted_by = None, draft.tokens.shape[0]
                 if grammar is not None:  # 2b. cut to the grammar, add what it forces, mask each row
                     room = min(self.max_gamma, max_tokens - generated - 1)
