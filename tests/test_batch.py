@@ -241,16 +241,19 @@ def exact_joints(target, params):
     return [exact_joint(target, params, prompt) for prompt in ROW_PROMPTS]
 
 
-def sampled_joints(target, draft, params, draws):
-    """Each draw decodes the four rows (their own seeds, drafters, γ) in one batch."""
-    counts = [{} for _ in ROW_PROMPTS]
+def row_engines(target, draft):
     kinds = {"model": lambda: ModelDrafter(draft, VOCAB), "ngram": lambda: NgramDrafter(min_ngram=1),
              "none": lambda: None}
-    engines = [Engine(target, kinds[kind]()) for kind, _ in ROW_SETUPS]
+    return [Engine(target, kinds[kind]()) for kind, _ in ROW_SETUPS]
+
+
+def sampled_joints(engines, gammas, params, draws):
+    """Each draw decodes the four rows (their own engines, seeds and γ) in one batch."""
+    counts = [{} for _ in ROW_PROMPTS]
     caches = [engine.make_prompt_cache() for engine in engines]
     for draw in range(draws):
         out, requests = {}, []
-        for row, (engine, cache, prompt, (_, gamma)) in enumerate(zip(engines, caches, ROW_PROMPTS, ROW_SETUPS)):
+        for row, (engine, cache, prompt, gamma) in enumerate(zip(engines, caches, ROW_PROMPTS, gammas)):
             run = SamplingParams(**{**params.__dict__, "seed": draw * 4 + row})
             rounds = engine.rounds(prompt, run, gamma=gamma, max_tokens=max(gamma + 1, 2), prompt_cache=cache,
                                    batched=True)
@@ -267,7 +270,9 @@ def sampled_joints(target, draft, params, draws):
 def test_each_row_of_a_batch_of_four_samples_the_target_distribution(models):
     target, draft = models
     params = SamplingParams(**PARAMS)
-    for counts, joint in zip(sampled_joints(target, draft, params, DRAWS), exact_joints(target, params)):
+    gammas = [gamma for _, gamma in ROW_SETUPS]
+    for counts, joint in zip(sampled_joints(row_engines(target, draft), gammas, params, DRAWS),
+                             exact_joints(target, params)):
         stat, critical = chi_square(counts, joint)
         assert stat < critical
 
@@ -277,6 +282,6 @@ def test_the_batched_check_catches_a_broken_rule(models, monkeypatch):
     target, draft = models
     params = SamplingParams(**PARAMS)
     monkeypatch.setattr(engine_module, "verify_sampled", recovered_from_p)
-    counts = sampled_joints(target, draft, params, BROKEN_DRAWS)[0]
+    counts = sampled_joints(row_engines(target, draft), [gamma for _, gamma in ROW_SETUPS], params, BROKEN_DRAWS)[0]
     stat, critical = chi_square(counts, exact_joints(target, params)[0])
     assert stat > critical  # row 0: a model drafter at γ = 3, where the rule breaks most
