@@ -23,9 +23,9 @@ A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_ste
 next round's pass is queued on the device, fed the token still being computed, before the
 host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
 
-With `rounds(batched=True)` step 2's draft-model passes and step 3's target pass are
-handed to the caller, which runs each in one forward with other requests' (`mlx_spec.batch`);
-everything else stays per request.
+With `rounds(batched=True)` step 2's draft passes (a draft model's or the MTP assistant's)
+and step 3's target pass are handed to the caller, which runs each in one forward with
+other requests' (`mlx_spec.batch`); everything else stays per request.
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ class Engine:
                 prefill reads its image features; drafters see the ids as they are.
             grammar: a `Matcher` the output must follow (see the module docstring); it
                 ends generation ("stop") once the value is complete.
-            batched: yield each round's draft-model steps as `batch.DraftPass`es and its
-                target pass as a `batch.TargetPass` before the round goes on, for the
+            batched: yield each round's draft steps as passes (`batch.DraftPass`, the MTP
+                assistant's `AssistantPass`) and its target pass as a `batch.TargetPass`
+                before the round goes on, for the
                 caller to run (`batch.run_passes`, beside other requests'),
                 and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
                 chains (no trees) and plain rounds are not pipelined.

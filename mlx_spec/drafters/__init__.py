@@ -6,7 +6,7 @@ One small protocol, after llama.cpp's common/speculative.h (begin / draft / acce
   accept(committed)                            the tokens the round committed; roll back the rest
 
 A drafter with a model of its own may also have drafting(gamma, history, key): `propose` as
-a generator that yields each forward as a `batch.DraftPass` (see `draft_steps`).
+a generator that yields each forward as a `batch.Pass` (see `draft_steps`).
 A model-free drafter returns q = None and the verifier treats q as one-hot at its tokens.
 A drafter that branches also has propose_tree(gamma, branches, history, key) -> Draft: a
 draft tree (`mlx_spec.tree`) at most γ deep with at most `branches` leaves; its q is None

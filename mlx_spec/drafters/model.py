@@ -77,9 +77,10 @@ class ModelDrafter:
         return Draft(mx.concatenate(xs), self._pad(mx.concatenate(qs)) if qs else None)
 
     def _chain(self, gamma: int, history: list[int], key: mx.array, ranked: int = 0):
-        """A generator of the draft steps' passes (`DraftPass`) that returns x_1..x_γ (lazy): their tokens [1] each, q_j [1, V] each (sampling only), and
-        with `ranked` > 0 the `ranked` likeliest tokens and their probabilities per step
-        ([1, ranked] each, from q, or at temperature 0 from the penalised softmax).
+        """Draft x_1..x_γ (lazy), a generator that yields each step's `DraftPass` and
+        returns their tokens [1] each, q_j [1, V] each (sampling only), and with `ranked`
+        > 0 the `ranked` likeliest tokens and their probabilities per step ([1, ranked]
+        each, from q, or at temperature 0 from the penalised softmax).
 
         Under the processor's grammar each step's logits are masked as the target's row
         for the same path will be (so q is the constrained draft distribution), and the
