@@ -83,15 +83,16 @@ def auto_gamma():
 
 def test_batched_draft_model_rows_equal_plain_decoding_and_each_alone(tiny_target, tiny_draft):
     """Four draft-model rows (γ 3, 0, auto, 5) whose draft steps share forwards, joining at
-    different rounds past the sliding window: each answer is mlx-lm's greedy decoding and
-    the request's alone, with the same drafts accepted and rejected (the batched draft
-    forward drafted what the row's own would have)."""
+    different rounds past the sliding window (the 45-token prompt prefilled in chunks of 16
+    while the others draft): each answer is mlx-lm's greedy decoding and the request's
+    alone, with the same drafts accepted and rejected (the batched draft forward drafted
+    what the row's own would have)."""
     gammas = [3, 0, auto_gamma, 5]
     joins = [0, 1, 1, 4]
     out, requests, stats = {}, [], []
     for prompt, gamma in zip(PROMPTS, gammas):
         stats.append(Stats())
-        rounds = Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB)).rounds(
+        rounds = Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB), prefill_chunk=16).rounds(
             prompt, gamma=gamma() if callable(gamma) else gamma, max_tokens=MAX_TOKENS, stats=stats[-1],
             batched=True)
         out[rounds] = []
