@@ -573,6 +573,21 @@ class SequenceCache:
     def tree_capable(self) -> bool:
         return tree_capable(self.model, self.cache)
 
+    @property
+    def batchable(self) -> bool:
+        """Whether a batch may feed it beside other rows (`mlx_spec.batch`): what a tree
+        needs, and K/V that never switch to quantized (a batch's forward skips the switch
+        `forward` makes, and cannot stack packed triples)."""
+        return self.tree_capable and self.kv is None
+
+    def fed_ids(self, tokens: mx.array) -> mx.array:
+        """`tokens` as fed to the model: ids past its embedding (`vocab`) become 0."""
+        return tokens if self.vocab is None else mx.where(tokens < self.vocab, tokens, 0)
+
+    def forget_padding(self, n: int) -> None:
+        """Forget the last n positions just fed: a batch's padding after this row's block."""
+        self._trim(n)
+
     def forward(self, tokens: mx.array, hidden: bool = False, tree: Optional[TreeShape] = None):
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
         (logits [n, V], final hidden states [n, H]). With a `tree`, tokens are its
@@ -605,8 +620,7 @@ class SequenceCache:
     def _call(self, tokens: mx.array, hidden: bool = False, head: bool = True, **embedded):
         """Logits; with hidden=True (logits, final hidden states); with head=False the final
         hidden states only. `embedded`: input embeddings for the rows (`final_hidden`)."""
-        if self.vocab is not None:
-            tokens = mx.where(tokens < self.vocab, tokens, 0)
+        tokens = self.fed_ids(tokens)
         cache = self.cache
         if self.quantized:  # Gemma 4's KV-shared layers (no cache of their own) read quantized K/V
             shared = len(getattr(self.model, "language_model", self.model).layers) - len(cache)

@@ -23,8 +23,9 @@ A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_ste
 next round's pass is queued on the device, fed the token still being computed, before the
 host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
 
-With `rounds(batched=True)` step 3's target pass is handed to the caller, which runs it in
-one forward with other requests' (`mlx_spec.batch`); everything else stays per request.
+With `rounds(batched=True)` step 2's draft passes (a draft model's or the MTP assistant's)
+and step 3's target pass are handed to the caller, which runs each in one forward with
+other requests' (`mlx_spec.batch`); everything else stays per request.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import mlx.core as mx
 
 from mlx_spec.batch import PREFILLING, TargetPass
 from mlx_spec.cache import KVQuantization, PromptCache
-from mlx_spec.drafters import Draft, Drafter
+from mlx_spec.drafters import Draft, Drafter, draft_steps
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.grammar import Matcher, constrain
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
@@ -165,12 +166,14 @@ class Engine:
                 prefill reads its image features; drafters see the ids as they are.
             grammar: a `Matcher` the output must follow (see the module docstring); it
                 ends generation ("stop") once the value is complete.
-            batched: yield each round's target pass as a `batch.TargetPass` before the round
-                goes on, for the caller to run (`batch.run_passes`, beside other requests'),
+            batched: yield each round's draft steps as passes (`batch.DraftPass`, the MTP
+                assistant's `AssistantPass`) and its target pass as a `batch.TargetPass`
+                before the round goes on, for the
+                caller to run (`batch.run_passes`, beside other requests'),
                 and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
                 chains (no trees) and plain rounds are not pipelined.
         Yields:
-            `Round`s (with `batched`, also the `TargetPass`es and `PREFILLING`s); the last
+            `Round`s (with `batched`, also the passes and `PREFILLING`s); the last
             `Round` has a finish_reason.
         """
         self.check_prompt(prompt_ids)
@@ -229,10 +232,12 @@ class Engine:
                 gamma = min(gamma, self.max_gamma, max_tokens - generated - 1, cache.target.draft_room())
                 # 2. draft
                 draft = Draft.empty()
-                if drafting and gamma:
-                    draft = (drafter.propose(gamma, history, key_draft) if not branching else
-                             policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
-                                          self.max_gamma))
+                if drafting and gamma and branching:
+                    draft = policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
+                                         self.max_gamma)
+                elif drafting and gamma:  # in a batch, each draft step's pass runs beside the others'
+                    draft = ((yield from draft_steps(drafter, gamma, history, key_draft)) if batched else
+                             drafter.propose(gamma, history, key_draft))
                 masks, drafted_by = None, draft.tokens.shape[0]
                 if grammar is not None:  # 2b. cut to the grammar, add what it forces, mask each row
                     room = min(self.max_gamma, max_tokens - generated - 1)

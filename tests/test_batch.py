@@ -1,5 +1,5 @@
 """A continuous batch (`mlx_spec.batch`): several requests' verify passes in one target
-forward, each request exact as if alone.
+forward, and their draft models' steps in one draft forward, each request exact as if alone.
 
 Greedy answers are compared with mlx-lm's own plain decoding (`generate_step`) and with
 the same request decoded alone; the batched pass's logits with each row's own pass alone
@@ -13,12 +13,17 @@ import pytest
 import mlx_spec.engine as engine_module
 from conftest import greedy_reference
 from mlx_spec.batch import Batch, TargetPass, run_passes
-from mlx_spec.cache import SequenceCache
+from mlx_spec.cache import KVQuantization, SequenceCache
+from mlx_spec.cost_model import CostCurve
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
+from mlx_spec.grammar import compile_grammar
+from mlx_spec.policy import AutoGamma
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 from mlx_spec.testing.tiny import TINY_VOCAB
+from test_grammar import ADDRESS, EOS, TOKENIZER, constrained_reference
+from test_grammar import PROMPT as ADDRESS_PROMPT
 from test_distribution import PARAMS, VOCAB, chi_square, exact_joint, models, recovered_from_p  # noqa: F401
 
 WINDOW = 16  # the tiny models' sliding window
@@ -69,6 +74,71 @@ def test_batched_greedy_answers_equal_plain_decoding_and_each_alone(tiny_target,
             assert 0 < seen.accepted < seen.drafted  # it speculated, with rejections
 
 
+def auto_gamma():
+    """Auto γ on a flat cost curve, from acceptance alone (no clock): the same choices in a
+    batch as alone."""
+    return AutoGamma(CostCurve(verify=[1.0 + 0.02 * w for w in range(7)], draft_step=0.05, context=256),
+                     learn_costs=False)
+
+
+def test_batched_draft_model_rows_equal_plain_decoding_and_each_alone(tiny_target, tiny_draft):
+    """Four draft-model rows (γ 3, 0, auto, 5) whose draft steps share forwards, joining at
+    different rounds past the sliding window (the 45-token prompt prefilled in chunks of 16
+    while the others draft): each answer is mlx-lm's greedy decoding and the request's
+    alone, with the same drafts accepted and rejected (the batched draft forward drafted
+    what the row's own would have)."""
+    gammas = [3, 0, auto_gamma, 5]
+    joins = [0, 1, 1, 4]
+    out, requests, stats = {}, [], []
+    for prompt, gamma in zip(PROMPTS, gammas):
+        stats.append(Stats())
+        rounds = Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB), prefill_chunk=16).rounds(
+            prompt, gamma=gamma() if callable(gamma) else gamma, max_tokens=MAX_TOKENS, stats=stats[-1],
+            batched=True)
+        out[rounds] = []
+        requests.append(rounds)
+    assert max(batched(requests, joins, out)) == 4
+    for prompt, gamma, rounds, seen in zip(PROMPTS, gammas, requests, stats):
+        alone = Stats()
+        tokens = [t for r in Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB)).rounds(
+            prompt, gamma=gamma() if callable(gamma) else gamma, max_tokens=MAX_TOKENS, stats=alone)
+            for t in r.tokens]
+        assert out[rounds] == greedy_reference(tiny_target, prompt, MAX_TOKENS) == tokens
+        assert (seen.drafted, seen.accepted) == (alone.drafted, alone.accepted)
+        if gamma:
+            assert 0 < seen.accepted < seen.drafted
+
+
+def counting_calls(model, monkeypatch):
+    """A list that gets one entry per forward of `model` (its class's other instances uncounted)."""
+    calls, real = [], type(model).__call__
+
+    def counted(self, *args, **kwargs):
+        if self is model:
+            calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "__call__", counted)
+    return calls
+
+
+def test_a_batchs_draft_step_is_one_draft_forward_for_all_its_rows(tiny_target, tiny_draft, monkeypatch):
+    """Four rows at γ = 3: after the first step (each row's draft prefill), a step costs the
+    draft model one forward per draft step, not one per row and step."""
+    requests = [Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB)).rounds(
+        prompt, gamma=3, max_tokens=12, batched=True) for prompt in PROMPTS]
+    calls = counting_calls(tiny_draft, monkeypatch)
+    batch, per_step, rows = Batch(), [], []
+    for rounds in requests:
+        batch.add(rounds)
+    while len(batch):
+        before = len(calls)
+        rows.append(len(batch.step()))
+        per_step.append(len(calls) - before)
+    assert rows[1] == 4 and per_step[1] == 3
+    assert all(n <= 3 for n in per_step[1:])
+
+
 def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_others_decode(tiny_target):
     """A 600-token prompt in chunks of 64 takes ten steps to prefill; a short request that
     joins at the next step is answered whole meanwhile (six plain rounds: no n-gram
@@ -95,6 +165,43 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_others_decode(tiny_
     assert ended[requests[1]] < 9 < ended[requests[0]]  # the long one's first pass: step 9
     for prompt, rounds, n in zip((long_prompt, PROMPTS[2]), requests, lengths):
         assert out[rounds] == greedy_reference(tiny_target, prompt, n)
+
+
+def test_a_grammar_row_and_a_draft_model_row_answer_as_alone(tiny_target, tiny_draft):
+    """A row whose draft chain ends early under a JSON schema (a host sync per draft step)
+    beside a draft-model row without one: each answers as it does alone, the constrained
+    one as mlx-lm's decoding masked by llguidance."""
+    def requests(batched):
+        grammar = compile_grammar(TOKENIZER, "json_schema", ADDRESS, EOS).matcher(EOS)
+        engines = [Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB), eos_ids=EOS) for _ in range(2)]
+        return [engines[0].rounds(ADDRESS_PROMPT, gamma=4, max_tokens=90, grammar=grammar, batched=batched),
+                engines[1].rounds(PROMPTS[1], gamma=3, max_tokens=MAX_TOKENS, batched=batched)]
+
+    together = requests(batched=True)
+    out = {rounds: [] for rounds in together}
+    assert max(batched(together, [0, 0], out)) == 2
+    alone = [[t for r in rounds for t in r.tokens] for rounds in requests(batched=False)]
+    assert [out[rounds] for rounds in together] == alone
+    assert alone[0] == constrained_reference(tiny_target, ADDRESS_PROMPT, ADDRESS, 90)
+    assert alone[1] == greedy_reference(tiny_target, PROMPTS[1], MAX_TOKENS)
+
+
+def test_rows_with_quantized_kv_answer_as_alone(tiny_target, tiny_draft):
+    """With --kv-bits and --draft-kv-bits (4-bit from the first token) every row still
+    switches its caches to quantized K/V where it would alone (a batch's forward cannot
+    stack packed K/V, so such rows run their passes one after another)."""
+    kv = KVQuantization(4, 32)
+
+    def requests(batched):
+        return [Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB), kv=kv, draft_kv=kv).rounds(
+            prompt, gamma=3, max_tokens=MAX_TOKENS, batched=batched) for prompt in PROMPTS[:2]]
+
+    together = requests(batched=True)
+    out = {rounds: [] for rounds in together}
+    batched(together, [0, 0], out)
+    alone = [[t for r in rounds for t in r.tokens] for rounds in requests(batched=False)]
+    assert [out[rounds] for rounds in together] == alone
+    assert alone[1] != greedy_reference(tiny_target, PROMPTS[1], MAX_TOKENS)  # 4 bits tell
 
 
 def prefilled(model, prompt):
@@ -125,7 +232,7 @@ def test_a_rows_logits_and_cache_do_not_depend_on_its_neighbours(tiny_target, ne
 
 
 ROW_PROMPTS = [[2, 5, 3, 5, 1], [2, 5, 3, 5, 1, 4, 6, 0, 7], [3, 1, 1], [2, 5, 3, 5, 1]]
-ROW_SETUPS = [("model", 3), ("ngram", 2), ("model", 1), ("none", 0)]
+ROW_SETUPS = [("model", 3), ("ngram", 2), ("model", 1), ("model", 2)]  # three share draft forwards
 DRAWS = 400  # ~20 s on a quiet 2-core CPU
 BROKEN_DRAWS = 250  # row 0's drafts meet many rejections: the broken rule shows at once
 
@@ -135,16 +242,19 @@ def exact_joints(target, params):
     return [exact_joint(target, params, prompt) for prompt in ROW_PROMPTS]
 
 
-def sampled_joints(target, draft, params, draws):
-    """Each draw decodes the four rows (their own seeds, drafters, γ) in one batch."""
-    counts = [{} for _ in ROW_PROMPTS]
+def row_engines(target, draft):
     kinds = {"model": lambda: ModelDrafter(draft, VOCAB), "ngram": lambda: NgramDrafter(min_ngram=1),
              "none": lambda: None}
-    engines = [Engine(target, kinds[kind]()) for kind, _ in ROW_SETUPS]
+    return [Engine(target, kinds[kind]()) for kind, _ in ROW_SETUPS]
+
+
+def sampled_joints(engines, gammas, params, draws):
+    """Each draw decodes the four rows (their own engines, seeds and γ) in one batch."""
+    counts = [{} for _ in ROW_PROMPTS]
     caches = [engine.make_prompt_cache() for engine in engines]
     for draw in range(draws):
         out, requests = {}, []
-        for row, (engine, cache, prompt, (_, gamma)) in enumerate(zip(engines, caches, ROW_PROMPTS, ROW_SETUPS)):
+        for row, (engine, cache, prompt, gamma) in enumerate(zip(engines, caches, ROW_PROMPTS, gammas)):
             run = SamplingParams(**{**params.__dict__, "seed": draw * 4 + row})
             rounds = engine.rounds(prompt, run, gamma=gamma, max_tokens=max(gamma + 1, 2), prompt_cache=cache,
                                    batched=True)
@@ -161,7 +271,9 @@ def sampled_joints(target, draft, params, draws):
 def test_each_row_of_a_batch_of_four_samples_the_target_distribution(models):
     target, draft = models
     params = SamplingParams(**PARAMS)
-    for counts, joint in zip(sampled_joints(target, draft, params, DRAWS), exact_joints(target, params)):
+    gammas = [gamma for _, gamma in ROW_SETUPS]
+    for counts, joint in zip(sampled_joints(row_engines(target, draft), gammas, params, DRAWS),
+                             exact_joints(target, params)):
         stat, critical = chi_square(counts, joint)
         assert stat < critical
 
@@ -171,6 +283,6 @@ def test_the_batched_check_catches_a_broken_rule(models, monkeypatch):
     target, draft = models
     params = SamplingParams(**PARAMS)
     monkeypatch.setattr(engine_module, "verify_sampled", recovered_from_p)
-    counts = sampled_joints(target, draft, params, BROKEN_DRAWS)[0]
+    counts = sampled_joints(row_engines(target, draft), [gamma for _, gamma in ROW_SETUPS], params, BROKEN_DRAWS)[0]
     stat, critical = chi_square(counts, exact_joints(target, params)[0])
     assert stat > critical  # row 0: a model drafter at γ = 3, where the rule breaks most

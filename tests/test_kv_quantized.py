@@ -320,3 +320,17 @@ def test_serve_with_kv_bits_answers_as_plain_decoding(kv_server, tiny_dirs):
     assert answer.choices[0].message.content == cli["text"]
     assert answer.usage.prompt_tokens + answer.usage.completion_tokens > 2 * WINDOW
     assert answer.model_extra["mlx_spec"]["drafted"] > 0
+
+
+def test_batched_mtp_rows_on_quantized_caches_equal_plain_decoding(gemma3_pair, mtp_pair):
+    """Two MTP rows in one batch over 4-bit target K/V (packed: each row's assistant steps
+    and target passes run alone, still in the batch's rounds): each answer is plain
+    decoding with the same kv-bits."""
+    from test_batch import batched
+
+    plain, spec = engines("mtp", gemma3_pair, mtp_pair, KVQuantization(4, GROUP))
+    prompts = [PROMPT, PROMPT[:20]]
+    requests = [spec.for_request().rounds(p, gamma=3, max_tokens=MAX_TOKENS, batched=True) for p in prompts]
+    out = {rounds: [] for rounds in requests}
+    assert max(batched(requests, [0, 0], out)) == 2
+    assert [out[rounds] for rounds in requests] == [run(plain, prompt=p) for p in prompts]

@@ -22,6 +22,7 @@ from mlx_spec.testing.tiny_gemma4 import tiny_assistant_config, tiny_assistant_w
 from mlx_spec.sampling import SamplingParams, draw
 from mlx_spec.stats import Stats
 from mlx_spec.verify import Verdict, accepted_prefix
+from test_batch import exact_joints, sampled_joints
 from test_distribution import PARAMS, VOCAB, chi_square, exact_joint, sampled_joint
 
 DRAWS = 1000
@@ -51,6 +52,22 @@ def test_mtp_sampling_matches_target_distribution(models):
     assert stat < critical
 
 
+BATCH_DRAWS = 300
+BATCH_GAMMAS = [2] * 4  # round 1 drafts (from the prefill's hidden state), as GAMMA above
+
+
+def test_each_mtp_row_of_a_batch_of_four_samples_the_target_distribution(models):
+    """Four MTP requests whose assistant steps share calls (`mlx_spec.batch`), each with
+    its own seed and prompt: every row's first two tokens fit the target's exact joint."""
+    target, assistant = models
+    params = SamplingParams(**PARAMS)
+    engines = [Engine(target, MtpDrafter(assistant, target)) for _ in BATCH_GAMMAS]
+    for counts, joint in zip(sampled_joints(engines, BATCH_GAMMAS, params, BATCH_DRAWS),
+                             exact_joints(target, params)):
+        stat, critical = chi_square(counts, joint)
+        assert stat < critical
+
+
 def recovered_from_p_one_hot(x, q, p, key):
     """Broken: with one-hot q, accept x with probability p(x) but on rejection draw the
     recovered token from p instead of norm(max(0, p − 1_x))."""
@@ -68,3 +85,14 @@ def test_the_check_catches_a_broken_recovery(models, monkeypatch):
     engine = Engine(target, MtpDrafter(assistant, target))
     stat, critical = chi_square(sampled_joint(engine, params, GAMMA, BROKEN_DRAWS), exact_joint(target, params))
     assert stat > critical
+
+
+@pytest.mark.slow  # the batched check's power, shown once
+def test_the_batched_mtp_check_catches_a_broken_recovery(models, monkeypatch):
+    target, assistant = models
+    params = SamplingParams(**PARAMS)
+    monkeypatch.setattr(engine_module, "verify_sampled", recovered_from_p_one_hot)
+    engines = [Engine(target, MtpDrafter(assistant, target)) for _ in BATCH_GAMMAS]
+    stats = [chi_square(counts, joint) for counts, joint in
+             zip(sampled_joints(engines, BATCH_GAMMAS, params, BATCH_DRAWS), exact_joints(target, params))]
+    assert any(stat > critical for stat, critical in stats)

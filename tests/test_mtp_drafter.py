@@ -397,13 +397,18 @@ def test_trees_hand_the_assistant_the_accepted_paths_hidden_state(distilled):
     assert stats.tree_rounds > 0 and sum(stats.accepted_at_rank[1:]) > 0
 
 
-def test_batched_mtp_rows_match_plain_decoding(distilled):
+def test_batched_mtp_rows_match_plain_decoding(distilled, monkeypatch):
     """Two MTP requests in one batch (`mlx_spec.batch`): each answer is still mlx-lm's
     greedy one, and each row's drafter drafts what it drafts alone (its own row's hidden
-    states reached it: a neighbour's would change the drafts, not the answer)."""
+    states and K/V reached it: a neighbour's would change the drafts, not the answer); the
+    rows' assistant steps share calls (γ 3 and 2: three a round, not five)."""
     from mlx_spec.batch import Batch
 
     engine = build_engine(distilled)  # trained on these prompts: its drafts follow h
+    assistant, calls = engine.drafter.model, []
+    real = type(assistant).hidden
+    monkeypatch.setattr(type(assistant), "hidden",
+                        lambda self, *args, **kwargs: calls.append(self is assistant) or real(self, *args, **kwargs))
     out = {}
     batch = Batch(out=lambda generator, r: out[generator].append((r.gamma, r.accepted, r.tokens)))
     requests, alone = [], []
@@ -414,10 +419,14 @@ def test_batched_mtp_rows_match_plain_decoding(distilled):
         batch.add(rounds)
         alone.append([(r.gamma, r.accepted, r.tokens) for r in
                       engine.for_request().rounds(prompt, gamma=gamma, max_tokens=TRAIN_LENGTH)])
-    widths = []
+    widths, per_step = [], []
+    del calls[:]  # the requests decoded alone
     while len(batch):
+        before = len(calls)
         widths.append(len(batch.step()))
-    assert max(widths) == 2
+        per_step.append(len(calls) - before)
+    assert max(widths) == 2 and widths[0] == 2 and per_step[0] == 3
+    assert max(per_step) <= 3
     for rounds, prompt, own in zip(requests, TRAIN_PROMPTS, alone):
         tokens = [t for _, _, round_tokens in out[rounds] for t in round_tokens]
         assert tokens == greedy_reference(distilled.target.model, prompt, TRAIN_LENGTH)

@@ -5,6 +5,8 @@ One small protocol, after llama.cpp's common/speculative.h (begin / draft / acce
   propose(gamma, history, key) -> Draft        up to γ tokens (lazy) and their q, or q = None
   accept(committed)                            the tokens the round committed; roll back the rest
 
+A drafter with a model of its own may also have drafting(gamma, history, key): `propose` as
+a generator that yields each forward as a `batch.Pass` (see `draft_steps`).
 A model-free drafter returns q = None and the verifier treats q as one-hot at its tokens.
 A drafter that branches also has propose_tree(gamma, branches, history, key) -> Draft: a
 draft tree (`mlx_spec.tree`) at most γ deep with at most `branches` leaves; its q is None
@@ -81,6 +83,15 @@ def with_leaves(chain: mx.array, leaves: list[tuple[int, int]], q: Optional[mx.a
     return Draft(tokens, q, tree=TreeShape(tuple(parents)), forwards=forwards)
 
 
+def draft_steps(drafter, gamma: int, history: list[int], key: mx.array):
+    """The drafter's proposal as a generator that yields its model passes and returns the
+    Draft (`mlx_spec.batch`: a batch runs each pass beside other requests'). A drafter
+    without `drafting` (model-free, or not batched) proposes at once."""
+    if hasattr(drafter, "drafting"):
+        return (yield from drafter.drafting(gamma, history, key))
+    return drafter.propose(gamma, history, key)
+
+
 class Drafter(Protocol):
     name: str
     passes_per_token: int  # draft model forwards per proposed token (0: model-free)
@@ -98,4 +109,4 @@ class Drafter(Protocol):
 from mlx_spec.drafters.model import ModelDrafter  # noqa: E402
 from mlx_spec.drafters.ngram import NgramDrafter  # noqa: E402
 
-__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "draft_steps", "ModelDrafter", "NgramDrafter"]

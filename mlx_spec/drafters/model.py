@@ -6,6 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlx_spec.batch import DraftPass, run_alone
 from mlx_spec.cache import common_prefix_length
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.grammar import constrain
@@ -62,18 +63,24 @@ class ModelDrafter:
         return processed
 
     def propose(self, gamma: int, history: list[int], key: mx.array) -> Draft:
+        return run_alone(self.drafting(gamma, history, key))
+
+    def drafting(self, gamma: int, history: list[int], key: mx.array):
+        """`propose` as a generator that yields each draft step's `DraftPass` (a batch runs
+        it beside other requests') and returns the Draft."""
         if gamma == 0:
             self.fed_drafts = self.fed_chain = None
             return Draft.empty()
-        xs, qs, _ = self._chain(gamma, history, key)
+        xs, qs, _ = yield from self._chain(gamma, history, key)
         if not xs:  # a grammar's value may end here: the target decides
             return Draft.empty()
         return Draft(mx.concatenate(xs), self._pad(mx.concatenate(qs)) if qs else None)
 
     def _chain(self, gamma: int, history: list[int], key: mx.array, ranked: int = 0):
-        """Draft x_1..x_γ (lazy): their tokens [1] each, q_j [1, V] each (sampling only), and
-        with `ranked` > 0 the `ranked` likeliest tokens and their probabilities per step
-        ([1, ranked] each, from q, or at temperature 0 from the penalised softmax).
+        """Draft x_1..x_γ (lazy), a generator that yields each step's `DraftPass` and
+        returns their tokens [1] each, q_j [1, V] each (sampling only), and with `ranked`
+        > 0 the `ranked` likeliest tokens and their probabilities per step ([1, ranked]
+        each, from q, or at temperature 0 from the penalised softmax).
 
         Under the processor's grammar each step's logits are masked as the target's row
         for the same path will be (so q is the constrained draft distribution), and the
@@ -93,7 +100,9 @@ class ModelDrafter:
         path: list[int] = []  # the chain so far on the host, for the grammar's masks
         self.fed_drafts = gamma - 1  # x_γ is sampled, not fed
         for j in range(gamma):
-            logits = self.state.forward(y)  # [len(y), V_draft]
+            step = DraftPass(self.state, y)
+            yield step
+            logits = step.logits  # [len(y), V_draft]
             if logits.shape[0] > 1:
                 logits = logits[-1:]
             if logits.shape[-1] > self.target_vocab:  # ids the target cannot score
@@ -141,7 +150,7 @@ class ModelDrafter:
         if gamma == 0:
             self.fed_drafts = self.fed_chain = None
             return Draft.empty()
-        xs, qs, tops = self._chain(gamma, history, key, ranked=branches)
+        xs, qs, tops = run_alone(self._chain(gamma, history, key, ranked=branches))
         chain = mx.concatenate(xs)
         top_ids = mx.concatenate([ids for ids, _ in tops])  # [γ, branches]
         top_q = mx.concatenate([q for _, q in tops])

@@ -31,10 +31,12 @@ the engine then hands over the hidden states of the tree rows on the accepted pa
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 
+from mlx_spec.batch import Pass, pad_left, run_alone
 from mlx_spec.cache import kv_slots
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.errors import MlxSpecError
@@ -63,6 +65,64 @@ def shared_kv(layer_caches: list, layers: dict[str, int], window: int) -> dict:
     return out
 
 
+@dataclass
+class AssistantPass(Pass):
+    """One assistant step of one request: h_d [1, 1, H] for `inputs` [1, 1, 2·H_target]
+    over the request's `kv` (see `shared_kv`) at RoPE `position`. In a batch the rows'
+    steps run as one assistant call: their K/V left-padded to the longest row's, the
+    padding masked, each row at its own position."""
+
+    assistant: object
+    inputs: mx.array
+    kv: dict
+    position: int
+    h_d: Optional[mx.array] = None
+
+    def group(self) -> tuple:
+        return AssistantPass, id(self.assistant)
+
+    def run(self) -> None:
+        self.h_d = self.assistant.hidden(self.inputs, self.kv, self.position)
+
+    @classmethod
+    def run_together(cls, passes: list["AssistantPass"]) -> None:
+        # quantized target K/V (--kv-bits) are packed triples: not stacked, each row alone
+        if len(passes) == 1 or any(isinstance(k, (tuple, list)) for p in passes for k, _ in p.kv.values()):
+            return super().run_together(passes)
+        kv, masks = {}, {}
+        for layer_type in passes[0].kv:
+            lengths = [p.kv[layer_type][0].shape[2] for p in passes]
+            width = max(lengths)
+            kv[layer_type] = tuple(mx.concatenate([pad_left(p.kv[layer_type][j], width, 2) for p in passes])
+                                   for j in (0, 1))
+            first = mx.array([width - n for n in lengths])[:, None]  # the row's first real key
+            masks[layer_type] = (mx.arange(width)[None] >= first)[:, None, None]  # [B, 1, 1, keys]
+        positions = mx.array([p.position for p in passes], mx.int32)
+        h_d = passes[0].assistant.hidden(mx.concatenate([p.inputs for p in passes]), kv, positions, masks)
+        for i, p in enumerate(passes):
+            p.h_d = h_d[i : i + 1]
+
+
+def greedy_steps(assistant, embed, token: mx.array, h: mx.array, kv: dict, position, gamma: int,
+                 ranked: int = 0):
+    """`draft_greedy` as a generator that yields each step's `AssistantPass` (a batch runs
+    it beside other requests') and returns what `draft_greedy` returns."""
+    tokens, tops = [], []
+    for _ in range(gamma):
+        step = AssistantPass(assistant, mx.concatenate([embed(token), h], axis=-1), kv, position)
+        yield step
+        h_d = step.h_d
+        token = assistant.greedy(h_d)  # [1, 1]
+        if ranked:
+            tops.append(likeliest(mx.softmax(assistant.logits(h_d)[0].astype(mx.float32), axis=-1), ranked))
+        h = assistant.post_projection(h_d)
+        tokens.append(token)
+    chain = mx.concatenate(tokens, axis=1)[0]
+    if not ranked:
+        return chain
+    return chain, mx.concatenate([ids for ids, _ in tops]), mx.concatenate([p for _, p in tops])
+
+
 def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, position, gamma: int,
                  ranked: int = 0):
     """γ greedy assistant steps from one position.
@@ -78,18 +138,7 @@ def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, posit
     Returns:
         [γ] drafted token ids (lazy); with `ranked`, (those, ids [γ, ranked], probs [γ, ranked]).
     """
-    tokens, tops = [], []
-    for _ in range(gamma):
-        h_d = assistant.hidden(mx.concatenate([embed(token), h], axis=-1), kv, position)
-        token = assistant.greedy(h_d)  # [1, 1]
-        if ranked:
-            tops.append(likeliest(mx.softmax(assistant.logits(h_d)[0].astype(mx.float32), axis=-1), ranked))
-        h = assistant.post_projection(h_d)
-        tokens.append(token)
-    chain = mx.concatenate(tokens, axis=1)[0]
-    if not ranked:
-        return chain
-    return chain, mx.concatenate([ids for ids, _ in tops]), mx.concatenate([p for _, p in tops])
+    return run_alone(greedy_steps(assistant, embed, token, h, kv, position, gamma, ranked))
 
 
 class MtpDrafter:
@@ -155,25 +204,30 @@ class MtpDrafter:
         return 0
 
     def _draft(self, gamma: int, history: list[int], ranked: int = 0):
-        """`draft_greedy` from the last committed token (`ranked`: as there)."""
+        """`greedy_steps` from the last committed token (`ranked`: as there)."""
         layer_caches = self.state.cache
         context = layer_caches[0].offset  # tokens the target has seen: all but history[-1]
         kv = shared_kv(layer_caches, self.layers, self.window)
         token = mx.array([[history[-1]]])
         position = context - POSITIONS[self.position]
-        return draft_greedy(self.model, self.embed, token, self.h, kv, position, gamma, ranked=ranked)
+        return greedy_steps(self.model, self.embed, token, self.h, kv, position, gamma, ranked=ranked)
 
     def propose(self, gamma: int, history: list[int], key=None) -> Draft:
+        return run_alone(self.drafting(gamma, history, key))
+
+    def drafting(self, gamma: int, history: list[int], key=None):
+        """`propose` as a generator that yields each step's `AssistantPass` (a batch runs it
+        beside other requests') and returns the Draft."""
         if gamma == 0 or self.h is None:
             return Draft.empty()
-        return Draft(self._draft(gamma, history).astype(mx.uint32))
+        return Draft((yield from self._draft(gamma, history)).astype(mx.uint32))
 
     def propose_tree(self, gamma: int, branches: int, history: list[int], key=None) -> Draft:
         """The greedy chain `propose` drafts, plus sibling leaves where the assistant's top-1
         probability is below `split_below` (`sibling_leaves`): deterministic, so one-hot."""
         if gamma == 0 or self.h is None:
             return Draft.empty()
-        chain, ids, probs = self._draft(gamma, history, ranked=branches)
+        chain, ids, probs = run_alone(self._draft(gamma, history, ranked=branches))
         mx.eval(chain, ids, probs)
         probs = probs.tolist()
         leaves = sibling_leaves(chain.tolist(), ids.tolist(), probs, [p[0] for p in probs], branches,
