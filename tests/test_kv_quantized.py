@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from cli_support import assert_usage_error, invoke, invoke_json
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_spec.cache import (KVQuantization, PackedKV, QuantizedTreeKVCache, QuantizedWindowKVCache, SequenceCache,
-                            WindowKVCache, quantized_attention)
+                            quantized_attention)
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
