@@ -30,6 +30,7 @@ HOPELESS = 0.85  # t(w) >= 0.85·w·t(1): a w-row verify costs nearly w single s
 BUDGET_S = 1.0  # keep timing fast models for about this long (medians of many passes)
 MAX_PASSES = 50
 BATCH_WIDTH = 64  # the most rows a batch's forward is priced at from measurement (`serve --parallel`)
+WIDE_FIRST = 16  # the batch widths measured: this and BATCH_WIDTH (linear between them)
 
 
 def fingerprint(model) -> str:
@@ -125,7 +126,7 @@ def measure_costs(
     batch_width: int = 0,
 ) -> CostCurve:
     """Time target forwards at widths 1..max_width and one draft step, at `context` tokens,
-    and (`batch_width`) at widths doubling from 2·max_width up to batch_width.
+    and (`batch_width`) at WIDE_FIRST and batch_width rows.
 
     Args:
         target, draft: mlx-lm models (draft None: a model-free drafter, step cost 0), or a
@@ -161,10 +162,12 @@ def measure_costs(
     verify = _median_times(timers, repeats, BUDGET_S, samples=[[t] for t in first], agree=w.agree)
     verify = non_decreasing(verify)
     wide = []
-    widths = [n for n in (2 ** k for k in range(1, 8)) if 2 * max_width <= n <= batch_width]
+    widths = sorted({n for n in (WIDE_FIRST, batch_width) if max_width < n <= batch_width})
     if widths and len(verify) == max_width:  # not stopped early: rows were still cheap at max_width
-        # `repeats` passes each, no budget: a 64-row forward costs ~10 single steps here
-        times = _median_times([_forward_timer(target_seq, n) for n in widths], repeats, 0.0, agree=w.agree)
+        # two timed passes each, no untimed first one (narrower widths warmed the kernels): a
+        # 64-row forward can cost ~15 single steps where rows cost compute (this CPU)
+        times = _median_times([_forward_timer(target_seq, n) for n in widths], 2, 0.0,
+                              samples=[[] for _ in widths], agree=w.agree)
         wide = [[n, max(t, verify[-1])] for n, t in zip(widths, non_decreasing(times))]
     draft_step = draft_step2 = 0.0
     if isinstance(draft, gemma4_assistant.Model):
