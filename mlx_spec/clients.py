@@ -34,11 +34,13 @@ class Request:
     stats: Stats = field(default_factory=Stats)
     ttft: float = 0.0  # seconds from the start to its first token
     seconds: float = 0.0  # from the start to its last token
+    first: int = 0  # tokens its first round committed (at ttft)
 
     @property
     def tps(self) -> float:
+        """Tokens after its first round, over the time after it."""
         decoding = self.seconds - self.ttft
-        return (len(self.tokens) - 1) / decoding if decoding > 0 and len(self.tokens) > 1 else 0.0
+        return (len(self.tokens) - self.first) / decoding if decoding > 0 else 0.0
 
 
 @dataclass
@@ -96,7 +98,8 @@ def run_clients(engine, prompts: Sequence[list[int]], gamma: Gamma, *, params: S
     def out(generator, item):  # a committed round of `generator`'s request
         request = requests[generators.index(generator)]
         now = perf_counter() - start
-        request.ttft = request.ttft or now
+        if not request.tokens:
+            request.ttft, request.first = now, len(item.tokens)
         request.seconds = now
         request.tokens += item.tokens
 
