@@ -216,14 +216,15 @@ def gamma_policy(
         return FixedGamma(0)
     max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
     draft_model = getattr(engine.drafter, "model", None)
-    # in a batch, priced up to the rows the batch's forward reaches
+    batch = None if reproducible else batch
+    # in a batch, priced up to the rows the batch's forward reaches (a seeded request reads
+    # the one-request curve `generate` reads, so it draws what `generate` draws)
     costs = load_or_measure(
         engine.target, draft_model, max_width=max_gamma + 1,
         context=context_bucket(context), refresh=refresh, progress=progress,
         batch_width=BATCH_WIDTH if batch is not None else 0,
     )
-    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible),
-                     batch=None if reproducible else batch)
+    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible), batch=batch)
 
 
 def _learn_costs(reproducible: bool) -> bool:
