@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx.utils import tree_flatten
 
@@ -17,7 +17,9 @@ from mlx.utils import tree_flatten
 @dataclass
 class CostCurve:
     """Seconds per target forward by width (verify[w - 1] for w positions), per draft step,
-    and per two-token draft step, measured at `context` tokens of context.
+    and per two-token draft step, measured at `context` tokens of context; `wide`: (width,
+    seconds) measured at a few widths past `verify`'s, the rows a batch's forward reaches
+    (`serve --parallel`).
 
     The two-token step happens after a fully accepted round: the draft has not yet seen its
     own last token x_γ and feeds it together with the bonus token.
@@ -27,6 +29,7 @@ class CostCurve:
     draft_step: float
     context: int
     draft_step2: float = 0.0
+    wide: list = field(default_factory=list)
 
     @property
     def catch_up(self) -> float:
@@ -34,12 +37,18 @@ class CostCurve:
         return max(0.0, self.draft_step2 - self.draft_step)
 
     def verify_time(self, width: int) -> float:
-        """Target forward time at `width` positions; past the measured range the last
-        measured slope is extended."""
+        """Target forward time at `width` positions: between measured widths (`verify`, then
+        `wide`) linear, past the widest the last measured slope extended."""
         if width <= len(self.verify):
             return self.verify[width - 1]
-        slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else self.verify[-1]
-        return self.verify[-1] + max(slope, 0.0) * (width - len(self.verify))
+        points = [(len(self.verify), self.verify[-1])] + [(w, t) for w, t in self.wide if w > len(self.verify)]
+        if len(points) == 1:
+            slope = self.verify[-1] - self.verify[-2] if len(self.verify) > 1 else self.verify[-1]
+            return self.verify[-1] + max(slope, 0.0) * (width - len(self.verify))
+        for (w0, t0), (w1, t1) in zip(points, points[1:]):
+            if width <= w1:
+                break  # else: past the widest, the last segment's slope
+        return t0 + max(t1 - t0, 0.0) / (w1 - w0) * (width - w0)
 
     def round_time(self, gamma: int, full_acceptance: float = 0.0) -> float:
         """One round: γ draft steps, then a target forward over γ + 1 positions; with

@@ -29,6 +29,8 @@ STALE_AFTER_DAYS = 30
 HOPELESS = 0.85  # t(w) >= 0.85·w·t(1): a w-row verify costs nearly w single steps
 BUDGET_S = 1.0  # keep timing fast models for about this long (medians of many passes)
 MAX_PASSES = 50
+BATCH_WIDTH = 64  # the most rows a batch's forward is priced at from measurement (`serve --parallel`)
+WIDE_FIRST = 16  # the batch widths measured: this and BATCH_WIDTH (linear between them)
 
 
 def fingerprint(model) -> str:
@@ -121,8 +123,10 @@ def measure_costs(
     progress: Optional[Callable[[int, int], None]] = None,
     early_stop: bool = True,
     world=None,
+    batch_width: int = 0,
 ) -> CostCurve:
-    """Time target forwards at widths 1..max_width and one draft step, at `context` tokens.
+    """Time target forwards at widths 1..max_width and one draft step, at `context` tokens,
+    and (`batch_width`) at WIDE_FIRST and batch_width rows.
 
     Args:
         target, draft: mlx-lm models (draft None: a model-free drafter, step cost 0), or a
@@ -133,13 +137,15 @@ def measure_costs(
         world: a `distributed.World` whose ranks shard `target`: every rank runs the same
             forwards (communication included in the times), rank 0 times the draft and
             decides, and every rank returns rank 0's curve. Default: this process's world.
+        batch_width: the most rows a batch's forward verifies (several requests' blocks;
+            rows cost about the same whether one request's or several's); 0: none.
     """
 
     w = world or this_world()
     if w.active and not w.is_root:
         draft = None  # the draft runs alone: only rank 0's timing of it is used
     total = max_width + (draft is not None)
-    target_seq = SequenceCache(target, slack=max_width + 1)
+    target_seq = SequenceCache(target, slack=max(max_width, batch_width) + 1)
     _fill_context(target_seq, context)
     # A first look, width by width, finds how wide is worth measuring; its timings are
     # the first samples of the round-robin that follows.
@@ -155,6 +161,14 @@ def measure_costs(
             break
     verify = _median_times(timers, repeats, BUDGET_S, samples=[[t] for t in first], agree=w.agree)
     verify = non_decreasing(verify)
+    wide = []
+    widths = sorted({n for n in (WIDE_FIRST, batch_width) if max_width < n <= batch_width})
+    if widths and len(verify) == max_width:  # not stopped early: rows were still cheap at max_width
+        # two timed passes each, no untimed first one (narrower widths warmed the kernels): a
+        # 64-row forward can cost ~15 single steps where rows cost compute (this CPU)
+        times = _median_times([_forward_timer(target_seq, n) for n in widths], 2, 0.0,
+                              samples=[[] for _ in widths], agree=w.agree)
+        wide = [[n, max(t, verify[-1])] for n, t in zip(widths, non_decreasing(times))]
     draft_step = draft_step2 = 0.0
     if isinstance(draft, gemma4_assistant.Model):
         # An MTP assistant's step reads the target's cache, so it is timed over the target's
@@ -171,7 +185,7 @@ def measure_costs(
         )
         if progress:
             progress(total, total)
-    curve = CostCurve(verify, draft_step, context, draft_step2)
+    curve = CostCurve(verify, draft_step, context, draft_step2, wide)
     return CostCurve(**w.broadcast_json(asdict(curve))) if w.active else curve
 
 
@@ -193,7 +207,7 @@ def cache_path() -> Path:
     return Path(root) / "costs.json"
 
 
-def cost_key(target, draft, max_width: int, context: int, ranks: int = 1) -> str:
+def cost_key(target, draft, max_width: int, context: int, ranks: int = 1, batch_width: int = 0) -> str:
     """What changes costs: both models (shapes and dtypes), widths, context, MLX version,
     device, the BLAS MLX's CPU runs with and its threads, and the ranks sharing the target."""
     from mlx_spec import blas
@@ -201,6 +215,7 @@ def cost_key(target, draft, max_width: int, context: int, ranks: int = 1) -> str
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
     tp = f"|tp{ranks}" if ranks > 1 else ""  # a sharded target costs what its slowest link does
+    tp += f"|batch{batch_width}" if batch_width else ""
     info = blas.describe()
     lib = f"{info['name']}:{info['version'] or ''}:{info['threads'] or ''}"
     return (f"v4|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
@@ -208,13 +223,14 @@ def cost_key(target, draft, max_width: int, context: int, ranks: int = 1) -> str
 
 
 def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False,
-                    progress=None, world=None) -> CostCurve:
+                    progress=None, world=None, batch_width: int = 0) -> CostCurve:
     """The cached cost curve for this pair on this machine, measured if missing or stale.
-    Across ranks (`world`), rank 0's cache decides and every rank gets rank 0's curve."""
+    Across ranks (`world`), rank 0's cache decides and every rank gets rank 0's curve.
+    `batch_width`: also measured at the rows a batch reaches (see `measure_costs`)."""
 
     w = world or this_world()
     path = cache_path()
-    key = cost_key(target, draft, max_width, context, w.size)
+    key = cost_key(target, draft, max_width, context, w.size, batch_width)
     entry = None
     if w.is_root:
         entry = _read_table(path).get(key)
@@ -223,8 +239,10 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
         entry = entry if (fresh and not forced) else None
     if not w.agree(entry is None):
         entry = w.broadcast_json(entry)
-        return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"])
-    curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress, world=w)
+        return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"],
+                         entry.get("wide", []))
+    curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress, world=w,
+                          batch_width=batch_width)
     _measured_here.add(key)
     if w.is_root:
         store_curve(path, key, {**asdict(curve), "measured_at": time.time()})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from mlx_spec.cache import KVQuantization, attention_layers
-from mlx_spec.costs import load_or_measure
+from mlx_spec.costs import BATCH_WIDTH, load_or_measure
 from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
@@ -216,12 +216,15 @@ def gamma_policy(
         return FixedGamma(0)
     max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
     draft_model = getattr(engine.drafter, "model", None)
+    batch = None if reproducible else batch
+    # in a batch, priced up to the rows the batch's forward reaches (a seeded request reads
+    # the one-request curve `generate` reads, so it draws what `generate` draws)
     costs = load_or_measure(
         engine.target, draft_model, max_width=max_gamma + 1,
         context=context_bucket(context), refresh=refresh, progress=progress,
+        batch_width=BATCH_WIDTH if batch is not None else 0,
     )
-    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible),
-                     batch=None if reproducible else batch)
+    return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible), batch=batch)
 
 
 def _learn_costs(reproducible: bool) -> bool:

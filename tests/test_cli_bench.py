@@ -297,3 +297,55 @@ def test_theorem_3_8_takes_alpha_per_reached_position():
     summary = sweep._summarize(runs, CostCurve([1.0] * 8, 0.0, 256), SamplingParams())
     assert summary.acceptance_rate == 0.25
     assert summary.predicted_speedup == pytest.approx(theorem_speedup(0.5, 4, 0.0))
+
+
+# -- bench --clients ---------------------------------------------------------------------
+
+CLIENTS = ["--prompt", "Hello there", "--prompt", "Once upon a time", "--runs", "1", "--max-tokens", "12"]
+
+
+def _plain_md5s(target_dir, texts, max_tokens):
+    """md5 of mlx-lm's greedy decoding of each text, cut after its first EOS id."""
+    from mlx_lm import load
+
+    from conftest import greedy_reference
+
+    model, tokenizer = load(target_dir)
+    eos = set(tokenizer.eos_token_ids)
+    out = []
+    for text in texts:
+        tokens = greedy_reference(model, list(tokenizer.encode(text)), max_tokens)
+        ends = [i for i, t in enumerate(tokens) if t in eos]
+        out.append(sweep.token_md5(tokens[: ends[0] + 1] if ends else tokens))
+    return out
+
+
+def test_clients_runs_the_requests_together_and_each_answer_is_plain_decoding(models, tiny_dirs):
+    out = invoke_json(["bench", *models, *CLIENTS, "--clients", "3", "--gamma", "2,auto"])
+    assert out["clients"] == 3 and out["max_tokens"] == 12 and out["runs"] == 1
+    assert [s["setting"] for s in out["settings"]] == ["off", "γ=2", "auto"]
+    expected = _plain_md5s(tiny_dirs[0], ["Hello there", "Once upon a time", "Hello there"], 12)
+    for s in out["settings"]:
+        assert s["md5s"] == expected and s["identical"] is True
+        assert s["aggregate_tps"] > 0 and s["per_request_tps"] > 0 and 0 < s["ttft"] <= s["max_ttft"]
+        assert s["mean_batch"] > 1  # the three shared forwards
+    assert out["settings"][0]["acceptance_rate"] is None and 0 < out["settings"][1]["acceptance_rate"] <= 1
+
+
+def test_clients_table_and_a_corrupted_batch_fails_loudly(models, monkeypatch):
+    result = invoke(["bench", *models, *CLIENTS, "--clients", "2", "--gamma", "2"])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    for needle in ("2 clients at once", "aggregate tok/s", "per request tok/s", "TTFT s", "α̂", "✓"):
+        assert needle in result.stdout, needle
+    import mlx_spec.engine as engine
+
+    real = engine.verify_greedy
+
+    def corrupted(x, target_tokens):
+        n, token = real(x, target_tokens)
+        return engine.Verdict(n, (token + 1) % 200 + 6 if x.shape[0] else token)
+
+    monkeypatch.setattr(engine, "verify_greedy", corrupted)
+    result = invoke(["bench", *models, *CLIENTS, "--clients", "2", "--gamma", "2"])
+    assert result.exit_code == 1 and "IDENTITY CHECK FAILED" in result.stderr
+    assert_usage_error(invoke(["bench", *models, *CLIENTS, "--clients", "2", "--tree"]), "--clients")

@@ -1,5 +1,6 @@
 """The γ chooser on synthetic cost curves and acceptance profiles."""
 
+import json
 import random
 
 import pytest
@@ -321,3 +322,36 @@ def test_auto_gamma_in_a_batch_backs_off_where_rows_cost_compute():
         assert share.others(others[0])[0] == 2 * 4 + mine.last_choice + 1  # it recorded its row
         share.leave(mine)
         assert share.others(others[0])[0] == 2 * 4
+
+
+def test_batch_widths_are_priced_from_their_measurement_not_the_small_widths_slope():
+    """Rows free up to 7 (what one request's verify reaches) but each costing a step at a
+    batch's widths (measured at 16 and 64): beside seven requests drafting γ = 6 (49 rows,
+    0.9 tokens a row) a request whose drafts are accepted half the time backs off, where
+    extending the small widths' flat slope would call every row free."""
+    from mlx_spec.policy import BatchShare
+
+    costs = CostCurve(verify=[1.0] * 7, draft_step=0.0, context=256, wide=[[16, 16.0], [64, 64.0]])
+    assert costs.verify_time(40) == pytest.approx(40.0)  # between measured widths: linear
+    assert costs.verify_time(96) == pytest.approx(96.0)  # past the widest: its last slope
+    assert CostCurve(verify=[1.0] * 7, draft_step=0.0, context=256).verify_time(64) == 1.0
+    share = BatchShare()
+    for _ in range(7):
+        share.record(object(), 7, 6.3, 0.0)
+    for curve, gamma in ((costs, 0), (CostCurve([1.0] * 7, 0.0, 256), 6)):
+        assert AutoGamma(curve, max_gamma=6, prior=0.5, learn_costs=False, batch=share).choose() == gamma
+
+
+def test_batched_calibration_measures_the_batch_widths_and_caches_them(tiny_target, tmp_path, monkeypatch):
+    from mlx_spec import costs as costs_module
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    curve = costs_module.load_or_measure(tiny_target, None, max_width=4, context=32, batch_width=32)
+    if len(curve.verify) == 4:  # not stopped early by a noisy first look (then the slope extends)
+        assert [w for w, _ in curve.wide] == [16, 32]
+        times = [curve.verify[-1]] + [t for _, t in curve.wide]
+        assert times == sorted(times) and curve.verify_time(32) == curve.wide[-1][1]
+    again = costs_module.load_or_measure(tiny_target, None, max_width=4, context=32, batch_width=32)
+    assert again == curve  # read back from the cache, wide widths and all
+    table = json.loads(costs_module.cache_path().read_text())
+    assert [k for k in table if "|batch32" in k]  # its own entry: a one-request curve is not replaced

@@ -224,3 +224,23 @@ def test_cli_rejects_bad_input_in_one_line(capsys):
     assert main(["--pairs", "gemma3-9b/1b", "--no-plot"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("error: ") for line in err)
+
+
+def test_concurrency_prediction_follows_the_cost_model():
+    """bench/shaped_concurrency.py: drafting off at N clients is N tokens over t(N) steps; a
+    model-free draft at the batch's fixed point never predicts below drafting off (the
+    policy may always choose γ = 0); rows nearly free (bf16) make drafting pay at every N,
+    rows that cost compute (4-bit) shrink the gain as the batch fills."""
+    import shaped_concurrency as sc
+
+    curves = sc.curves()
+    bf16 = curves["apple-bf16"]
+    assert sc.batch_rate(bf16, 0.0, [0] * 8) == pytest.approx(8 / 2.0)
+    assert sc.batch_rate(bf16, 0.0, [3]) == pytest.approx(sc.expected_tokens(list(sc.SEED), 3) / bf16.verify_time(4))
+    predicted = sc.predict()
+    for name, result in predicted.items():
+        for row in result["rows"]:
+            assert row["ngram auto"]["aggregate"] >= row["off"]["aggregate"] * (1 - 1e-9), (name, row)
+    gains = {name: [r["ngram auto"]["vs_off"] for r in result["rows"]] for name, result in predicted.items()}
+    assert min(gains["apple-bf16"]) > 2.5
+    assert gains["apple-4bit"][-1] < gains["apple-4bit"][0]

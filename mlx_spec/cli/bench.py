@@ -99,6 +99,12 @@ def bench(
         "--compare", rich_help_panel=OUTPUT, metavar="FILE.json",
         help="A `bench --json` result from one machine: show its speedups next to these "
              "(for a run across machines with mlx.launch).")] = None,
+    clients: Annotated[Optional[int], typer.Option(
+        "--clients", min=1, max=64, metavar="N",
+        help="Instead of the γ sweep: N requests at once, decoded together in one batch as "
+             "`serve --parallel N` decodes them (in-process, no HTTP), drafting off and each --gamma "
+             "(default auto); aggregate and per-request tok/s, time to first token, acceptance. "
+             "The --prompt list is cycled over the N requests (default: quote, short).")] = None,
 ) -> None:
     """Sweep γ against drafting off: decode tok/s, speedup, acceptance, Theorem 3.8 prediction.
 
@@ -116,12 +122,14 @@ def bench(
         store = store_drafting(model) if model is not None and draft_model is None and drafter != "ngram" else None
         if store is not None and store.draft is None:
             store = None
-        gamma_list = parse_gammas(gammas or [",".join(map(str, default_gammas(store)))])
+        gamma_list = parse_gammas(gammas or ["auto" if clients else ",".join(map(str, default_gammas(store)))])
+        if clients and (tree or TREE in gamma_list):
+            raise UsageError("a batch drafts chains, not trees: --clients takes no --tree", flag="--clients")
         if auto and "auto" not in gamma_list:
             gamma_list.append("auto")
         if tree and TREE not in gamma_list:
             gamma_list.append(TREE)
-        specs = prompts or ["long"]
+        specs = prompts or (["quote", "short"] if clients else ["long"])
         if "all" in specs:
             specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
         named = []
@@ -155,6 +163,9 @@ def bench(
             key, k = f"{name}{k}", k + 1
         ids[key] = encode_prompt(tokenizer, text, chat)
 
+    if clients:
+        _bench_clients(setup, list(ids.values()), clients, gamma_list, runs, max_tokens, json_out)
+        return
     with StderrProgress() as progress:
         result = run_sweep(setup.pair, ids, drafter=setup.drafter, gammas=gamma_list, warm_runs=runs,
                            max_tokens=max_tokens, params=params, engine_options=setup.engine_options,
@@ -184,6 +195,48 @@ def bench(
     if not result.ok:
         for mismatch in result.failures:
             _warn(f"IDENTITY CHECK FAILED: {mismatch}", "bold red")
+        raise typer.Exit(1)
+
+
+def _bench_clients(setup, prompt_ids: list, clients: int, gammas: list, runs: int, max_tokens: int,
+                   json_out: bool) -> None:
+    """`bench --clients N`: `clients.bench_clients` over the prompts cycled to N requests,
+    rendered; exit 1 where a request's greedy tokens differ from drafting off's."""
+    from mlx_spec.clients import bench_clients
+
+    requests = [prompt_ids[i % len(prompt_ids)] for i in range(clients)]
+    with StderrProgress() as progress:
+        summaries = bench_clients(setup.pair, requests, drafter=setup.drafter, gammas=gammas, runs=runs,
+                                  max_tokens=max_tokens, params=setup.params, engine_options=setup.engine_options,
+                                  progress=progress.task("bench", each=True))
+    if json_out:
+        print(json.dumps({"models": setup.models, "device": str(mx.default_device()), "blas": blas.describe(),
+                          "clients": clients, "max_tokens": max_tokens, "runs": runs,
+                          "temperature": setup.params.temperature,
+                          "settings": [s.as_dict() for s in summaries]}, ensure_ascii=False))
+    else:
+        from rich import box
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console.width = 120  # piped or redirected: room for the whole table
+        table = Table(title=f"{clients} clients at once · {setup.target} · {max_tokens} tokens each · "
+                            f"1 cold + {runs} warm runs per setting, interleaved; medians",
+                      title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for name in ("setting", "aggregate tok/s", "vs off", "per request tok/s", "TTFT s", "max TTFT s",
+                     "α̂", "batch", "identical"):
+            table.add_column(name, justify="left" if name == "setting" else "right")
+        for s in summaries:
+            table.add_row(s.setting, f"{s.aggregate_tps:.1f}", f"{s.speedup:.2f}×", f"{s.per_request_tps:.1f}",
+                          f"{s.ttft:.2f}", f"{s.max_ttft:.2f}",
+                          "—" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}", f"{s.mean_batch:.1f}",
+                          "—" if s.identical is None else "✓" if s.identical else "[red]✗[/red]")
+        console.print(table)
+        console.print(f"{mx.default_device()} · BLAS {blas.summary()}", style="dim")
+    if any(s.identical is False for s in summaries):
+        _warn("IDENTITY CHECK FAILED: a request's tokens in the batch differ from drafting off's", "bold red")
         raise typer.Exit(1)
 
 
