@@ -3,7 +3,7 @@
 The target stays the mlx-lm language model it always is; for a checkpoint with a vision
 tower (Gemma 3 4B and up, Gemma 4) `load_vision` adds mlx-vlm's model of the same folder
 with its language model swapped for the target's (one copy of the weights), and its
-processor. `Vision.prompt` expands each image placeholder the chat template wrote into the
+processor. `ImagePrompter.prompt` expands each image placeholder the chat template wrote into the
 processor's image sequence: Gemma 3's `<start_of_image>` into a fixed one, Gemma 4's
 `<|image|>` into `<|image>`, one `<|image|>` per soft token (how many, the processor sets
 from the image's size) and `<image|>`. The prefill then runs on input embeddings with the

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cli_support import assert_usage_error, invoke
+from cli_support import assert_usage_error, invoke, invoke_json
 from mlx_spec.cache import PromptCache
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -27,12 +27,12 @@ from mlx_spec.models.pairing import load_pair
 from mlx_spec.stats import Stats
 from mlx_spec.testing.tiny_gemma4 import save_tiny_assistant, tiny_assistant_config
 from mlx_spec.testing.tiny_vision import save_tiny_gemma4_vision
+from test_vision import QUESTION, greedy as greedy_for, image_prompt
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: private_cost_cache
 # mlx-vlm's Gemma 4 processor (the reference's) builds an audio feature extractor transformers warns about
 pytestmark = pytest.mark.filterwarnings("ignore:At least one mel filter has all zero values")
 
-QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
 TOKENS = 24
 SIZES = {"a": (40, 52), "b": (40, 40)}  # 6 and 9 soft tokens
 # As 12B and up: no per-layer inputs, no KV-shared layers, a full layer between sliding ones.
@@ -45,26 +45,32 @@ def random_image(name: str) -> Image.Image:
     return Image.fromarray((np.random.default_rng(ord(name)).random((*size, 3)) * 255).astype("uint8"))
 
 
-@pytest.fixture(scope="module", params=list(CHECKPOINTS))
-def pair(request, tmp_path_factory):
-    """(checkpoint name, its folder, the target loaded with the MTP assistant as draft)."""
+def save_pair(root, **checkpoint):
+    """A tiny Gemma 4 vision target in root/target and its MTP assistant in root/assistant."""
     import json
 
-    root = tmp_path_factory.mktemp(f"gemma4-vision-{request.param}")
-    target = save_tiny_gemma4_vision(root / "target", **CHECKPOINTS[request.param])
+    target = save_tiny_gemma4_vision(root / "target", **checkpoint)
     text_config = json.loads((target / "config.json").read_text())["text_config"]
     save_tiny_assistant(root / "assistant", tiny_assistant_config(text_config))
-    return request.param, target, load_pair(str(target), str(root / "assistant"), dtype="float32", progress=False)
+    return target, root / "assistant"
 
 
-def image_prompt(target, image):
-    ids = list(target.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True))
-    return target.vision.prompter.prompt(ids, [image])
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Each checkpoint's (target folder, assistant folder)."""
+    return {name: save_pair(tmp_path_factory.mktemp(f"gemma4-vision-{name}"), **checkpoint)
+            for name, checkpoint in CHECKPOINTS.items()}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def pair(request, folders):
+    """(checkpoint name, its folder, the target loaded with the MTP assistant as draft)."""
+    target, assistant = folders[request.param]
+    return request.param, target, load_pair(str(target), str(assistant), dtype="float32", progress=False)
 
 
 def greedy(engine, prompt, gamma=0, cache=None, stats=None):
-    return [t for r in engine.rounds(prompt.ids, gamma=gamma, max_tokens=TOKENS, images=prompt,
-                                     prompt_cache=cache, stats=stats) for t in r.tokens]
+    return greedy_for(engine, prompt, gamma, cache, stats, max_tokens=TOKENS)
 
 
 def engine_for(pair, drafter=None):
@@ -179,21 +185,34 @@ def test_a_cache_never_reuses_another_images_positions(pair):
     assert stats.prefill_tokens == len(other.ids) - 1 - first_image_token
 
 
-def test_a_later_turn_keeps_the_image(pair):
-    """A second turn with a second image, drafting with the assistant: the prompt cache
-    prefills the new turn only and answers as plain decoding of the whole prompt."""
+def test_a_chats_second_image_turn(pair):
+    """A chat (`chat`'s `/image`) with image a in turn 1 and image b in turn 2, drafting with
+    the assistant: turn 2 prefills only its new tokens and answers as plain decoding of the
+    same image prompt from a fresh cache."""
+    from mlx_spec.chat import ChatSession
+    from mlx_spec.sampling import SamplingParams
+
     loaded = pair[2]
-    target = loaded.target
     engine = engine_for(loaded, "mtp")
-    first = image_prompt(target, random_image("a"))
-    cache = engine.make_prompt_cache()
-    answer = greedy(engine, first, gamma=3, cache=cache)
-    turn = [4] + list(target.tokenizer.encode("user\n", add_special_tokens=False))
-    second = first.extended(first.ids + answer + [5]).then(
-        target.vision.prompter.prompt(turn + [target.vision.prompter.placeholder_id, 5, 4], [random_image("b")]))
-    stats = Stats()
-    assert greedy(engine, second, gamma=3, cache=cache, stats=stats) == greedy(engine_for(loaded), second)
-    assert stats.prefill_tokens < len(second.ids) - len(first.ids) + len(answer) + 2
+    prompts = []  # the ImagePrompt of each turn, as the engine is given it
+    rounds = engine.rounds
+    engine.rounds = lambda ids, *args, **kwargs: prompts.append(kwargs["images"]) or rounds(ids, *args, **kwargs)
+    session = ChatSession(engine, loaded.target.tokenizer)
+
+    def turn(images):
+        stats = Stats()
+        tokens = [t for r in session.ask("What is this?", SamplingParams(), [random_image(i) for i in images],
+                                         gamma=3, max_tokens=TOKENS, stats=stats) for t in r.tokens]
+        return tokens, stats
+
+    turn("a")
+    second, stats = turn("b")
+    first, prompt = prompts
+    assert prompt.ids[:len(first.ids)] == first.ids
+    assert prompt.ids.count(loaded.target.vision.prompter.image_id) == 6 + 9
+    assert stats.prefill_tokens < len(prompt.ids) - len(first.ids)
+    assert second == [t for r in engine_for(loaded).rounds(prompt.ids, gamma=0, max_tokens=TOKENS, images=prompt)
+                      for t in r.tokens]
 
 
 def test_a_gemma4_checkpoint_without_a_vision_tower_refuses_images(tmp_path, private_cost_cache):
@@ -241,20 +260,16 @@ def test_prefill_logits_equal_the_reference(pair, vlm):
 def served(request, tmp_path_factory):
     """(server, loaded pair) on the "e2b" checkpoint with the MTP assistant as draft, its
     chat template ours or Google's own (tests/data/templates/README.md; skipped without it)."""
-    import json
-
     from mlx_spec.server import ServerOptions, create_app
     from scripted_model import InProcessServer
     from test_server_google_templates import template_text
 
     template = None if request.param == "built-in" else template_text(request.param)
-    root = tmp_path_factory.mktemp(f"served-gemma4-vision-{request.param}")
-    target = save_tiny_gemma4_vision(root / "target", chat_template=template)
-    text_config = json.loads((target / "config.json").read_text())["text_config"]
-    save_tiny_assistant(root / "assistant", tiny_assistant_config(text_config))
-    loaded = load_pair(str(target), str(root / "assistant"), dtype="float32", progress=False)
+    target, assistant = save_pair(tmp_path_factory.mktemp(f"served-gemma4-vision-{request.param}"),
+                                  chat_template=template)
+    loaded = load_pair(str(target), str(assistant), dtype="float32", progress=False)
     server = InProcessServer(create_app(engine_for(loaded, "mtp"), loaded.target.tokenizer,
-                                        ServerOptions(model_name="tiny", gamma="3")))
+                                        ServerOptions(model_name="tiny", gamma="3", parallel=4)))  # as serve
     yield server, loaded
     server.stop()
 
@@ -288,3 +303,19 @@ def test_the_server_answers_an_image_with_drafting(served):
         assert stats["drafted"] > 0 and 0 <= stats["acceptance_rate"] <= 1
         answers[name] = plain.text
     assert answers["a"] != answers["b"]
+
+
+def test_generate_with_an_image_and_the_assistant(folders, tmp_path, private_cost_cache):
+    """`generate --image` on the bidirectional checkpoint, drafting with the MTP assistant:
+    the same answer as without drafting, acceptance reported; raw, the image's placeholder
+    comes before the text."""
+    target, assistant = folders["31b"]
+    random_image("a").save(tmp_path / "a.png")
+    common = ["generate", "What is this?", "--model", str(target), "--image", str(tmp_path / "a.png"),
+              "-n", str(TOKENS), "--temp", "0"]
+    plain = invoke_json([*common, "--gamma", "0"])
+    drafted = invoke_json([*common, "--draft-model", str(assistant), "--gamma", "3"])
+    assert drafted["text"] == plain["text"] and drafted["stats"]["drafted"] > 0
+    assert 0 <= drafted["stats"]["acceptance_rate"] <= 1
+    raw = invoke_json([*common, "--gamma", "0", "--raw"])
+    assert raw["prompt_tokens"] == 1 + (1 + 6 + 1) + len("What is this?")  # BOS, <|image> 6 x <|image|> <image|>
