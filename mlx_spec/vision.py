@@ -32,14 +32,11 @@ import urllib.parse
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import mlx.core as mx
 
 from mlx_spec.errors import ModelLoadError, UsageError
-
-if TYPE_CHECKING:
-    import numpy as np
 
 MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (OpenAI's limit per image)
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a small file can decode huge
