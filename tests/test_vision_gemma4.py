@@ -274,13 +274,26 @@ def served(request, tmp_path_factory):
     server.stop()
 
 
+def plain_answer(loaded, image: str, thinking: bool):
+    """Greedy decoding without drafting, in-process, of the question with `image` as the
+    checkpoint's template renders it (transformers' rendering), thinking on or off."""
+    from mlx_spec.stream import generate
+
+    tokenizer = loaded.target.tokenizer
+    ids = list(tokenizer._tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=thinking,
+                                                        tokenize=True, return_dict=False))
+    prompt = loaded.target.vision.prompter.prompt(ids, [random_image(image)])
+    return generate(engine_for(loaded), tokenizer, prompt.ids, gamma=0, max_tokens=TOKENS, images=prompt)
+
+
 def test_the_server_answers_an_image_with_drafting(served):
     """The official openai client sends an image_url data URL: the answer drafts (acceptance
-    reported) and equals plain decoding in-process of the prompt the template renders."""
+    reported) and equals plain decoding in-process of the prompt the template renders; the
+    official anthropic client's image block gets the same answer."""
     import base64
     import io
 
-    from mlx_spec.stream import generate
+    import anthropic
 
     server, loaded = served
     tokenizer = loaded.target.tokenizer
@@ -288,21 +301,25 @@ def test_the_server_answers_an_image_with_drafting(served):
     for name in "ab":
         buffer = io.BytesIO()
         random_image(name).save(buffer, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+        data = base64.b64encode(buffer.getvalue()).decode()
         answer = server.client().chat.completions.create(model="tiny", max_tokens=TOKENS, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
                                          {"type": "text", "text": "What is this?"}]}])
-        ids = list(tokenizer._tokenizer.apply_chat_template(
-            QUESTION, add_generation_prompt=True, enable_thinking=tokenizer.has_thinking, tokenize=True,
-            return_dict=False))
-        prompt = loaded.target.vision.prompter.prompt(ids, [random_image(name)])
-        plain = generate(engine_for(loaded), tokenizer, prompt.ids, gamma=0, max_tokens=TOKENS, images=prompt)
-        assert answer.usage.prompt_tokens == len(prompt.ids)
+        plain = plain_answer(loaded, name, thinking=tokenizer.has_thinking)  # the OpenAI route's default
+        assert answer.usage.prompt_tokens == plain.prompt_tokens
         assert answer.choices[0].message.content == plain.text
         stats = answer.model_extra["mlx_spec"]
         assert stats["drafted"] > 0 and 0 <= stats["acceptance_rate"] <= 1
         answers[name] = plain.text
     assert answers["a"] != answers["b"]
+    client = anthropic.Anthropic(base_url=server.base.removesuffix("/v1"), api_key="unused", max_retries=0)
+    message = client.messages.create(model="tiny", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+            {"type": "text", "text": "What is this?"}]}])
+    # without `thinking`, Anthropic's route renders with thinking off
+    assert "".join(block.text for block in message.content if block.type == "text") == \
+        plain_answer(loaded, "b", thinking=False).text
 
 
 def test_generate_with_an_image_and_the_assistant(folders, tmp_path, private_cost_cache):
