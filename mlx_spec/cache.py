@@ -79,9 +79,14 @@ class WindowKVCache(_Restorable):
     `window - 1 + slack` behind the newest are dropped in batches (every `step` tokens),
     and `make_mask` hides keys outside each query's window. Drop-in for mlx-lm's
     `RotatingKVCache(max_size=window, keep=0)`.
+
+    While `image_blocks` is set ([N]: each fed row's image, or -1), a prefill's rows of one
+    image also see that image's later rows, within the window (Gemma 4's bidirectional
+    images, on sliding-window layers only, as transformers and Google's reference have it).
     """
 
     step = 256
+    image_blocks: Optional[mx.array] = None
 
     def __init__(self, window: int, slack: int):
         self.window = window
@@ -149,6 +154,8 @@ class WindowKVCache(_Restorable):
         prior = self.keys_seen(N) - N  # keys returned before the new ones
         if self.tree is not None:
             return tree_mask(self.tree, prior, window)
+        if self.image_blocks is not None:
+            return _open_images(create_causal_mask(N, prior, window_size=window), self.image_blocks, window)
         if prior + N <= window:  # every query sees every returned key: plain causal
             if N == 1:
                 return None
@@ -201,6 +208,17 @@ class WindowKVCache(_Restorable):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else _nbytes(self.keys) + _nbytes(self.values)
+
+
+def _open_images(mask: mx.array, blocks: mx.array, window: int) -> mx.array:
+    """`mask` [N, prior + N] with each of the N new rows also seeing the new rows of its own
+    image (`blocks` [N]: the row's image, or -1) less than `window` before it."""
+    N = blocks.shape[0]
+    rows = mx.arange(N)
+    same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+    same = same & (rows[:, None] - rows[None, :] < window)
+    prior = mask.shape[-1] - N
+    return mx.concatenate([mask[:, :prior], mask[:, prior:] | same], axis=1)
 
 
 class _PackedFetch:
@@ -455,6 +473,20 @@ def _feeding_tree(model, cache: list, shape: TreeShape, root: int):
     finally:
         for layer in cache:
             layer.tree = None
+
+
+@contextmanager
+def _images_opened(cache: list, blocks: Optional[mx.array]):
+    """While the model's graph is built: the sliding-window layers' masks open each image's
+    rows to each other (`WindowKVCache.image_blocks`); nothing when `blocks` is None."""
+    windows = [layer for layer in cache if isinstance(layer, WindowKVCache)] if blocks is not None else []
+    try:
+        for layer in windows:
+            layer.image_blocks = blocks
+        yield
+    finally:
+        for layer in windows:
+            layer.image_blocks = None
 
 
 def _max_trim(layer) -> int:
@@ -722,14 +754,18 @@ class SequenceCache:
         todo = ids[common:]
         if progress is not None and todo:
             progress(0, len(todo))  # shown before the first chunk, which can take a while
-        inputs = inputs(common, len(ids)) if inputs is not None and todo else {}
+        inputs = dict(inputs(common, len(ids))) if inputs is not None and todo else {}
+        blocks = inputs.pop("image_blocks", None)
+        if blocks is not None:  # an image's rows see each other: one pass, so no chunk splits an image
+            chunk_size = max(len(todo), 1)
         for begin in range(0, len(todo), chunk_size):
             chunk = todo[begin : begin + chunk_size]
             last = hidden and begin + chunk_size >= len(todo)
             self._quantize_when_due()
             rows = slice(common + begin, common + begin + len(chunk))
-            out = self._call(mx.array(chunk)[None], head=not last,
-                             **{name: value[:, rows] for name, value in inputs.items()})
+            with _images_opened(self.cache, None if blocks is None else blocks[0, rows]):
+                out = self._call(mx.array(chunk)[None], head=not last,
+                                 **{name: value[:, rows] for name, value in inputs.items()})
             kept = out[:, -1:, :] if last else None  # [1, 1, H]
             mx.eval([c.state for c in self.cache] + ([kept] if last else []))
             self.prefill_hidden = kept

@@ -54,8 +54,8 @@ def image_prompt(target, image):
     return target.vision.prompter.prompt(ids, [image])
 
 
-def greedy(engine, prompt, gamma=0, cache=None, stats=None):
-    return [t for r in engine.rounds(prompt.ids, gamma=gamma, max_tokens=TOKENS, images=prompt,
+def greedy(engine, prompt, gamma=0, cache=None, stats=None, max_tokens=TOKENS):
+    return [t for r in engine.rounds(prompt.ids, gamma=gamma, max_tokens=max_tokens, images=prompt,
                                      prompt_cache=cache, stats=stats) for t in r.tokens]
 
 

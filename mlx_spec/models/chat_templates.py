@@ -42,14 +42,23 @@ GEMMA_CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-# Gemma 4 turn format, text only: turns open with <|turn>role and close with <turn|>; a
-# system turn is its own turn (Gemma 4 has the role); the assistant is called "model".
+# Gemma 4 turn format: turns open with <|turn>role and close with <turn|>; a system turn
+# is its own turn (Gemma 4 has the role); the assistant is called "model"; a content list's
+# image parts render as \n\n<|image|>\n\n (the processor expands it), its text parts
+# trimmed, as Google's does.
 GEMMA4_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<|turn>' + role + '\n' }}"
+    "{%- if message['content'] is string -%}"
     "{{ message['content'] | trim }}"
+    "{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '\n\n<|image|>\n\n' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{{ '<turn|>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
