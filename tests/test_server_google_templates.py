@@ -93,14 +93,14 @@ def say(served, text):
     served[1].script = list(served[2].encode(text, add_special_tokens=False))
 
 
-def native(served, messages, tools=(WEATHER, TIME)) -> list[int]:
-    """The template's own rendering (transformers') of the hand-written native form, thinking
-    switched as mlx-lm's tokenizer switches it by default (on where the vocabulary has the
-    thinking channel's markers), which the server follows."""
+def native(served, messages, tools=(WEATHER, TIME), thinking=None) -> list[int]:
+    """The template's own rendering (transformers') of the hand-written native form. Thinking
+    is `thinking`, or by default switched as mlx-lm's tokenizer switches it (on where the
+    vocabulary has the thinking channel's markers), which the OpenAI routes follow."""
     hf = served[2]._tokenizer
     return list(hf.apply_chat_template(messages, tools=list(tools) or None, add_generation_prompt=True,
-                                       enable_thinking=served[2].has_thinking, tokenize=True,
-                                       return_dict=False))
+                                       enable_thinking=served[2].has_thinking if thinking is None else thinking,
+                                       tokenize=True, return_dict=False))
 
 
 def seen_prompt(served, usage_tokens: int) -> list[int]:
@@ -181,7 +181,8 @@ def test_anthropic_tool_results_go_into_the_models_turn(served):
     anthropic_tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"],
                                                          "description": t["description"]}} for t in tools]
     prompt_tokens = second.usage.input_tokens + second.usage.cache_read_input_tokens
-    assert seen_prompt(served, prompt_tokens) == native(served, expected, anthropic_tools)
+    # Anthropic's API thinks only when a request asks (`thinking: {type: "enabled"}`)
+    assert seen_prompt(served, prompt_tokens) == native(served, expected, anthropic_tools, thinking=False)
 
 
 @pytest.mark.parametrize("name", ["native", *GOOGLE])
@@ -223,9 +224,10 @@ def test_greedy_answers_after_tool_results_are_mlx_lms(name, tmp_path):
     model, tokenizer = load(str(tmp_path / "target"))
     turn = {"role": "assistant", "content": "", "tool_calls": [call("c1", "get_weather", {"city": "Paris"})],
             "tool_responses": [{"name": "get_weather", "response": "Sunny"}]}
-    for tools, answer in ((None, openai_answer), ([{"type": "function", "function": {
-            "name": "get_weather", "parameters": {"type": "object"}}}], anthropic_answer)):
+    # the OpenAI route thinks as mlx-lm's tokenizer does by default; Anthropic's only when asked
+    for tools, thinking, answer in ((None, tokenizer.has_thinking, openai_answer), ([{"type": "function", "function": {
+            "name": "get_weather", "parameters": {"type": "object"}}}], False, anthropic_answer)):
         prompt = tokenizer._tokenizer.apply_chat_template(ASK + [turn], tools=tools, add_generation_prompt=True,
-                                                          enable_thinking=tokenizer.has_thinking, tokenize=True,
+                                                          enable_thinking=thinking, tokenize=True,
                                                           return_dict=False)
         assert answer == generate(model, tokenizer, prompt, max_tokens=TOKENS)
