@@ -35,9 +35,16 @@ py trees.py --pair layered-tiny-loose --max-tokens 96 --repeats 5 --sampled
 py trees.py --pair gemma270m-q8 --prompts long --gammas 2 4 --max-tokens 48 --repeats 2
 # Serving many clients, structured output, quantized and saved KV caches (issues 28, 34, 29).
 py concurrency.py --gamma 3
-py concurrency.py --gamma auto --name concurrency_auto
+py concurrency.py --clients 1,4 --prompts copying,ordinary --gamma auto --servers batched,serial,mlx-lm --runs 3 --one-client-runs 3 --name concurrency_auto
+py concurrency.py --servers batched-draft,mlx-lm-draft,batched --prompts copying --clients 1,2,4 --runs 2 --one-client-runs 2 --name concurrency_draft
+py batched_drafting.py
+py batched_drafting.py --pair gemma270m-self
+py batched_drafting.py --pair layered-tiny
+py shaped_concurrency.py
 py concurrency.py --stall --clients 1 --runs 2 --servers batched,serial --name concurrency_stall
 py grammar_libs.py   # add --xgrammar-python /tmp/xg/bin/python (a venv with xgrammar) for its half
 py structured.py
 py kv_quality.py
 py prompt_cache_disk.py --tokens 2048 --repeats 1
+py prompt_cache_disk.py --tokens 8192 --repeats 2 --warm 3
+py kv_decode_profile.py
