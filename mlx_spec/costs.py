@@ -208,18 +208,19 @@ def cache_path() -> Path:
 
 
 def cost_key(target, draft, max_width: int, context: int, ranks: int = 1, batch_width: int = 0) -> str:
-    """What changes costs: both models (shapes and dtypes), widths, context, MLX version,
-    device, the BLAS MLX's CPU runs with and its threads, and the ranks sharing the target."""
+    """What changes costs: both models (shapes and dtypes), widths (a batch's too), context,
+    MLX version, device, the BLAS MLX's CPU runs with and its threads, and the ranks sharing
+    the target."""
     from mlx_spec import blas
 
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
     tp = f"|tp{ranks}" if ranks > 1 else ""  # a sharded target costs what its slowest link does
-    tp += f"|batch{batch_width}" if batch_width else ""
+    batch = f"|batch{batch_width}" if batch_width else ""
     info = blas.describe()
     lib = f"{info['name']}:{info['version'] or ''}:{info['threads'] or ''}"
     return (f"v4|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
-            f"|blas={lib}{tp}")
+            f"|blas={lib}{tp}{batch}")
 
 
 def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 256, refresh: bool = False,
