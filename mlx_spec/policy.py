@@ -234,13 +234,18 @@ class AutoGamma:
         # Parked, only a probe's outcome can bring drafting back: evidence fading while
         # parked must not by itself flip the choice (drafting, losing, parking, in a cycle).
         can_pay = self.can_pay
+        batched = self._batched()
         if not self.parked:
             gamma = self.best() if can_pay else 0
-            self.parked = gamma == 0
+            # In a batch, γ = 0 may be the batch's choice (the others' rows make this one's
+            # dear) while drafting still pays for the request alone: that is no evidence
+            # against drafting, so it does not park; the next round chooses afresh.
+            self.parked = gamma == 0 and not (batched and self._best_alone() > 0)
             self.drafting_rounds += gamma > 0
             # Now and then one position more than the best, where it may well be accepted:
-            # its measured time corrects a calibration that priced it too dear.
-            if (isinstance(self.costs, LiveCosts) and 0 < gamma < self.max_gamma
+            # its measured time corrects a calibration that priced it too dear (not in a
+            # batch, whose round times teach nothing: `observe`).
+            if (isinstance(self.costs, LiveCosts) and not batched and 0 < gamma < self.max_gamma
                     and self.drafting_rounds % self.explore_every == 0 and self.acceptance()[gamma] >= 0.5):
                 gamma += 1
         if self.parked:
@@ -256,9 +261,17 @@ class AutoGamma:
             self.batch.record(self, gamma + 1, expected_tokens(acceptance, gamma), draft_seconds)
         return gamma
 
+    def _batched(self) -> bool:
+        """Whether other requests decode beside this one."""
+        return self.batch is not None and self.batch.others(self)[0] > 0
+
+    def _best_alone(self) -> int:
+        """The γ this request would choose decoding alone."""
+        acceptance = self.acceptance()
+        return max(range(self.max_gamma + 1), key=lambda g: tokens_per_second(self.costs, acceptance, g))
+
     def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
-        batched = self.batch is not None and self.batch.others(self)[0] > 0
-        if seconds is not None and isinstance(self.costs, LiveCosts) and not batched:
+        if seconds is not None and isinstance(self.costs, LiveCosts) and not self._batched():
             self.costs.observe(gamma, seconds)
         keep = self.decay if gamma else self.parked_decay
         self.reached = [keep * r for r in self.reached]

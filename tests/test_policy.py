@@ -324,6 +324,34 @@ def test_auto_gamma_in_a_batch_backs_off_where_rows_cost_compute():
         assert share.others(others[0])[0] == 2 * 4
 
 
+def test_a_request_the_batch_holds_back_drafts_again_once_the_batch_thins():
+    """γ = 0 chosen because the others' rows make this request's dear is the batch's choice,
+    not evidence against drafting: the request does not park (which would hold it at plain
+    decoding for `probe_every` rounds), and drafts as soon as the others leave. Nor does a
+    batched request spend rows exploring one position more than the best (its round times
+    teach it nothing). Alone, a γ = 0 that is the request's own evidence still parks."""
+    from mlx_spec.policy import BatchShare
+
+    costs = CostCurve(verify=[1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 4.0], draft_step=0.0, context=256)
+    share = BatchShare()
+    others = [object() for _ in range(3)]
+    for other in others:
+        share.record(other, 4, 3.439, 0.0)
+    mine = AutoGamma(costs, max_gamma=6, explore_every=1, batch=share)
+    assert mine.choose() == 0 and not mine.parked
+    mine.observe(0, 0)
+    for other in others:
+        share.leave(other)
+    assert mine.choose() == 3 + 1  # alone now: the free rows, and one more to explore
+    share.record(others[0], 7, 6.0, 0.0)
+    for _ in range(4):  # batched: never γ + 1 to explore
+        assert mine.choose() == mine.best()
+        mine.observe(mine.last_choice, mine.last_choice)
+    dear = CostCurve(verify=[1.0, 1.9, 2.8, 3.7, 4.6, 5.5, 6.4], draft_step=0.0, context=256)
+    lonely = AutoGamma(dear, max_gamma=6, prior=0.1, learn_costs=False)
+    assert lonely.choose() == 0 and lonely.parked
+
+
 def test_batch_widths_are_priced_from_their_measurement_not_the_small_widths_slope():
     """Rows free up to 7 (what one request's verify reaches) but each costing a step at a
     batch's widths (measured at 16 and 64): beside seven requests drafting γ = 6 (49 rows,
