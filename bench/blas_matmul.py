@@ -10,9 +10,10 @@ Also recorded, for the figures docs/performance.md quotes:
 - how far row 0 of an M-row float32 product is from the 1-row product of the same row
   (MKL picks other kernels for more rows, so a verify can round a logit differently from
   a decode step; `row_difference`);
-- the LM head's 1-row time under the optimised BLAS on 1 and on every core's worth of
-  threads, on an idle machine and beside processes that keep one core, or every core,
-  busy (what the default thread count rests on; `threads`).
+- the LM head's time over 1, 16 and 64 rows under the optimised BLAS on 1 and on every
+  core's worth of threads, on an idle machine and beside processes that keep one core, or
+  every core, busy (what the default thread counts rest on, `blas.default_threads` for a
+  few rows and `blas.wide_threads` from `blas.WIDE_ROWS` rows on; `threads`).
 
     python bench/blas_matmul.py --workers 2
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 ROWS = (1, 2, 4, 8)
+THREAD_ROWS = (1, 16, 64)  # a decode step, a batch's verify, a prefill chunk
 SHAPES = {"float32 LM head (640 x 262144)": (640, 262144, None),
           "4-bit MLP projection (3840 x 15360)": (3840, 15360, 4)}
 
@@ -53,9 +55,9 @@ def worker(repeats: int, head_only: bool = False) -> None:
             def forward(x):
                 return x @ w.T
         out["ms"][name] = {}
-        for rows in ROWS[: 1 if head_only else None]:
+        for rows in THREAD_ROWS if head_only else ROWS:
             x = mx.random.normal((rows, d_in), key=mx.random.key(rows))
-            if not bits:  # row 0 alone against row 0 of the M-row product
+            if not bits and not head_only:  # row 0 alone against row 0 of the M-row product
                 alone, together = forward(x[:1]), forward(x)[:1]
                 gap = mx.max(mx.abs(alone - together)).item()
                 out["row_difference"][str(rows)] = {"max_abs": gap, "relative": gap / mx.max(mx.abs(alone)).item()}
@@ -108,7 +110,8 @@ def main() -> None:
                                     env={"MLX_SPEC_BLAS_THREADS": str(count)}) for _ in range(args.workers)]
                 load = "idle" if not busy else f"{busy} core{'s' * (busy > 1)} busy"
                 threads[f"{count} thread{'s' * (count > 1)}, {load}"] = {
-                    "blas_threads": runs[0]["blas"]["threads"], "ms": median([r["ms"][head]["1"] for r in runs])}
+                    "blas_threads": runs[0]["blas"]["threads"],
+                    "ms": {rows: median([r["ms"][head][rows] for r in runs]) for rows in runs[0]["ms"][head]}}
         finally:
             for spinner in spinners:
                 spinner.kill()
@@ -121,7 +124,8 @@ def main() -> None:
     for name in table:
         print(f"row 0 of M rows vs alone, {table[name]['blas']['name']}: " + "  ".join(
             f"M={rows} {d['max_abs']:.1e} ({d['relative']:.1e} rel.)" for rows, d in table[name]["row_difference"].items()))
-    print("LM head, 1 row: " + "  ".join(f"{k} {v['ms']:.0f} ms" for k, v in threads.items()))
+    for k, v in threads.items():
+        print(f"LM head, {k}: " + "  ".join(f"M={rows} {ms:.0f} ms" for rows, ms in v["ms"].items()))
     path = write_results("blas_matmul", {"workers": args.workers, "repeats": args.repeats,
                                          "other_processes_cores_before": before, **table,
                                          "threads": threads})

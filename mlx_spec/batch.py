@@ -31,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_spec import blas
 from mlx_spec.cache import SequenceCache, WindowKVCache, forward_model, ropes_replaced
 from mlx_spec.tree import TreeShape
 
@@ -101,6 +102,8 @@ class ModelPass(Pass):
         try:
             with ropes_replaced(rows[0].model, lambda rope: _OffsetRoPE(rope, offsets)):
                 out = forward_model(rows[0].model, tokens, layers, hidden=hidden)
+            with blas.threads_for(tokens.size):  # evaluated here: a wide forward gets every core
+                mx.eval(out)
         except BaseException:
             for row in rows:  # half-fed layers disagree now (see `SequenceCache._call`)
                 row.reset()

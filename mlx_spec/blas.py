@@ -10,8 +10,10 @@ loads an optimised BLAS first, with no LD_PRELOAD for the user to set:
                (Debian/Ubuntu `libopenblas0`), else the wheel's reference BLAS
     mkl | openblas | reference | /path/to/libblas.so     forced, by $MLX_SPEC_BLAS
 
-Threads: half the cores (`default_threads`), or $MLX_SPEC_BLAS_THREADS, or the library's
-own variable (MKL_NUM_THREADS, OPENBLAS_NUM_THREADS, OMP_NUM_THREADS) where one is set.
+Threads: half the cores (`default_threads`), and every core for a forward of `WIDE_ROWS`
+rows or more (`wide_threads`: a prefill chunk, a batch's verify); or $MLX_SPEC_BLAS_THREADS
+for both, or the library's own variable (MKL_NUM_THREADS, OPENBLAS_NUM_THREADS,
+OMP_NUM_THREADS) where one is set.
 
 PyPI's `scipy-openblas32` cannot serve: it prefixes its symbols (`scipy_cblas_sgemm`).
 Nothing is loaded on macOS (MLX uses Accelerate) or beside a CUDA build of MLX.
@@ -26,6 +28,7 @@ import os
 import platform
 import site
 import sys
+from contextlib import contextmanager
 from typing import Optional
 
 ENV = "MLX_SPEC_BLAS"
@@ -105,6 +108,7 @@ def load() -> dict:
                 continue
             state.update(name=_kind(path), path=path, problem=None)
             _set_threads(lib, state["name"])
+            _keep_setter(lib, state["name"])
             break
     _state = state
     return state
@@ -119,6 +123,49 @@ def default_threads() -> int:
     our 2-core CPU MKL's 640 × 262144 matmul took 34 / 36 ms on 1 / 2 threads idle, and
     42 / 54 ms with both cores busy elsewhere (bench/blas_matmul.py)."""
     return max(1, (os.cpu_count() or 1) // 2)
+
+
+WIDE_ROWS = 8
+_setter = None  # the library's set-threads call, while threads are ours to choose
+_narrow = _wide = 1
+
+
+def wide_threads() -> int:
+    """Every core. A matmul over many rows is compute-bound and a second thread nearly halves
+    it, where one over a few rows waits on memory either way: on our 2-core CPU MKL's
+    640 × 262144 matmul over 16 rows took 133 / 97 ms on 1 / 2 threads, over 1 row 32 / 34
+    (bench/blas_matmul.py)."""
+    return max(1, os.cpu_count() or 1)
+
+
+def _keep_setter(lib, kind: str) -> None:
+    global _setter, _narrow, _wide
+    own = {"mkl": "MKL_NUM_THREADS", "openblas": "OPENBLAS_NUM_THREADS"}.get(kind)
+    if own is None or THREADS_ENV in os.environ or own in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return  # one count for every matmul: the user's
+    _narrow, _wide = default_threads(), wide_threads()
+    if _wide != _narrow:
+        _setter = getattr(lib, "MKL_Set_Num_Threads" if kind == "mkl" else "openblas_set_num_threads", None)
+
+
+@contextmanager
+def threads_for(rows: int):
+    """BLAS threads for a forward over `rows` rows, evaluated inside the block: every core
+    from WIDE_ROWS rows on, else the default."""
+    if _setter is None or rows < WIDE_ROWS:
+        yield
+        return
+    _setter(_wide)
+    try:
+        yield
+    finally:
+        _setter(_narrow)
+
+
+def threads_label() -> str:
+    """'1', or '1/2' where wide forwards use more threads (for cost-curve keys)."""
+    threads = describe()["threads"]
+    return f"{threads}/{_wide}" if _setter is not None and threads else str(threads or "")
 
 
 def _set_threads(lib, kind: str) -> None:

@@ -44,6 +44,7 @@ from mlx_lm.models.cache import (KVCache, QuantizedKVCache, RotatingKVCache, cre
                                  make_prompt_cache)
 from mlx.utils import tree_map
 
+from mlx_spec import blas
 from mlx_spec.tree import TreeShape, tree_mask
 
 
@@ -767,7 +768,8 @@ class SequenceCache:
                 out = self._call(mx.array(chunk)[None], head=not last,
                                  **{name: value[:, rows] for name, value in inputs.items()})
             kept = out[:, -1:, :] if last else None  # [1, 1, H]
-            mx.eval([c.state for c in self.cache] + ([kept] if last else []))
+            with blas.threads_for(len(chunk)):  # evaluated here: every core's BLAS threads
+                mx.eval([c.state for c in self.cache] + ([kept] if last else []))
             self.prefill_hidden = kept
             self.ids.extend(keys[rows])
             if progress is not None:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlx_spec import blas
 from mlx_spec.cache import SequenceCache
 from mlx_spec.cost_model import CostCurve, non_decreasing
 from mlx_spec.distributed import world as this_world
@@ -91,7 +92,8 @@ def _forward_timer(seq: SequenceCache, width: int) -> Callable[[], None]:
     tokens = mx.array([(17 * i) % 1000 + 10 for i in range(width)], mx.uint32)
 
     def run():
-        mx.eval(seq.forward(tokens))
+        with blas.threads_for(width):  # as a batch's forward of this width runs
+            mx.eval(seq.forward(tokens))
         seq.settle([])  # leave the context as it was
 
     return run
@@ -211,14 +213,12 @@ def cost_key(target, draft, max_width: int, context: int, ranks: int = 1, batch_
     """What changes costs: both models (shapes and dtypes), widths (a batch's too), context,
     MLX version, device, the BLAS MLX's CPU runs with and its threads, and the ranks sharing
     the target."""
-    from mlx_spec import blas
-
     device = str(mx.default_device())
     draft_id = fingerprint(draft) if draft is not None else "none"
     tp = f"|tp{ranks}" if ranks > 1 else ""  # a sharded target costs what its slowest link does
     batch = f"|batch{batch_width}" if batch_width else ""
     info = blas.describe()
-    lib = f"{info['name']}:{info['version'] or ''}:{info['threads'] or ''}"
+    lib = f"{info['name']}:{info['version'] or ''}:{blas.threads_label()}"
     return (f"v4|{fingerprint(target)}|{draft_id}|w{max_width}|ctx{context}|mlx{mx.__version__}|{device}"
             f"|blas={lib}{tp}{batch}")
 

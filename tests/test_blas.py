@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import mlx.core as mx
 
 from mlx_spec import blas
 
@@ -108,3 +109,54 @@ def test_threads_default_to_half_the_cores_and_follow_the_users_choice():
     every = str(os.cpu_count())  # MKL caps its threads at the cores it finds
     assert threads(MLX_SPEC_BLAS_THREADS=every) == os.cpu_count()
     assert threads(MKL_NUM_THREADS=every) == os.cpu_count()  # the library's own variable, left alone
+
+
+@pytest.mark.skipif(not (LINUX_X86 and HAS_MKL), reason="MKL ships from PyPI for x86-64 Linux only")
+def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
+    code = (
+        "import ctypes, json, mlx_spec; from mlx_spec import blas\n"
+        "lib = ctypes.CDLL(blas.describe()['path']); now = lambda: int(lib.mkl_get_max_threads())\n"
+        "seen = {'before': now()}\n"
+        "with blas.threads_for(blas.WIDE_ROWS - 1): seen['narrow'] = now()\n"
+        "with blas.threads_for(blas.WIDE_ROWS): seen['wide'] = now()\n"
+        "seen['after'] = now(); seen['label'] = blas.threads_label(); print(json.dumps(seen))"
+    )
+
+    def threads(**extra):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    cores, half = os.cpu_count(), max(1, os.cpu_count() // 2)
+    label = f"{half}/{cores}" if cores != half else str(half)
+    assert threads() == {"before": half, "narrow": half, "wide": cores, "after": half, "label": label}
+    assert threads(MLX_SPEC_BLAS_THREADS="1") == {"before": 1, "narrow": 1, "wide": 1, "after": 1, "label": "1"}
+    assert threads(MKL_NUM_THREADS="1")["wide"] == 1
+
+
+def test_prefill_chunks_and_batched_forwards_are_evaluated_on_the_wide_threads(tiny_target, monkeypatch):
+    """Where a wide forward is evaluated, the BLAS runs on `wide_threads`; a decode step
+    keeps the default (the switch is recorded, whatever this machine's BLAS)."""
+    from mlx_spec.batch import ModelPass, run_passes
+    from mlx_spec.cache import SequenceCache
+
+    calls = []
+    monkeypatch.setattr(blas, "_setter", calls.append)
+    monkeypatch.setattr(blas, "_narrow", 1)
+    monkeypatch.setattr(blas, "_wide", 2)
+    seq = SequenceCache(tiny_target, slack=8)
+    seq.prefill(list(range(3, 3 + 2 * blas.WIDE_ROWS)), chunk_size=blas.WIDE_ROWS)
+    assert calls == [2, 1, 2, 1]  # two chunks of WIDE_ROWS rows
+    calls.clear()
+    mx.eval(seq.forward(mx.array([5])))
+    seq.settle([5])
+    assert calls == []
+    rows = [SequenceCache(tiny_target, slack=8) for _ in range(2)]
+    for row in rows:
+        row.prefill([3, 4, 5])
+    calls.clear()
+    half = blas.WIDE_ROWS // 2
+    run_passes([ModelPass(row, mx.array([6] * half)) for row in rows])  # 2 × WIDE_ROWS/2 rows
+    assert calls == [2, 1]
