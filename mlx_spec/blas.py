@@ -125,16 +125,18 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 1) // 2)
 
 
-WIDE_ROWS = 8
+WIDE_ROWS = 32
 _setter = None  # the library's set-threads call, while threads are ours to choose
 _narrow = _wide = 1
 
 
 def wide_threads() -> int:
     """Every core. A matmul over many rows is compute-bound and a second thread nearly halves
-    it, where one over a few rows waits on memory either way: on our 2-core CPU MKL's
-    640 × 262144 matmul over 16 rows took 133 / 97 ms on 1 / 2 threads, over 1 row 32 / 34
-    (bench/blas_matmul.py)."""
+    it, where one over a few rows waits on memory either way. On our 2-core CPU, MKL's
+    640 × 262144 matmul (bench/blas_matmul.py) on 1 / 2 threads: 1 row 37 / 35 ms, 16 rows
+    119 / 105, 64 rows 434 / 225 idle; beside a process keeping one core busy 16 rows
+    137 / 173 and 64 rows 402 / 410. So from `WIDE_ROWS` rows on (prefill chunks; a batch's
+    widest verifies), not below."""
     return max(1, os.cpu_count() or 1)
 
 
