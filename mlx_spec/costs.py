@@ -13,7 +13,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -125,10 +125,8 @@ def measure_costs(
     progress: Optional[Callable[[int, int], None]] = None,
     early_stop: bool = True,
     world=None,
-    batch_width: int = 0,
 ) -> CostCurve:
-    """Time target forwards at widths 1..max_width and one draft step, at `context` tokens,
-    and (`batch_width`) at WIDE_FIRST and batch_width rows.
+    """Time target forwards at widths 1..max_width and one draft step, at `context` tokens.
 
     Args:
         target, draft: mlx-lm models (draft None: a model-free drafter, step cost 0), or a
@@ -139,15 +137,13 @@ def measure_costs(
         world: a `distributed.World` whose ranks shard `target`: every rank runs the same
             forwards (communication included in the times), rank 0 times the draft and
             decides, and every rank returns rank 0's curve. Default: this process's world.
-        batch_width: the most rows a batch's forward verifies (several requests' blocks;
-            rows cost about the same whether one request's or several's); 0: none.
     """
 
     w = world or this_world()
     if w.active and not w.is_root:
         draft = None  # the draft runs alone: only rank 0's timing of it is used
     total = max_width + (draft is not None)
-    target_seq = SequenceCache(target, slack=max(max_width, batch_width) + 1)
+    target_seq = SequenceCache(target, slack=max_width + 1)
     _fill_context(target_seq, context)
     # A first look, width by width, finds how wide is worth measuring; its timings are
     # the first samples of the round-robin that follows.
@@ -163,14 +159,6 @@ def measure_costs(
             break
     verify = _median_times(timers, repeats, BUDGET_S, samples=[[t] for t in first], agree=w.agree)
     verify = non_decreasing(verify)
-    wide = []
-    widths = sorted({n for n in (WIDE_FIRST, batch_width) if max_width < n <= batch_width})
-    if widths and len(verify) == max_width:  # not stopped early: rows were still cheap at max_width
-        # two timed passes each, no untimed first one (narrower widths warmed the kernels): a
-        # 64-row forward can cost ~15 single steps where rows cost compute (this CPU)
-        times = _median_times([_forward_timer(target_seq, n) for n in widths], 2, 0.0,
-                              samples=[[] for _ in widths], agree=w.agree)
-        wide = [[n, max(t, verify[-1])] for n, t in zip(widths, non_decreasing(times))]
     draft_step = draft_step2 = 0.0
     if isinstance(draft, gemma4_assistant.Model):
         # An MTP assistant's step reads the target's cache, so it is timed over the target's
@@ -187,8 +175,26 @@ def measure_costs(
         )
         if progress:
             progress(total, total)
-    curve = CostCurve(verify, draft_step, context, draft_step2, wide)
+    curve = CostCurve(verify, draft_step, context, draft_step2)
     return CostCurve(**w.broadcast_json(asdict(curve))) if w.active else curve
+
+
+def measure_batch_widths(target, base: CostCurve, *, max_width: int, batch_width: int, world=None) -> list:
+    """[[rows, seconds]] of target forwards at WIDE_FIRST and `batch_width` rows (a batch's
+    verify: several requests' blocks cost about what one request's rows do), at `base`'s
+    context, above `base`'s widest verify; none where `base` stopped short of `max_width`
+    (rows already cost compute, and its slope extends)."""
+    w = world or this_world()
+    widths = sorted({n for n in (WIDE_FIRST, batch_width) if max_width < n <= batch_width})
+    if not widths or len(base.verify) < max_width:
+        return []
+    target_seq = SequenceCache(target, slack=max(widths) + 1)
+    _fill_context(target_seq, base.context)
+    # two timed passes each after one untimed (warming the kernels at these shapes): a 64-row
+    # forward can cost ~15 single steps where rows cost compute (this CPU)
+    times = _median_times([_forward_timer(target_seq, n) for n in widths], 2, 0.0, agree=w.agree)
+    wide = [[n, max(t, base.verify[-1])] for n, t in zip(widths, non_decreasing(times))]
+    return w.broadcast_json(wide) if w.active else wide
 
 
 _recalibrate = False  # set by --recalibrate: each curve is measured afresh once in this process
@@ -227,11 +233,28 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
                     progress=None, world=None, batch_width: int = 0) -> CostCurve:
     """The cached cost curve for this pair on this machine, measured if missing or stale.
     Across ranks (`world`), rank 0's cache decides and every rank gets rank 0's curve.
-    `batch_width`: also measured at the rows a batch reaches (see `measure_costs`)."""
+    `batch_width`: also priced at the rows a batch reaches: the one-request curve (so a
+    request alone in a batch chooses as it would alone), with the wide widths measured
+    on top (`measure_batch_widths`) and cached under their own key."""
 
     w = world or this_world()
+    if batch_width:
+        base = load_or_measure(target, draft, max_width=max_width, context=context, refresh=refresh,
+                               progress=progress, world=w)
+        wide = _cached_or_measured(cost_key(target, draft, max_width, context, w.size, batch_width), refresh, w,
+                                   lambda: {"wide": measure_batch_widths(target, base, max_width=max_width,
+                                                                         batch_width=batch_width, world=w)})
+        return replace(base, wide=[[n, max(t, base.verify[-1])] for n, t in wide["wide"]])
+    entry = _cached_or_measured(
+        cost_key(target, draft, max_width, context, w.size), refresh, w,
+        lambda: asdict(measure_costs(target, draft, max_width=max_width, context=context, progress=progress,
+                                     world=w)))
+    return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"])
+
+
+def _cached_or_measured(key: str, refresh: bool, w, measure: Callable[[], dict]) -> dict:
+    """The cache's fresh entry for `key` (rank 0's, across ranks), or `measure()`'s, stored."""
     path = cache_path()
-    key = cost_key(target, draft, max_width, context, w.size, batch_width)
     entry = None
     if w.is_root:
         entry = _read_table(path).get(key)
@@ -239,15 +262,12 @@ def load_or_measure(target, draft=None, *, max_width: int = 7, context: int = 25
         forced = refresh or (_recalibrate and key not in _measured_here)
         entry = entry if (fresh and not forced) else None
     if not w.agree(entry is None):
-        entry = w.broadcast_json(entry)
-        return CostCurve(entry["verify"], entry["draft_step"], entry["context"], entry["draft_step2"],
-                         entry.get("wide", []))
-    curve = measure_costs(target, draft, max_width=max_width, context=context, progress=progress, world=w,
-                          batch_width=batch_width)
+        return w.broadcast_json(entry)
+    entry = measure()
     _measured_here.add(key)
     if w.is_root:
-        store_curve(path, key, {**asdict(curve), "measured_at": time.time()})
-    return curve
+        store_curve(path, key, {**entry, "measured_at": time.time()})
+    return entry
 
 
 def _read_table(path: Path) -> dict:

@@ -383,3 +383,22 @@ def test_batched_calibration_measures_the_batch_widths_and_caches_them(tiny_targ
     assert again == curve  # read back from the cache, wide widths and all
     table = json.loads(costs_module.cache_path().read_text())
     assert [k for k in table if "|batch32" in k]  # its own entry: a one-request curve is not replaced
+
+
+def test_a_batchs_curve_is_the_one_request_curve_with_the_batch_widths_on_top(tiny_target, tmp_path, monkeypatch):
+    """A request alone in a batch (`serve --parallel N`, one client) must price its rows as
+    `--parallel 1` does: the batch's calibration reuses the cached one-request curve and
+    times only the wide widths, where measuring widths 1..7 again gave a second, different
+    reading of the same rows (and another γ)."""
+    from mlx_spec import costs as costs_module
+
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    timed = []
+    timer = costs_module._forward_timer
+    monkeypatch.setattr(costs_module, "_forward_timer", lambda seq, width: timed.append(width) or timer(seq, width))
+    alone = costs_module.load_or_measure(tiny_target, None, max_width=4, context=32)
+    assert set(timed) == set(range(1, len(alone.verify) + 1))
+    timed.clear()
+    batched = costs_module.load_or_measure(tiny_target, None, max_width=4, context=32, batch_width=32)
+    assert batched.verify == alone.verify and batched.draft_step == alone.draft_step
+    assert set(timed) == ({16, 32} if len(alone.verify) == 4 else set())
