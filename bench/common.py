@@ -16,6 +16,7 @@ import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before m
 import mlx.core as mx
 
 from mlx_spec import blas
+from mlx_spec.blas import OtherLoad
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -56,36 +57,6 @@ def environment() -> dict:
 # A run is quiet when the machine's other processes used less than this many cores on
 # average while it ran: a 2-thread llama.cpp loses most of its speed to one busy core.
 QUIET_OTHER_CORES = 0.15
-
-
-class OtherLoad:
-    """How much CPU the machine's other processes use while this one runs, in cores: the
-    machine's busy time (/proc/stat) minus this process's own CPU time (all its threads,
-    and waited-for children), over wall-clock time. The load average cannot tell: it
-    counts the benchmark's own threads too. None where /proc/stat is missing (macOS)."""
-
-    def __init__(self):
-        self.start = self._now()
-
-    @staticmethod
-    def _now():
-        try:
-            with open("/proc/stat") as stat:
-                fields = [int(v) for v in stat.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-        own = os.times()
-        return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
-
-    def cores(self):
-        """Others' mean cores since this was made."""
-        now = self._now()
-        if now is None or self.start is None or now[0] <= self.start[0]:
-            return None
-        wall, busy, own = (a - b for a, b in zip(now, self.start))
-        return max(0.0, (busy - own) / wall)
 
 
 def quiet_machine(seconds: float = 3.0):

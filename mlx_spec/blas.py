@@ -10,8 +10,9 @@ loads an optimised BLAS first, with no LD_PRELOAD for the user to set:
                (Debian/Ubuntu `libopenblas0`), else the wheel's reference BLAS
     mkl | openblas | reference | /path/to/libblas.so     forced, by $MLX_SPEC_BLAS
 
-Threads: half the cores (`default_threads`), and every core for a forward of `WIDE_ROWS`
-rows or more (`wide_threads`: a prefill chunk, a batch's verify); or $MLX_SPEC_BLAS_THREADS
+Threads: half the cores (`default_threads`), and for a forward of `WIDE_ROWS` rows or more (a
+prefill chunk, a batch's widest verify) every core other processes leave free
+(`wide_threads`, `free_cores`); or $MLX_SPEC_BLAS_THREADS
 for both, or the library's own variable (MKL_NUM_THREADS, OPENBLAS_NUM_THREADS,
 OMP_NUM_THREADS) where one is set.
 
@@ -28,6 +29,7 @@ import os
 import platform
 import site
 import sys
+import time
 from contextlib import contextmanager
 from typing import Optional
 
@@ -150,14 +152,65 @@ def _keep_setter(lib, kind: str) -> None:
         _setter = getattr(lib, "MKL_Set_Num_Threads" if kind == "mkl" else "openblas_set_num_threads", None)
 
 
+class OtherLoad:
+    """How much CPU the machine's other processes use, in cores: the machine's busy time
+    (/proc/stat) minus this process's own CPU time (all its threads, and waited-for
+    children), over wall-clock time since this was made. The load average cannot tell: it
+    counts our own threads too. None where /proc/stat is missing (macOS)."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now():
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(v) for v in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
+
+    def seconds(self) -> float:
+        return 0.0 if self.start is None else time.monotonic() - self.start[0]
+
+    def cores(self) -> Optional[float]:
+        """Others' mean cores since this was made."""
+        now = self._now()
+        if now is None or self.start is None or now[0] <= self.start[0]:
+            return None
+        wall, busy, own = (a - b for a, b in zip(now, self.start))
+        return max(0.0, (busy - own) / wall)
+
+
+_load: Optional[OtherLoad] = None  # since the last reading of others' load
+_others = 0.0  # others' cores at the last reading (none before the first)
+
+
+def free_cores() -> int:
+    """Cores other processes left us over the last second or more (`OtherLoad`): a BLAS
+    thread that waits for a busy core costs more than it brings (16 rows beside a busy
+    core, above)."""
+    global _load, _others
+    if _load is None or _load.seconds() >= 1.0:
+        others = None if _load is None else _load.cores()
+        _others = _others if others is None else others
+        _load = OtherLoad()
+    return int(_wide - _others + 0.5)
+
+
 @contextmanager
 def threads_for(rows: int):
-    """BLAS threads for a forward over `rows` rows, evaluated inside the block: every core
-    from WIDE_ROWS rows on, else the default."""
-    if _setter is None or rows < WIDE_ROWS:
+    """BLAS threads for a forward over `rows` rows, evaluated inside the block: from
+    WIDE_ROWS rows on, every core that other processes leave free (at least the default);
+    below, the default."""
+    threads = max(_narrow, min(_wide, free_cores())) if _setter is not None and rows >= WIDE_ROWS else _narrow
+    if threads == _narrow:
         yield
         return
-    _setter(_wide)
+    _setter(threads)
     try:
         yield
     finally:

@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 import mlx.core as mx
@@ -115,7 +116,8 @@ def test_threads_default_to_half_the_cores_and_follow_the_users_choice():
 def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
     code = (
-        "import ctypes, json, mlx_spec; from mlx_spec import blas\n"
+        "import ctypes, json, os, mlx_spec; from mlx_spec import blas\n"
+        "blas.free_cores = lambda: blas.wide_threads()  # whatever else runs here meanwhile\n"
         "lib = ctypes.CDLL(blas.describe()['path']); now = lambda: int(lib.mkl_get_max_threads())\n"
         "seen = {'before': now()}\n"
         "with blas.threads_for(blas.WIDE_ROWS - 1): seen['narrow'] = now()\n"
@@ -146,6 +148,7 @@ def test_prefill_chunks_and_batched_forwards_are_evaluated_on_the_wide_threads(t
     monkeypatch.setattr(blas, "_setter", calls.append)
     monkeypatch.setattr(blas, "_narrow", 1)
     monkeypatch.setattr(blas, "_wide", 2)
+    monkeypatch.setattr(blas, "free_cores", lambda: 2)
     seq = SequenceCache(tiny_target, slack=8)
     seq.prefill(list(range(3, 3 + 2 * blas.WIDE_ROWS)), chunk_size=blas.WIDE_ROWS)
     assert calls == [2, 1, 2, 1]  # two chunks of WIDE_ROWS rows
@@ -160,3 +163,33 @@ def test_prefill_chunks_and_batched_forwards_are_evaluated_on_the_wide_threads(t
     half = blas.WIDE_ROWS // 2
     run_passes([ModelPass(row, mx.array([6] * half)) for row in rows])  # 2 × WIDE_ROWS/2 rows
     assert calls == [2, 1]
+
+
+def test_wide_forwards_take_only_the_cores_other_processes_leave(monkeypatch):
+    calls, others = [], [0.0]
+    monkeypatch.setattr(blas, "_setter", calls.append)
+    monkeypatch.setattr(blas, "_narrow", 2)
+    monkeypatch.setattr(blas, "_wide", 4)
+    monkeypatch.setattr(blas.OtherLoad, "cores", lambda self: others[0])
+    monkeypatch.setattr(blas.OtherLoad, "seconds", lambda self: 1.0)  # a reading each time
+    monkeypatch.setattr(blas, "_load", blas.OtherLoad())
+    for load, threads in ((0.0, 4), (0.7, 3), (1.6, 2), (2.9, 2), (8.0, 2)):
+        others[0] = load
+        calls.clear()
+        with blas.threads_for(blas.WIDE_ROWS):
+            pass
+        assert calls == ([threads, 2] if threads != 2 else []), load
+
+
+def test_other_load_counts_another_processs_cpu():
+    if blas.OtherLoad().start is None:
+        pytest.skip("no /proc/stat here")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        theirs = blas.OtherLoad()
+        time.sleep(1.5)
+        assert theirs.cores() > 0.5  # a whole core busy elsewhere, at least half the time
+    finally:
+        spinner.kill()
+        spinner.wait()
