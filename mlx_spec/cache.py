@@ -20,10 +20,13 @@ one: the same switch points, so a prompt's first prefill chunk is full precision
 start 0. The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them
 through `mx.quantized_matmul`; they hand it their K/V as `PackedKV`, for which the module
 global mlx-lm's attention calls is routed to `quantized_attention` (the same result, without
-copying the packed arrays per query head; anything else still runs mlx-lm's own). Positions are quantized one by one (a group lies along
-head_dim), so trimming the packed arrays is as exact as trimming plain ones. A verify pass
-never straddles the switch (`draft_room`): each row sees keys of the precision plain
-decoding would have given it.
+copying the packed arrays per query head; anything else still runs mlx-lm's own).
+Sliding-window layers quantize positions one by one (a group lies along head_dim), so
+trimming the packed arrays is as exact as trimming plain ones. Global layers keep their keys
+by channel (`ChannelQuantizedKVCache`: groups of positions, quantized once settled, the rest
+in a full-precision tail; `ChannelKeys` reach `channel_attention`), which gives the scores
+MLX's faster non-transposed quantized matmul. A verify pass never straddles the switch
+(`draft_room`): each row sees keys of the precision plain decoding would have given it.
 
 Caches with recurrent state (SSM / linear-attention layers) cannot roll back at all;
 `SequenceCache.rollbackable` says so and the engine then decodes without drafting.
@@ -58,6 +61,23 @@ class _TreeMask:
         return create_attention_mask(N, self.offset, return_array, window_size)
 
 
+class _ExactTrim:
+    """Rollback of up to `max_trim()` positions; more is refused."""
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n > self.max_trim():
+            raise ValueError(f"cannot roll back {n} positions exactly (at most {self.max_trim()})")
+        self.offset -= n
+        self._forget()
+        return n
+
+    def _forget(self) -> None:
+        """Drop what the trimmed positions held (the next write overwrites their slots)."""
+
+
 class _Restorable:
     """mlx-lm's cache serialisation protocol: arrays in `state`, scalars (as strings) in
     `meta_state`, and `from_state(state, meta_state)` builds the cache again."""
@@ -72,7 +92,7 @@ class _Restorable:
 MAX_ROOM = 1 << 30  # no limit on a verify pass's draft tokens
 
 
-class WindowKVCache(_Restorable):
+class WindowKVCache(_ExactTrim, _Restorable):
     """A sliding-window KV cache that can roll back up to `slack` positions exactly.
 
     Keys and values are stored in temporal order; positions older than
@@ -167,15 +187,6 @@ class WindowKVCache(_Restorable):
         if self.start == 0:
             return self.offset
         return max(0, self.offset - self.start - (self.window - 1))
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        if n > self.max_trim():
-            raise ValueError(f"cannot roll back {n} positions exactly (at most {self.max_trim()})")
-        self.offset -= n
-        return n
 
     def size(self) -> int:
         return self.offset - self.start
@@ -273,7 +284,7 @@ class TreeKVCache(_TreeMask, KVCache):
         return twin
 
 
-class ChannelQuantizedKVCache(_Restorable, _TreeMask):
+class ChannelQuantizedKVCache(_ExactTrim, _Restorable, _TreeMask):
     """A global layer's quantized K/V (`--kv-bits`): values per position as mlx-lm's
     `QuantizedKVCache` holds them, keys per channel (KIVI): Kᵀ [B, heads, head_dim, positions]
     quantized in groups of `group_size` positions, so the scores q @ K run MLX's
@@ -282,7 +293,7 @@ class ChannelQuantizedKVCache(_Restorable, _TreeMask):
     positions stay in `tail`, in full precision.
 
     Exact rollback: a group is quantized from settled positions only (`settled`, which
-    `SequenceCache` sets before each forward; None: all held), lazily at the next write, so
+    `SequenceCache` sets before each forward; None: all held), lazily before the next write, so
     a rejected draft is always in the tail and forgetting it is slicing the tail. A group's
     quantized value depends on its own keys only. Row at position p sees the keys before
     p // group_size * group_size quantized and the rest in full precision, whatever the
@@ -365,15 +376,8 @@ class ChannelQuantizedKVCache(_Restorable, _TreeMask):
     def max_trim(self) -> int:
         return self.offset - self.quantized  # the tail
 
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        if n > self.max_trim():
-            raise ValueError(f"cannot roll back {n} positions exactly (at most {self.max_trim()})")
-        self.offset -= n
+    def _forget(self) -> None:
         self.tail = self.tail[..., : self.offset - self.quantized, :]
-        return n
 
     def size(self) -> int:
         return self.offset
