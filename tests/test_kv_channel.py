@@ -200,3 +200,30 @@ def test_keys_reach_attention_as_channel_keys_with_their_quantization():
     assert isinstance(fetched, ChannelKeys) and fetched.quantized == 0 and fetched.rows == [p // G * G for p in range(40)]
     fetched, _ = layer.update_and_fetch(keys[..., :1, :], values[..., :1, :])
     assert fetched.quantized == 32 and fetched.rows is None and fetched.tail.shape[2] == 9
+
+
+def test_prefill_rolls_back_within_the_tail_and_starts_over_past_it():
+    """A new conversation reusing part of a quantized cache: a surplus within the global
+    layers' tail is rolled back; a deeper one is prefilled again from the start, and the
+    cache then holds what a fresh one would, bit for bit."""
+    model = tiny_gemma3(seed=0)
+    kv = KVQuantization(8, G)
+    shared, new = list(range(2, 70)), [7, 8, 9]
+
+    def holding(ids):  # then one decode step, before which the settled groups are quantized
+        cache = SequenceCache(model, 8, kv=kv)
+        cache.prefill(ids[:-1])
+        cache.forward(mx.array(ids[-1:]))
+        cache.settle(ids[-1:])
+        return cache
+
+    shallow = holding(shared + [100, 101, 102])  # 71 held, quantized through 64: a tail of 7
+    assert shallow.max_rollback() == 7 and shallow.prefill(shared + new) == len(new)
+    deep = holding(shared + list(range(100, 106)))  # 74 held, a tail of 10
+    assert deep.max_rollback() == 10
+    ids = shared[:58] + new  # a surplus of 16: below the tail
+    assert deep.prefill(ids) == len(ids)  # started over
+    fresh = SequenceCache(model, 8, kv=kv)
+    fresh.prefill(ids)
+    probe = mx.array([11])
+    assert np.array_equal(np.array(deep.forward(probe)), np.array(fresh.forward(probe)))
