@@ -5,21 +5,20 @@ precision at 8k tokens.
     python bench/kv_decode_profile.py [--context 8192] [--runs 5]
 
 1. Whole decode steps (one token: forward, argmax, settle) from caches holding `--context`
-   positions, with and without the LM head, full / 8-bit / 4-bit, and 8 / 4-bit with
-   mlx-lm's own quantized attention instead of ours (`mlx_spec.cache.quantized_attention`),
-   interleaved, one warm-up run each, medians. The caches hold random K/V (a step's time depends on shapes only), so
+   positions, with and without the LM head, full / 8-bit / 4-bit, interleaved, one warm-up
+   run each, medians. The caches hold random K/V (a step's time depends on shapes only), so
    no 8k prefill is needed.
 2. The same step's parts, in isolation at the model's shapes (4 query heads on 1 KV head,
    head_dim 256; a sliding-window layer attends to 512 keys, a global one to `--context`):
    attention as mlx-lm runs it (full precision: `mx.fast.scaled_dot_product_attention`;
-   quantized: `quantized_scaled_dot_product_attention`), its two quantized matmuls alone
-   next to the float32 matmuls (MKL's sgemm) they replace, and a cache layer's write of one
-   position (quantize + slice updates, or the slice update alone). Also the scores'
-   quantized matmul were the keys stored transposed (K^T quantized in groups of positions
-   per channel, as the values' p @ V already is): not mlx-lm's layout, measured to see
-   what a layout change would buy.
-3. The model: 15 window layers and 3 global ones, each costing its attention and write,
-   predicts the quantized steps' extra time; set against the measured difference.
+   quantized: `quantized_scaled_dot_product_attention`, keys per position), ours on
+   per-position keys (`quantized_attention`, the window layers') and on keys by channel
+   (`channel_attention`, the global layers': K^T quantized in groups of positions per
+   channel, `ChannelQuantizedKVCache`), their quantized matmuls alone next to the float32
+   matmuls (MKL's sgemm) they replace, and a cache layer's write of one position.
+3. The model: 15 window layers (per-position keys) and 3 global ones (keys by channel),
+   each costing its attention and write, predicts the quantized steps' extra time; set
+   against the measured difference.
 
 Writes bench/results/kv_decode_profile.json.
 """
@@ -37,15 +36,18 @@ from common import OtherLoad, median, write_results  # noqa: E402  (imports mlx_
 import mlx.core as mx  # noqa: E402
 
 import mlx_spec.cache as cache_module  # noqa: E402
-from mlx_spec.cache import KVQuantization, SequenceCache, WindowKVCache, quantized_attention  # noqa: E402
+from mlx_spec.cache import (KVQuantization, SequenceCache, WindowKVCache, channel_attention,  # noqa: E402
+                            quantize_by_channel, quantized_attention)
+from mlx_spec.cache import ChannelKeys  # noqa: E402
 
 # mlx-lm's own quantized attention (mlx_spec.cache routes mlx-lm's module global to ours)
 quantized_scaled_dot_product_attention = cache_module._mlx_lm_quantized_attention
 SLACK = 8
 GROUP = 64
-# Not what we (or mlx-lm) store: K^T quantized along positions, groups of GROUP positions per
+# What our global layers store: K^T quantized along positions, groups of GROUP positions per
 # channel, which lets the scores use the non-transposed kernel (as p @ V does)
-KEYS_BY_CHANNEL = "scores q @ K^T, K^T quantized along positions (transpose=False; not mlx-lm's layout)"
+KEYS_BY_CHANNEL = "scores q @ K^T, K^T quantized along positions (transpose=False: our global layers)"
+PER_POSITION_SCORES = "scores q @ K^T (mx.quantized_matmul, transpose=True: keys per position)"
 SETTINGS = {"full": None, "8-bit": KVQuantization(8, GROUP), "4-bit": KVQuantization(4, GROUP)}
 
 
@@ -66,10 +68,8 @@ def filled(model, kv, context: int) -> SequenceCache:
     return sequence
 
 
-def step_seconds(sequence: SequenceCache, tokens: int, head: bool, mlx_lm_attention: bool) -> float:
-    """Seconds per decode step over `tokens` steps (forked: every run starts alike); with
-    `mlx_lm_attention`, our caches' attention is mlx-lm's own (the query heads broadcast)."""
-    cache_module.quantized_attention = quantized_scaled_dot_product_attention if mlx_lm_attention else quantized_attention
+def step_seconds(sequence: SequenceCache, tokens: int, head: bool) -> float:
+    """Seconds per decode step over `tokens` steps (forked: every run starts alike)."""
     sequence = sequence.fork()
     token = mx.array([7])
     start = time.perf_counter()
@@ -77,13 +77,12 @@ def step_seconds(sequence: SequenceCache, tokens: int, head: bool, mlx_lm_attent
         if head:
             token = mx.argmax(sequence.forward(token)[-1])[None]
             mx.eval(token)
-        else:
+        else:  # `forward` without its LM head
+            sequence._quantize_when_due()
             sequence.unsettled += 1
             mx.eval(sequence._call(token[None], head=False))
         sequence.settle([7])
-    seconds = (time.perf_counter() - start) / tokens
-    cache_module.quantized_attention = quantized_attention
-    return seconds
+    return (time.perf_counter() - start) / tokens
 
 
 def timed(make, repeats: int) -> float:
@@ -115,14 +114,17 @@ def attention_parts(keys_seen: int, heads: int, kv_heads: int, dim: int, repeats
     for bits in (8, 4):
         qk, qv = (mx.quantize(x, group_size=GROUP, bits=bits) for x in (k, v))
         whole = keys_seen - keys_seen % GROUP  # whole groups of positions
-        keys_t = mx.quantize(mx.contiguous(k[..., :whole, :].swapaxes(-1, -2)), group_size=GROUP, bits=bits)
+        keys_t = quantize_by_channel(k[..., :whole, :], GROUP, bits)
+        by_channel = ChannelKeys(keys_t, k[..., whole:, :], None, GROUP, bits)  # the rest: the tail
         mx.eval(qk, qv, keys_t)
         out[f"{bits}-bit"] = {
             "attention (mlx-lm quantized_scaled_dot_product_attention)": timed(
                 lambda: quantized_scaled_dot_product_attention(q * 1, qk, qv, scale, None, GROUP, bits), repeats),
             "attention (ours: quantized_attention, query heads as rows)": timed(
                 lambda: quantized_attention(q, qk, qv, scale, None, GROUP, bits), repeats),
-            "scores q @ K^T (mx.quantized_matmul, transpose=True)": timed(
+            "attention (ours: channel_attention, keys by channel)": timed(
+                lambda: channel_attention(q, by_channel, qv, scale, None, GROUP, bits), repeats),
+            PER_POSITION_SCORES: timed(
                 lambda: mx.quantized_matmul(rows, *qk, transpose=True, group_size=GROUP, bits=bits), repeats),
             "weighted values p @ V (mx.quantized_matmul, transpose=False)": timed(
                 lambda: mx.quantized_matmul(probs, *qv, transpose=False, group_size=GROUP, bits=bits), repeats),
@@ -162,13 +164,11 @@ def main() -> None:
 
     # 1. whole steps, interleaved
     steps = {}
-    variants = {name: (name, False) for name in SETTINGS}
-    variants.update({f"{name}, mlx-lm's attention": (name, True) for name in SETTINGS if name != "full"})
     for head in (True, False):
-        times = {name: [] for name in variants}
+        times = {name: [] for name in SETTINGS}
         for run in range(args.runs + 1):  # run 0: warm-up
-            for name, (setting, mlx_lm_attention) in variants.items():
-                seconds = step_seconds(caches[setting], args.tokens, head, mlx_lm_attention)
+            for name in SETTINGS:
+                seconds = step_seconds(caches[name], args.tokens, head)
                 if run:
                     times[name].append(seconds)
         label = "with LM head" if head else "layers only (no LM head)"
@@ -195,9 +195,10 @@ def main() -> None:
 
     # 3. the model of a step's extra time, against the measured one
     def attention_us(kind, name):
-        part = parts[kind]["full precision" if name == "full" else name]
-        return next(t for p, t in part.items() if p.startswith("attention (ours") or p.startswith(
-            "attention (mx.fast"))
+        if name == "full":
+            return parts[kind]["full precision"]["attention (mx.fast.scaled_dot_product_attention)"]
+        ours = "channel_attention, keys by channel" if kind == "global layer" else "quantized_attention, query heads as rows"
+        return parts[kind][name][f"attention (ours: {ours})"]
 
     model_ms = {}
     for name in SETTINGS:
@@ -208,12 +209,11 @@ def main() -> None:
                         "extra_vs_full_ms (model)": model_ms[name] - model_ms["full"],
                         "extra_vs_full_ms (measured step)": measured[name]["ms"] - measured["full"]["ms"],
                         "global_layers_scores_extra_ms": global_layers * (
-                            parts["global layer"][name]["scores q @ K^T (mx.quantized_matmul, transpose=True)"]
+                            parts["global layer"][name][KEYS_BY_CHANNEL]
                             - parts["global layer"]["full precision"]["scores q @ K^T (float32 matmul, MKL sgemm)"]) / 1e3,
-                        "scores_saved_ms_if_keys_by_channel (model)": sum(count * (
-                            parts[kind][name]["scores q @ K^T (mx.quantized_matmul, transpose=True)"]
-                            - parts[kind][name][KEYS_BY_CHANNEL])
-                            for kind, count in (("window layer", window_layers), ("global layer", global_layers))) / 1e3}
+                        "global_layers_scores_saved_ms_by_channel (vs per-position keys)": global_layers * (
+                            parts["global layer"][name][PER_POSITION_SCORES]
+                            - parts["global layer"][name][KEYS_BY_CHANNEL]) / 1e3}
                  for name in SETTINGS if name != "full"}
     print(breakdown)
     print(write_results("kv_decode_profile", {

@@ -12,9 +12,11 @@ test's paragraph), then docs/*.md, cut to several 512-token windows.
 - greedy: 64 tokens greedily decoded after two prompts cut from the text (600 and 1500
   tokens), compared with full precision: identical leading tokens, and equal positions;
 - memory at `--context` tokens: `nbytes` of both models' caches (target and a draft model
-  of the same architecture, here the same weights), each filled once in full precision and
-  switched as --kv-start switches it (the same classes and buffers), float32 as measured,
-  and the same caches cast to bfloat16 (a Mac's dtype) before quantizing;
+  of the same architecture, here the same weights: the target's cache copied), each filled
+  once in full precision and switched as --kv-start switches it (the same classes and
+  buffers: the global layers' keys by channel, a tail of < group size keys in full
+  precision), float32 as measured, and the same caches cast to bfloat16 (a Mac's dtype)
+  before quantizing;
 - decode speed at `--context`: 16 plain greedy tokens from the filled cache (forked per
   run), full / 8-bit / 4-bit interleaved, one warm-up run each, medians.
 
@@ -82,13 +84,14 @@ def leading_equal(a: list[int], b: list[int]) -> int:
 
 
 def cast_nbytes(cache: SequenceCache, kv) -> int:
-    """The bytes `cache`'s K/V would take in bfloat16, quantized per `kv` (None: not)."""
-    total = 0
-    for layer in cache.cache:
-        for x in (layer.keys, layer.values):
-            x = x.astype(mx.bfloat16)
-            total += x.nbytes if kv is None else sum(a.nbytes for a in mx.quantize(x, kv.group_size, kv.bits))
-    return total
+    """The bytes `cache`'s K/V take in bfloat16, switched as --kv-bits `kv` switches them
+    (None: not): a copy cast, then quantized by the same classes as in float32."""
+    twin = cache.fork()
+    for layer in twin.cache:
+        layer.keys, layer.values = layer.keys.astype(mx.bfloat16), layer.values.astype(mx.bfloat16)
+    twin.kv = kv
+    twin._quantize_when_due()
+    return twin.nbytes
 
 
 def main() -> None:
@@ -151,7 +154,7 @@ def memory_and_speed(model, tokenizer, args) -> dict:
     long_ids = text_ids(tokenizer, args.context)
     full_cache = PromptCache(model, SLACK)
     full_cache.target.prefill(long_ids[:-1])
-    full_cache.draft_for(model).prefill(long_ids[:-1])  # the draft: the same architecture
+    full_cache.draft = full_cache.target.fork()  # the draft: the same architecture (and weights), as if prefilled
     memory, filled = {}, {}
     for name, kv in SETTINGS.items():
         cache = full_cache.fork()

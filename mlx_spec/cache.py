@@ -20,10 +20,13 @@ one: the same switch points, so a prompt's first prefill chunk is full precision
 start 0. The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them
 through `mx.quantized_matmul`; they hand it their K/V as `PackedKV`, for which the module
 global mlx-lm's attention calls is routed to `quantized_attention` (the same result, without
-copying the packed arrays per query head; anything else still runs mlx-lm's own). Positions are quantized one by one (a group lies along
-head_dim), so trimming the packed arrays is as exact as trimming plain ones. A verify pass
-never straddles the switch (`draft_room`): each row sees keys of the precision plain
-decoding would have given it.
+copying the packed arrays per query head; anything else still runs mlx-lm's own).
+Sliding-window layers quantize positions one by one (a group lies along head_dim), so
+trimming the packed arrays is as exact as trimming plain ones. Global layers keep their keys
+by channel (`ChannelQuantizedKVCache`: groups of positions, quantized once settled, the rest
+in a full-precision tail; `ChannelKeys` reach `channel_attention`), which gives the scores
+MLX's faster non-transposed quantized matmul. A verify pass never straddles the switch
+(`draft_room`): each row sees keys of the precision plain decoding would have given it.
 
 Caches with recurrent state (SSM / linear-attention layers) cannot roll back at all;
 `SequenceCache.rollbackable` says so and the engine then decodes without drafting.
@@ -59,6 +62,23 @@ class _TreeMask:
         return create_attention_mask(N, self.offset, return_array, window_size)
 
 
+class _ExactTrim:
+    """Rollback of up to `max_trim()` positions; more is refused."""
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if n > self.max_trim():
+            raise ValueError(f"cannot roll back {n} positions exactly (at most {self.max_trim()})")
+        self.offset -= n
+        self._forget()
+        return n
+
+    def _forget(self) -> None:
+        """Drop what the trimmed positions held (the next write overwrites their slots)."""
+
+
 class _Restorable:
     """mlx-lm's cache serialisation protocol: arrays in `state`, scalars (as strings) in
     `meta_state`, and `from_state(state, meta_state)` builds the cache again."""
@@ -73,7 +93,7 @@ class _Restorable:
 MAX_ROOM = 1 << 30  # no limit on a verify pass's draft tokens
 
 
-class WindowKVCache(_Restorable):
+class WindowKVCache(_ExactTrim, _Restorable):
     """A sliding-window KV cache that can roll back up to `slack` positions exactly.
 
     Keys and values are stored in temporal order; positions older than
@@ -169,15 +189,6 @@ class WindowKVCache(_Restorable):
             return self.offset
         return max(0, self.offset - self.start - (self.window - 1))
 
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        if n > self.max_trim():
-            raise ValueError(f"cannot roll back {n} positions exactly (at most {self.max_trim()})")
-        self.offset -= n
-        return n
-
     def size(self) -> int:
         return self.offset - self.start
 
@@ -248,6 +259,12 @@ class QuantizedWindowKVCache(_PackedFetch, WindowKVCache):
     def _pack(self, x: mx.array) -> tuple:
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedWindowKVCache":
+        # already quantized (mlx-lm's maybe_quantize_kv_cache asks every layer after each step)
+        if (group_size, bits) != (self.group_size, self.bits):
+            raise ValueError(f"the cache is quantized to {self.bits} bits in groups of {self.group_size}")
+        return self
+
     @property
     def meta_state(self) -> tuple:  # `WindowKVCache`'s, with the quantization
         return tuple(map(str, (self.window, self.slack, self.group_size, self.bits, self.offset, self.start)))
@@ -261,39 +278,173 @@ class QuantizedWindowKVCache(_PackedFetch, WindowKVCache):
 class TreeKVCache(_TreeMask, KVCache):
     """mlx-lm's `KVCache`, whose mask can also be a draft tree's (`tree` set)."""
 
-    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "QuantizedTreeKVCache":
-        twin = QuantizedTreeKVCache(group_size, bits)
-        twin.offset = self.offset
-        if self.keys is not None:
-            twin.keys, twin.values = (tuple(mx.quantize(x, group_size=group_size, bits=bits))
-                                      for x in (self.keys, self.values))
+    def to_quantized(self, group_size: int = 64, bits: int = 8) -> "ChannelQuantizedKVCache":
+        twin = ChannelQuantizedKVCache(group_size, bits)
+        if self.keys is not None:  # all of it in the tail: the next write quantizes what is settled
+            twin.update_and_fetch(self.keys[..., : self.offset, :], self.values[..., : self.offset, :])
         return twin
 
 
-class QuantizedTreeKVCache(_PackedFetch, _Restorable, _TreeMask, QuantizedKVCache):
-    """mlx-lm's `QuantizedKVCache` (its `trim` only moves the offset, which is exact: the
-    next write overwrites the forgotten slots), with tree masks as `TreeKVCache`."""
+class ChannelQuantizedKVCache(_ExactTrim, _Restorable, _TreeMask):
+    """A global layer's quantized K/V (`--kv-bits`): values per position as mlx-lm's
+    `QuantizedKVCache` holds them, keys per channel (KIVI): Kᵀ [B, heads, head_dim, positions]
+    quantized in groups of `group_size` positions, so the scores q @ K run MLX's
+    non-transposed quantized matmul (4× faster on x86 CPUs than the transposed one
+    mlx-lm's per-position keys need). Positions not yet in a complete group of settled
+    positions stay in `tail`, in full precision.
+
+    Exact rollback: a group is quantized from settled positions only (`settled`, which
+    `SequenceCache` sets before each forward; None: all held), lazily before the next write, so
+    a rejected draft is always in the tail and forgetting it is slicing the tail. A group's
+    quantized value depends on its own keys only. Row at position p sees the keys before
+    p // group_size * group_size quantized and the rest in full precision, whatever the
+    chunking or drafting (`ChannelKeys`)."""
+
+    step = 256  # positions of capacity added at a time (a multiple of every group size)
+    settled: Optional[int] = None
+
+    def __init__(self, group_size: int = 64, bits: int = 8):
+        self.group_size, self.bits = group_size, bits
+        self.keys_t = None  # (packed, scales, biases) of Kᵀ, `quantized` positions used
+        self.tail: Optional[mx.array] = None  # [B, heads, offset - quantized, head_dim]
+        self.values = None  # (packed, scales, biases) per position, `offset` slots used
+        self.offset = 0
+        self.quantized = 0  # positions held in keys_t: whole groups
+
+    def _columns(self, positions: int) -> int:
+        return positions * self.bits // 32  # packed words of Kᵀ for `positions`
+
+    def _keys_t_held(self) -> tuple:
+        groups = self.quantized // self.group_size
+        packed, scales, biases = self.keys_t
+        return packed[..., : self._columns(self.quantized)], scales[..., :groups], biases[..., :groups]
+
+    def quantize_settled(self) -> None:
+        """Quantize the complete groups of settled positions still in the tail."""
+        settled = self.offset if self.settled is None else min(self.settled, self.offset)
+        n = settled // self.group_size * self.group_size - self.quantized
+        if n <= 0:
+            return
+        new = quantize_by_channel(self.tail[..., :n, :], self.group_size, self.bits)
+        capacity = 0 if self.keys_t is None else self.keys_t[1].shape[-1] * self.group_size
+        if self.quantized + n > capacity:
+            capacity = _rounded_up(self.quantized + n, self.step)
+            B, heads, dim = new[0].shape[:3]
+            grown = (mx.zeros((B, heads, dim, self._columns(capacity)), mx.uint32),
+                     *(mx.zeros((B, heads, dim, capacity // self.group_size), new[1].dtype) for _ in range(2)))
+            if self.quantized:
+                for a, b in zip(grown, self._keys_t_held()):
+                    a[..., : b.shape[-1]] = b
+            self.keys_t = grown
+        first = (self._columns(self.quantized), self.quantized // self.group_size)
+        for a, b, begin in zip(self.keys_t, new, (first[0], first[1], first[1])):
+            a[..., begin : begin + b.shape[-1]] = b
+        self.quantized += n
+        self.tail = self.tail[..., n:, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n_new = keys.shape[2]
+        self.quantize_settled()
+        if self.values is None or self.offset + n_new > _length(self.values):
+            B, heads, _, dim = values.shape
+            per_word, capacity = 32 // self.bits, _rounded_up(self.offset + n_new, self.step)
+            grown = (mx.zeros((B, heads, capacity, dim // per_word), mx.uint32),
+                     *(mx.zeros((B, heads, capacity, dim // self.group_size), values.dtype) for _ in range(2)))
+            if self.offset:
+                _put(grown, 0, kv_slots(self.values, 0, self.offset))
+            self.values = grown
+        _put(self.values, self.offset, tuple(mx.quantize(values, group_size=self.group_size, bits=self.bits)))
+        self.tail = keys if self.tail is None else mx.concatenate([self.tail, keys], axis=2)
+        depths = range(n_new) if self.tree is None else (0, *self.tree.depth)
+        seen = [(self.offset + d) // self.group_size * self.group_size for d in depths]
+        self.offset += n_new
+        rows = None  # every row sees the quantized groups held, and the tail in full precision
+        if max(seen) > self.quantized:
+            if self.tree is not None:  # SequenceCache.draft_room keeps trees inside one group
+                raise ValueError("a draft tree crosses a key group of the quantized cache")
+            rows = seen
+        return self._keys(rows), PackedKV(kv_slots(self.values, 0, self.offset))
+
+    def _keys(self, rows: Optional[list] = None) -> "ChannelKeys":
+        held = self._keys_t_held() if self.quantized else ()
+        return ChannelKeys(held, self.tail, rows, self.group_size, self.bits)
+
+    def held_kv(self) -> tuple:
+        """(keys, values) of every held position, for a layer that reads them (the MTP
+        assistant): what a query after them sees."""
+        return self._keys(), PackedKV(kv_slots(self.values, 0, self.offset))
+
+    def max_trim(self) -> int:
+        return self.offset - self.quantized  # the tail
+
+    def _forget(self) -> None:
+        self.tail = self.tail[..., : self.offset - self.quantized, :]
 
     def size(self) -> int:
         return self.offset
 
+    def empty(self) -> bool:
+        return self.values is None
+
+    def row_buffers(self) -> list:
+        """(buffers holding one position per slot along axis 2, slots used), for
+        `SequenceCache._compact`: unsettled rows are all in the tail."""
+        return [((self.tail,), self.offset - self.quantized), (self.values, self.offset)]
+
     @property
     def state(self):
-        if self.keys is None:
+        """(Kᵀ's quantized groups, the tail, the values), as held."""
+        if self.values is None:
             return []
-        return kv_slots(self.keys, 0, self.offset), kv_slots(self.values, 0, self.offset)
+        if self.keys_t is None:  # no group yet: empty arrays of Kᵀ's shape
+            B, heads, _, dim = self.tail.shape
+            self.keys_t = (mx.zeros((B, heads, dim, 0), mx.uint32),
+                           *(mx.zeros((B, heads, dim, 0), self.tail.dtype) for _ in range(2)))
+        return self._keys_t_held(), self.tail, kv_slots(self.values, 0, self.offset)
 
     @state.setter
     def state(self, v):
-        self.keys, self.values = (None, None) if not v else v
+        self.keys_t, self.tail, self.values = (None, None, None) if not v else v
 
     @property
     def meta_state(self) -> tuple:
-        return tuple(map(str, (self.offset, self.group_size, self.bits)))
+        return tuple(map(str, (self.offset, self.quantized, self.group_size, self.bits)))
 
     @meta_state.setter
     def meta_state(self, v):
-        self.offset, self.group_size, self.bits = map(int, v)
+        self.offset, self.quantized, self.group_size, self.bits = map(int, v)
+        self.settled, self.tree = None, None
+
+    @property
+    def nbytes(self) -> int:
+        if self.values is None:
+            return 0
+        return _nbytes(self.values) + self.tail.nbytes + (0 if self.keys_t is None else _nbytes(self.keys_t))
+
+
+def _rounded_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def quantize_by_channel(keys: mx.array, group_size: int, bits: int) -> tuple:
+    """Keys [B, heads, n, head_dim] (n a multiple of group_size) as (packed, scales, biases)
+    of Kᵀ: each channel quantized in groups of `group_size` positions."""
+    return tuple(mx.quantize(mx.contiguous(keys.swapaxes(-1, -2)), group_size=group_size, bits=bits))
+
+
+class ChannelKeys(tuple):
+    """Keys as `ChannelQuantizedKVCache` hands them to attention (`channel_attention`):
+    the quantized Kᵀ triple of the first `quantized` positions (empty before a group is
+    complete), then `tail` [B, heads, n, head_dim] in full precision. `rows` (L ints; None: every
+    row sees just the triple quantized): the positions each query row sees quantized, where
+    a row's group lies past the groups held (a pass crossing a group boundary, or positions
+    not yet known settled) and so sees tail groups quantized, as plain decoding would."""
+
+    def __new__(cls, triple: tuple, tail: mx.array, rows: Optional[list], group_size: int, bits: int):
+        keys = super().__new__(cls, triple)
+        keys.tail, keys.rows, keys.group_size, keys.bits = tail, rows, group_size, bits
+        keys.quantized = triple[1].shape[-1] * group_size if triple else 0
+        return keys
 
 
 def kv_slots(x, first: int, end: int):
@@ -337,7 +488,13 @@ def quantized_attention(queries, q_keys, q_values, scale: float, mask, group_siz
         return _mlx_lm_quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
     rows = (queries * scale).reshape(B, n_kv_heads, n_repeats * L, D)
     scores = mx.quantized_matmul(rows, *q_keys, transpose=True, group_size=group_size, bits=bits)
-    scores = scores.reshape(B, n_kv_heads, n_repeats, L, -1)  # mlx-lm's shape, for its masks
+    return _weighted_values(scores.reshape(B, n_kv_heads, n_repeats, L, -1), q_values, mask, group_size, bits)
+
+
+def _weighted_values(scores, q_values, mask, group_size: int, bits: int):
+    """Attention's second half from scores [B, kv_heads, repeats, L, keys] (mlx-lm's shape,
+    for its masks): mask, softmax, then p @ V on the per-position quantized values."""
+    B, n_kv_heads, n_repeats, L, _ = scores.shape
     if mask is not None:
         if isinstance(mask, str):
             qL, kL = scores.shape[-2:]
@@ -350,13 +507,41 @@ def quantized_attention(queries, q_keys, q_values, scale: float, mask, group_siz
             scores += mask
     scores = mx.softmax(scores, axis=-1, precise=True).reshape(B, n_kv_heads, n_repeats * L, -1)
     out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(B, n_q_heads, L, D)
+    return out.reshape(B, n_kv_heads * n_repeats, L, -1)
+
+
+def channel_attention(queries, keys: ChannelKeys, q_values, scale: float, mask, group_size: int = 64, bits: int = 8):
+    """Attention over `ChannelQuantizedKVCache`'s K/V: the scores of the quantized groups by
+    `mx.quantized_matmul(q, Kᵀ, transpose=False)`, of the tail by a float matmul (with its
+    complete groups quantized for the rows that see them so, `ChannelKeys.rows`), then
+    mask, softmax and p @ V as `quantized_attention`. Query heads sharing a KV head are
+    rows of one matmul."""
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = keys.tail.shape[1]
+    n_repeats = n_q_heads // n_kv_heads
+    rows = (queries * scale).reshape(B, n_kv_heads, n_repeats * L, D)
+
+    def by_channel(triple):
+        return mx.quantized_matmul(rows, *triple, transpose=False, group_size=group_size, bits=bits)
+
+    scores = [rows @ keys.tail.swapaxes(-1, -2)]
+    if keys.rows is not None:  # rows that see some of the tail's groups quantized
+        n = max(keys.rows) - keys.quantized
+        quantized = by_channel(quantize_by_channel(keys.tail[..., :n, :], group_size, bits))
+        seen = (keys.quantized + mx.arange(n))[None] < mx.array(keys.rows)[:, None]  # [L, n]
+        seen = mx.tile(seen, (n_repeats, 1))  # rows are (repeat, L)
+        scores = [mx.where(seen, quantized, scores[0][..., :n]), scores[0][..., n:]]
+    if keys.quantized:
+        scores.insert(0, by_channel(keys))
+    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    return _weighted_values(scores.reshape(B, n_kv_heads, n_repeats, L, -1), q_values, mask, group_size, bits)
 
 
 def _dispatch_quantized_attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
     # mlx-lm's attention calls this module global for every quantized cache: ours take the
     # folded path, anything else (mlx-lm's own QuantizedKVCache) runs mlx-lm's function.
-    attention = quantized_attention if isinstance(q_keys, PackedKV) else _mlx_lm_quantized_attention
+    attention = (channel_attention if isinstance(q_keys, ChannelKeys) else
+                 quantized_attention if isinstance(q_keys, PackedKV) else _mlx_lm_quantized_attention)
     return attention(queries, q_keys, q_values, scale, mask, group_size, bits)
 
 
@@ -398,6 +583,8 @@ class QuantizedKVReader:
     def for_keys(cls, keys, head_dim: int) -> Optional["QuantizedKVReader"]:
         """A reader for `keys` (a plain array: None, or a quantized triple of vectors of
         `head_dim`, whose packed and scale widths tell the bits and group size)."""
+        if isinstance(keys, ChannelKeys):
+            return cls(keys.group_size, keys.bits)
         if not isinstance(keys, (tuple, list)):
             return None
         packed, scales, _ = keys
@@ -442,7 +629,7 @@ def tree_capable(model, cache: list) -> bool:
     """Whether a draft tree can be fed: every cache layer is ours (tree masks, compaction)
     and every attention layer has a `rope` to position by depth."""
     layers = attention_layers(model)
-    return (all(isinstance(c, (TreeKVCache, QuantizedTreeKVCache, WindowKVCache)) for c in cache)
+    return (all(isinstance(c, (TreeKVCache, ChannelQuantizedKVCache, WindowKVCache)) for c in cache)
             and all(a is not None and isinstance(getattr(a, "rope", None), nn.Module) for a in layers))
 
 
@@ -491,7 +678,7 @@ def _images_opened(cache: list, blocks: Optional[mx.array]):
 
 
 def _max_trim(layer) -> int:
-    if isinstance(layer, WindowKVCache):
+    if isinstance(layer, (WindowKVCache, ChannelQuantizedKVCache)):
         return layer.max_trim()
     if isinstance(layer, (KVCache, QuantizedKVCache)):
         return layer.offset
@@ -564,7 +751,8 @@ class SequenceCache:
     @property
     def rollbackable(self) -> bool:
         """Whether every layer can forget positions exactly (plain/windowed KV only)."""
-        return all(isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache)) for c in self.cache)
+        return all(isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache, ChannelQuantizedKVCache))
+                   for c in self.cache)
 
     @property
     def offset(self) -> int:
@@ -579,19 +767,30 @@ class SequenceCache:
         # mlx-lm checks after a forward, so an empty cache's first forward is never quantized
         return max(self.kv.start, 1)
 
-    def draft_room(self) -> int:
+    def draft_room(self, tree: bool = False) -> int:
         """The most draft tokens the next verify pass (from position `offset`) may carry
         without straddling the switch to quantized K/V: rows before the switch must see
-        full-precision keys, rows after it quantized ones, as in plain decoding."""
-        if self.kv is None or self.quantized or self.offset >= self._switch():
+        full-precision keys, rows after it quantized ones, as in plain decoding. A `tree`
+        also stays inside the key group its root is in (`ChannelQuantizedKVCache`: a
+        group's keys would mix the tree's branches)."""
+        if self.kv is None:
             return MAX_ROOM
-        return self._switch() - 1 - self.offset
+        if not self.quantized and self.offset < self._switch():
+            return self._switch() - 1 - self.offset
+        if tree and any(isinstance(c, (TreeKVCache, ChannelQuantizedKVCache)) for c in self.cache):
+            return self.kv.group_size - 1 - self.offset % self.kv.group_size
+        return MAX_ROOM
 
     def _quantize_when_due(self) -> None:
-        # Before a forward, as mlx-lm's maybe_quantize_kv_cache after the previous one.
+        # Before a forward, as mlx-lm's maybe_quantize_kv_cache after the previous one; and
+        # the layers that quantize keys by group learn which positions are settled.
         if self.kv is not None and not self.quantized and self.offset >= self._switch():
             self.cache = [c.to_quantized(group_size=self.kv.group_size, bits=self.kv.bits)
                           if hasattr(c, "to_quantized") else c for c in self.cache]
+        for layer in self.cache:
+            if isinstance(layer, ChannelQuantizedKVCache):
+                layer.settled = self.offset - self.unsettled
+                layer.quantize_settled()  # now rather than at the write: the same positions
 
     def max_rollback(self) -> int:
         return min((_max_trim(c) for c in self.cache), default=0)
@@ -690,11 +889,11 @@ class SequenceCache:
         """Move the K/V of unsettled `rows` to the first len(rows) unsettled slots of every
         layer (a row never moves later: rows ascend from where they start)."""
         for layer in self.cache:
-            end = layer.offset - getattr(layer, "start", 0)  # WindowKVCache's slot 0 moves
-            first = end - self.unsettled
-            index = mx.array(rows) + first
-            for part in _parts(layer.keys) + _parts(layer.values):
-                part[..., first : first + len(rows), :] = part[..., index, :]
+            for buffers, end in _row_buffers(layer):
+                first = end - self.unsettled
+                index = mx.array(rows) + first
+                for part in _parts(buffers):
+                    part[..., first : first + len(rows), :] = part[..., index, :]
 
     def _trim(self, n: int) -> None:
         if n == 0:
@@ -777,6 +976,14 @@ class SequenceCache:
             if begin + chunk_size < len(todo):
                 yield begin + len(chunk)
         return len(todo)
+
+
+def _row_buffers(layer) -> list:
+    """A cache layer's (buffers holding one position per slot along axis 2, slots used)."""
+    if isinstance(layer, ChannelQuantizedKVCache):
+        return layer.row_buffers()
+    end = layer.offset - getattr(layer, "start", 0)  # WindowKVCache's slot 0 moves
+    return [(_parts(layer.keys) + _parts(layer.values), end)]
 
 
 def _fork_layer(layer):

@@ -291,7 +291,8 @@ def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict, k
     layers = []
     for i, (entry, made) in enumerate(zip(stored, fresh)):
         # a quantized cache (--kv-bits, past --kv-start) holds each layer's quantized twin
-        made_names = {type(made).__name__} | ({f"Quantized{type(made).__name__}"} if kv is not None else set())
+        made_names = {type(made).__name__} | ({type(made.to_quantized()).__name__}
+                                              if kv is not None and hasattr(made, "to_quantized") else set())
         if entry["class"] not in made_names:
             raise CacheFileError(f"layer {i} is a {entry['class']}, the model makes a {type(made).__name__}")
         try:

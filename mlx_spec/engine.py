@@ -229,7 +229,8 @@ class Engine:
                     key, key_draft, key_verify = mx.random.split(key, 3)
                 # 1. choose γ; the round adds one token of the target's own, hence the - 1
                 gamma = policy.choose(stats) if gamma_next is None else gamma_next
-                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1, cache.target.draft_room())
+                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1,
+                            cache.target.draft_room(tree=branching))
                 # 2. draft
                 draft = Draft.empty()
                 if drafting and gamma and branching:

@@ -54,11 +54,15 @@ POSITION_ENV = "MLX_SPEC_MTP_POSITION"
 def shared_kv(layer_caches: list, layers: dict[str, int], window: int) -> dict:
     """{"sliding_attention": (keys, values), "full_attention": (keys, values)} from the
     target's per-layer caches (plain `KVCache` or our `WindowKVCache`, or their quantized
-    twins, whose K/V are (packed, scales, biases) triples), each [1, kv_heads, S, head_dim]
+    twins, whose K/V are (packed, scales, biases) triples, `ChannelKeys` for a global
+    layer's keys), each [1, kv_heads, S, head_dim]
     in temporal order; sliding layers cut to window − 1 keys."""
     out = {}
     for layer_type, index in layers.items():
         cache = layer_caches[index]
+        if hasattr(cache, "held_kv"):  # a global layer's keys quantized by channel: all of them
+            out[layer_type] = cache.held_kv()
+            continue
         used = cache.offset - getattr(cache, "start", 0)  # WindowKVCache drops old slots
         first = max(0, used - (window - 1)) if layer_type == "sliding_attention" else 0
         out[layer_type] = (kv_slots(cache.keys, first, used), kv_slots(cache.values, first, used))
