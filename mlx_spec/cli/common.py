@@ -69,8 +69,9 @@ KvBitsOpt = Annotated[Optional[int], typer.Option(
          "same --kv-bits). Default: full precision.")]
 KvGroupSizeOpt = Annotated[Optional[int], typer.Option(
     "--kv-group-size", rich_help_panel=MODELS, metavar="32|64|128",
-    help="Group size for --kv-bits / --draft-kv-bits (cached values sharing one scale); it "
-         "must divide the models' head size. Default: 64.")]
+    help="Group size for --kv-bits / --draft-kv-bits: values and window layers' keys sharing "
+         "one scale along the head (it must divide the models' head size), global layers' keys "
+         "along positions (docs/kv-cache.md). Default: 64.")]
 KvStartOpt = Annotated[Optional[int], typer.Option(
     "--kv-start", rich_help_panel=MODELS, metavar="N",
     help="Keep the KV cache in full precision until a conversation holds N tokens, then "
