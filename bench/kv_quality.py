@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
+from common import RESULTS, OtherLoad, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
 
 import mlx.core as mx  # noqa: E402
 
@@ -92,6 +92,9 @@ def cast_nbytes(cache: SequenceCache, kv) -> int:
     twin.kv = kv
     twin._quantize_when_due()
     return twin.nbytes
+
+
+WARM_UP = 3  # decode runs per setting before the timed ones
 
 
 def main() -> None:
@@ -177,22 +180,22 @@ def memory_and_speed(model, tokenizer, args) -> dict:
           "bf16:", {k: round(v["ratio"], 3) for k, v in out["memory"]["bfloat16"].items()})
 
     # 4. decode speed at the long context, interleaved, medians
-    n = 16
+    n = 32
     times = {name: [] for name in SETTINGS}
-    for run in range(args.runs + 1):  # run 0: warm-up
+    others = OtherLoad()
+    for run in range(-WARM_UP, args.runs):  # the first runs of each are slower (warming up): untimed
         for name, kv in SETTINGS.items():
             cache = filled[name].fork()
             engine = Engine(model, None, kv=kv)
             start = time.perf_counter()
             tokens = [t for r in engine.rounds(long_ids, gamma=0, max_tokens=n, prompt_cache=cache) for t in r.tokens]
             elapsed = time.perf_counter() - start
-            if run:
+            if run >= 0:
                 times[name].append(len(tokens) / elapsed)
     speed = {name: {"tok_s": median(v), "runs": v} for name, v in times.items()}
     for name in speed:
         speed[name]["ratio"] = speed[name]["tok_s"] / speed["full"]["tok_s"]
-    out["decode_speed"] = {"context": len(long_ids), "tokens": n, "note": "measured under load (shared CPU)",
-                           **speed}
+    out["decode_speed"] = {"context": len(long_ids), "tokens": n, "other_load_cores": others.cores(), **speed}
     print("decode tok/s:", {k: round(v["tok_s"], 2) for k, v in speed.items()})
     return out
 
