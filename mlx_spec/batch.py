@@ -46,6 +46,17 @@ class _Prefilling:
 PREFILLING = _Prefilling()
 
 
+class _RanAlone:
+    """Yielded by a request after a round it ran without the batch (`Engine.rounds(alone=...)`):
+    its passes this step have run."""
+
+    def __repr__(self) -> str:
+        return "RAN_ALONE"
+
+
+RAN_ALONE = _RanAlone()
+
+
 class Pass:
     """A forward that a request's round needs: run alone (`run`), or beside other requests'
     passes of the same `group` in one call (`run_together`)."""
@@ -205,6 +216,7 @@ class Batch:
     `PREFILLING` after each). So N rows' draft step costs one forward, as their verify
     does, and a long prompt costs the others one chunk a round, after their tokens, never
     its whole prefill. Generators join (`add`) and leave (they end) between steps.
+    A generator that finds itself `alone` may run its round itself and yield `RAN_ALONE`.
     Whatever else a generator yields goes to `out`."""
 
     def __init__(self, out=None):
@@ -212,6 +224,7 @@ class Batch:
         self.out = out
         self.prefilling: set = set()  # generators whose last item was PREFILLING
         self.ready: dict = {}  # generator -> the pass it yielded after its prefill's last chunk
+        self.resumed = None  # the generator being resumed
 
     def __len__(self) -> int:
         return len(self.active)
@@ -219,11 +232,17 @@ class Batch:
     def add(self, generator) -> None:
         self.active.append(generator)
 
+    def alone(self) -> bool:
+        """Whether the generator being resumed has no pass to share this step: every other
+        one is prefilling (a chunk of its own; one just added may have a pass, so it counts)."""
+        return all(g in self.prefilling for g in self.active if g is not self.resumed)
+
     def _advance(self, generator):
-        """Resume `generator` to its next pass or PREFILLING (None once it ends)."""
+        """Resume `generator` to its next pass, PREFILLING or RAN_ALONE (None once it ends)."""
+        self.resumed = generator
         try:
             item = next(generator)
-            while not isinstance(item, Pass) and item is not PREFILLING:
+            while not isinstance(item, Pass) and item is not PREFILLING and item is not RAN_ALONE:
                 if self.out is not None:
                     self.out(generator, item)
                 item = next(generator)
@@ -251,12 +270,15 @@ class Batch:
                     generator.close()
 
     def step(self) -> list:
-        """One round of every active generator; returns those whose target pass it ran (its rows)."""
-        pending, prefilling = {}, list(self.prefilling)
+        """One round of every active generator; returns those whose target pass it ran, or
+        who ran their round alone (its rows)."""
+        pending, prefilling, alone = {}, list(self.prefilling), []
         for generator in [g for g in self.active if g not in self.prefilling]:
             item = self.ready.pop(generator, None) or self._advance(generator)
             if item is PREFILLING:
                 self.prefilling.add(generator)
+            elif item is RAN_ALONE:
+                alone.append(generator)
             elif item is not None:
                 pending[generator] = item
         while drafting := {g: p for g, p in pending.items() if not isinstance(p, TargetPass)}:
@@ -275,4 +297,7 @@ class Batch:
             if isinstance(item, Pass):
                 self.prefilling.discard(generator)
                 self.ready[generator] = item  # run with the others' next step
-        return list(pending)
+            elif item is RAN_ALONE:  # its prefill's end, then a first round of its own
+                self.prefilling.discard(generator)
+                alone.append(generator)
+        return list(pending) + alone

@@ -91,7 +91,7 @@ def run_clients(engine, prompts: Sequence[list[int]], gamma: Gamma, *, params: S
                   else FixedGamma(gamma))
         try:
             yield from twin.rounds(ids, params, gamma=policy, max_tokens=max_tokens, stats=request.stats,
-                                   batched=True)
+                                   batched=True, alone=batch.alone)
         finally:
             share.leave(policy)
 

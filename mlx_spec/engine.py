@@ -25,7 +25,9 @@ host waits for it (step 3b). A queued pass that turns out not to be needed is ro
 
 With `rounds(batched=True)` step 2's draft passes (a draft model's or the MTP assistant's)
 and step 3's target pass are handed to the caller, which runs each in one forward with
-other requests' (`mlx_spec.batch`); everything else stays per request.
+other requests' (`mlx_spec.batch`); everything else stays per request. A round that finds
+the request alone in its batch (`alone`) runs as without one, so a lone client of a
+batching server decodes as fast as a serial one: pipelined, and in trees where it draws them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import PREFILLING, TargetPass
+from mlx_spec.batch import PREFILLING, RAN_ALONE, TargetPass
 from mlx_spec.cache import KVQuantization, PromptCache
 from mlx_spec.drafters import Draft, Drafter, draft_steps
 from mlx_spec.errors import MlxSpecError
@@ -147,6 +149,7 @@ class Engine:
         images=None,
         grammar: Optional[Matcher] = None,
         batched: bool = False,
+        alone: Optional[Callable[[], bool]] = None,
     ) -> Iterator[Round]:
         """Generate from `prompt_ids`, one `Round` per target forward.
 
@@ -172,9 +175,14 @@ class Engine:
                 caller to run (`batch.run_passes`, beside other requests'),
                 and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
                 chains (no trees) and plain rounds are not pipelined.
+            alone: with `batched`, asked at each round's start whether no other request
+                decodes beside this one now (`batch.Batch.alone`). If so, the round runs
+                as without a batch (its passes at once, a plain round pipelined, a tree
+                where the policy shapes one) and yields `batch.RAN_ALONE` after its
+                `Round`. Never for a seeded sample: its draws must not depend on others.
         Yields:
-            `Round`s (with `batched`, also the passes and `PREFILLING`s); the last
-            `Round` has a finish_reason.
+            `Round`s (with `batched`, also the passes, `PREFILLING`s and `RAN_ALONE`s);
+            the last `Round` has a finish_reason.
         """
         self.check_prompt(prompt_ids)
         if self.context_length is not None:
@@ -211,16 +219,25 @@ class Engine:
         stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
         drafting = drafter is not None and self._can_draft(cache)
         # Trees where the policy shapes them, the drafter branches, and the target's
-        # layers take tree masks; a sharded target (agree) keeps chains.
-        branching = (drafting and grammar is None and not batched and hasattr(policy, "prune")
-                     and hasattr(drafter, "propose_tree")
-                     and self.agree is None and cache.target.tree_capable)
+        # layers take tree masks; a sharded target (agree) keeps chains, so does a batch.
+        can_branch = (drafting and grammar is None and hasattr(policy, "prune")
+                      and hasattr(drafter, "propose_tree")
+                      and self.agree is None and cache.target.tree_capable)
+        # a seeded sample splits its key the same way whoever else is in the batch
+        may_run_alone = batched and alone is not None and (params.greedy or params.seed is None)
+
+        def runs_here() -> bool:
+            """Whether a pass prepared now runs here, not in the batch."""
+            return not batched or (may_run_alone and alone())
 
         last, generated = prompt_ids[-1], 0
         queued = None  # the next plain round's (verdict, hidden), already on the device (3b)
         gamma_next = None  # the next round's γ, when this round already asked the policy
         while generated < max_tokens:
             start = perf_counter()
+            # this round's passes go to the batch, or run here (alone, or queued last round)
+            together = queued is None and not runs_here()
+            branching = can_branch and not together
             if queued is not None:  # steps 1-3 of this plain round were queued last round
                 (verdict, hidden, scores, settle), queued = queued, None
                 gamma, draft, drafted_by = 0, Draft.empty(), 0
@@ -237,7 +254,7 @@ class Engine:
                     draft = policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
                                          self.max_gamma)
                 elif drafting and gamma:  # in a batch, each draft step's pass runs beside the others'
-                    draft = ((yield from draft_steps(drafter, gamma, history, key_draft)) if batched else
+                    draft = ((yield from draft_steps(drafter, gamma, history, key_draft)) if together else
                              drafter.propose(gamma, history, key_draft))
                 masks, drafted_by = None, draft.tokens.shape[0]
                 if grammar is not None:  # 2b. cut to the grammar, add what it forces, mask each row
@@ -249,7 +266,7 @@ class Engine:
                 # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
                 block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
                 verdict, hidden, scores, settle = yield from self._verify(
-                    cache, block, draft, history, None, processor, key_verify, logprobs, masks, batched)
+                    cache, block, draft, history, None, processor, key_verify, logprobs, masks, together)
             drafted = perf_counter()
             # 3b. Another plain round next? Then queue its pass, fed this round's token, so
             # the device computes it while the host waits below. A plain round teaches the
@@ -257,7 +274,7 @@ class Engine:
             gamma_next = None
             if gamma == 0 and generated + 1 < max_tokens:
                 gamma_next = policy.choose(stats) if drafting else 0
-                if gamma_next == 0 and self.pipeline_plain_rounds and grammar is None and not batched:
+                if gamma_next == 0 and self.pipeline_plain_rounds and grammar is None and runs_here():
                     if not params.greedy:
                         key, key_verify = mx.random.split(key)
                     block = verdict.token.astype(mx.uint32).reshape(1)
@@ -311,6 +328,8 @@ class Engine:
                         _token_logprobs(scores[mx.array(rows[:len(emitted)])], emitted, logprobs))
             if finish:
                 return
+            if batched and not together:  # the batch's step is over for this request
+                yield RAN_ALONE
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Refuse, in one line, a prompt the target cannot take (empty, or past its context)."""

@@ -155,6 +155,7 @@ def stream_generate(
     images=None,
     grammar=None,
     batched: bool = False,
+    alone=None,
 ) -> Iterator[Response]:
     """Stream text from `prompt`, one `Response` per engine round.
 
@@ -163,7 +164,7 @@ def stream_generate(
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
         params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images, grammar,
-            batched: as `Engine.rounds` (grammar: a fresh `mlx_spec.grammar.Matcher` per
+            batched, alone: as `Engine.rounds` (grammar: a fresh `mlx_spec.grammar.Matcher` per
             generation; with `batched` what it yields for the batch is yielded as it comes).
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
@@ -187,9 +188,10 @@ def stream_generate(
         images=images,
         grammar=grammar,
         batched=batched,
+        alone=alone,
     )
     for rnd in rounds:
-        if not isinstance(rnd, Round):  # a batch's TargetPass or PREFILLING
+        if not isinstance(rnd, Round):  # for the batch: a pass, PREFILLING or RAN_ALONE
             yield rnd
             continue
         for i, t in enumerate(rnd.tokens):

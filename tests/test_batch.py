@@ -18,12 +18,13 @@ from mlx_spec.cost_model import CostCurve
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.grammar import compile_grammar
-from mlx_spec.policy import AutoGamma
+from mlx_spec.policy import AutoGamma, TreePolicy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
 from mlx_spec.testing.tiny import TINY_VOCAB
 from test_grammar import ADDRESS, EOS, TOKENIZER, constrained_reference
 from test_grammar import PROMPT as ADDRESS_PROMPT
+from test_trees import BRANCHING_PROMPT
 from test_distribution import PARAMS, VOCAB, chi_square, exact_joint, models, recovered_from_p  # noqa: F401
 
 WINDOW = 16  # the tiny models' sliding window
@@ -36,10 +37,12 @@ PROMPTS = [
 ]
 
 
-def batched(requests, joins, out):
-    """Drive `requests` (round generators) in one `Batch`, request i joining before step
-    joins[i]; returns the rows of each step's forward."""
-    batch, rows, step = Batch(out=lambda generator, r: out[generator].extend(r.tokens)), [], 0
+def batched(requests, joins, out, batch=None):
+    """Drive `requests` (round generators) in one `Batch` (a fresh one unless given),
+    request i joining before step joins[i]; returns the rows of each step's forward."""
+    batch = batch or Batch()
+    batch.out = lambda generator, r: out[generator].extend(r.tokens)
+    rows, step = [], 0
     pending = sorted(zip(joins, range(len(requests))))
     while pending or len(batch):
         while pending and pending[0][0] <= step:
@@ -286,3 +289,117 @@ def test_the_batched_check_catches_a_broken_rule(models, monkeypatch):
     counts = sampled_joints(row_engines(target, draft), [gamma for _, gamma in ROW_SETUPS], params, BROKEN_DRAWS)[0]
     stat, critical = chi_square(counts, exact_joints(target, params)[0])
     assert stat > critical  # row 0: a model drafter at γ = 3, where the rule breaks most
+
+
+def recording_queued_passes(monkeypatch):
+    """A list that gets, per target pass the engine prepares, whether it is a pipelined
+    plain round's queued pass (fed the token still being computed)."""
+    queued, real = [], Engine._verify
+
+    def verify(self, cache, block, draft, history, unseen, *args, **kwargs):
+        queued.append(unseen is not None)
+        return real(self, cache, block, draft, history, unseen, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_verify", verify)
+    return queued
+
+
+
+def test_a_request_alone_in_its_batch_decodes_as_without_one_until_another_decodes(tiny_target, monkeypatch):
+    """Plain decoding alone in a batch prepares the passes it would without a batch (each
+    plain round pipelined), and still does while a 600-token prompt that joined is prefilled
+    a chunk a step; once that one decodes, the two share forwards and none is queued; once
+    it has left, pipelined again. Both answers are mlx-lm's."""
+    queued = recording_queued_passes(monkeypatch)
+    engine = Engine(tiny_target, prefill_chunk=64)
+    list(engine.rounds(PROMPTS[1], max_tokens=MAX_TOKENS))
+    serial, queued[:] = list(queued), []
+    assert serial.count(True) > MAX_TOKENS // 2
+
+    batch = Batch()
+    alone = engine.for_request().rounds(PROMPTS[1], max_tokens=MAX_TOKENS, batched=True, alone=batch.alone)
+    out = {alone: []}
+    assert max(batched([alone], [0], out, batch)) == 1
+    assert out[alone] == greedy_reference(tiny_target, PROMPTS[1], MAX_TOKENS)
+    assert queued == serial
+    queued[:] = []
+
+    long_prompt = [2] + [(11 * i) % 250 + 6 for i in range(600)]
+    batch = Batch()
+    requests = [engine.for_request().rounds(prompt, max_tokens=n, batched=True, alone=batch.alone)
+                for prompt, n in ((PROMPTS[1], MAX_TOKENS), (long_prompt, 8))]
+    out = {r: [] for r in requests}
+    batch.out = lambda generator, r: out[generator].extend(r.tokens)
+    batch.add(requests[0])
+    rows, queued_by_step, prefilling = [], [], []
+    while len(batch):
+        if len(rows) == 3:
+            batch.add(requests[1])
+        prefilling.append(requests[1] in batch.prefilling)
+        before = len(queued)
+        rows.append(len(batch.step()))
+        queued_by_step.append(queued[before:])
+    assert sum(prefilling) == 600 // 64  # the steps after each of its chunks but the last
+    assert all(True in passes for passes, other in zip(queued_by_step, prefilling) if other)
+    shared = [step for step, n in enumerate(rows) if n == 2]  # the long one's 8 rounds
+    assert len(shared) == 8 and not any(True in queued_by_step[step] for step in shared)
+    assert True in sum(queued_by_step[shared[-1] + 1:], [])  # alone again, pipelined again
+    assert out[requests[0]] == greedy_reference(tiny_target, PROMPTS[1], MAX_TOKENS)
+    assert out[requests[1]] == greedy_reference(tiny_target, long_prompt, 8)
+
+
+def tree_policy():
+    return TreePolicy(CostCurve([0.01] * 17, 0.0, 256), max_gamma=3, learn_costs=False)
+
+
+def test_a_request_alone_in_its_batch_drafts_trees_and_chains_beside_others(tiny_target):
+    """Under a tree policy an n-gram row draws trees while it is alone in its batch and
+    chains while another decodes beside it (a batch's forward takes no tree masks); both
+    answers are mlx-lm's, the tree row's also what it answers without a batch."""
+    prompt = BRANCHING_PROMPT  # 40 41 42 goes on four ways: the drafts branch
+    alone_stats = Stats()
+    serial = [t for r in Engine(tiny_target, NgramDrafter()).rounds(
+        prompt, gamma=tree_policy(), max_tokens=MAX_TOKENS, stats=alone_stats) for t in r.tokens]
+    assert alone_stats.tree_rounds > 0
+
+    batch, stats = Batch(), Stats()
+    requests = [Engine(tiny_target, NgramDrafter()).rounds(prompt, gamma=tree_policy(), max_tokens=MAX_TOKENS,
+                                                          stats=stats, batched=True, alone=batch.alone),
+                Engine(tiny_target, NgramDrafter()).rounds(PROMPTS[3], gamma=2, max_tokens=12, batched=True,
+                                                          alone=batch.alone)]
+    out, trees = {r: [] for r in requests}, []
+    batch.out = lambda generator, r: out[generator].extend(r.tokens)
+    batch.add(requests[0])
+    rows = []
+    while len(batch):
+        if len(rows) == 2:
+            batch.add(requests[1])
+        before = stats.tree_rounds
+        rows.append(len(batch.step()))
+        trees.append(stats.tree_rounds - before)
+    assert sum(trees[:2]) > 0 and max(rows) == 2
+    assert not any(n for n, width in zip(trees, rows) if width == 2)
+    assert out[requests[0]] == serial == greedy_reference(tiny_target, prompt, MAX_TOKENS)
+    assert out[requests[1]] == greedy_reference(tiny_target, PROMPTS[3], 12)
+
+
+def test_a_seeded_sample_runs_its_rounds_in_the_batch_even_alone(tiny_target, monkeypatch):
+    """A seeded request at temperature 1 alone in a batch prepares the passes it prepares
+    beside others (no pipelined plain round: that would split its key another way), and
+    draws the same tokens."""
+    queued = recording_queued_passes(monkeypatch)
+    params = SamplingParams(temperature=1.0, seed=7)
+    draws = []
+    for alone in (True, False):
+        batch = Batch()
+        rounds = Engine(tiny_target).rounds(PROMPTS[1], params, max_tokens=MAX_TOKENS, batched=True,
+                                            alone=batch.alone if alone else None)
+        out = {rounds: []}
+        batched([rounds], [0], out, batch)
+        draws.append(out[rounds])
+    assert draws[0] == draws[1] and not any(queued)
+    unseeded = Batch()
+    rounds = Engine(tiny_target).rounds(PROMPTS[1], SamplingParams(temperature=1.0), max_tokens=MAX_TOKENS,
+                                        batched=True, alone=unseeded.alone)
+    batched([rounds], [0], {rounds: []}, unseeded)
+    assert any(queued)  # unseeded, its draws depend on nobody's choices: pipelined alone

@@ -18,12 +18,13 @@ from mlx_lm import generate, load
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import greedy_reference
-from mlx_spec.drafters import ModelDrafter
+from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.worker import Done, Failed, Job, Worker
 from mlx_spec.testing.tiny import TINY_VOCAB
 from server_support import Server, server_env
+from test_trees import BRANCHING_PROMPT
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
 
@@ -43,11 +44,11 @@ def pair(tiny_dirs):
     return target, draft, tokenizer
 
 
-def make_worker(pair, parallel: int, context_length=None, **options) -> Worker:
+def make_worker(pair, parallel: int, context_length=None, gamma="2", **options) -> Worker:
     target, draft, tokenizer = pair
     engine = Engine(target, ModelDrafter(draft, TINY_VOCAB), eos_ids=tokenizer.eos_token_ids,
                     context_length=context_length)
-    return Worker(engine, tokenizer, gamma="2", parallel=parallel, **{"cache_budget": 2**28, **options})
+    return Worker(engine, tokenizer, gamma=gamma, parallel=parallel, **{"cache_budget": 2**28, **options})
 
 
 def reference(pair, prompt, max_tokens):
@@ -112,6 +113,42 @@ def test_jobs_decoded_together_each_answer_as_alone(pair):
     # the seeded sampled answer is the one a serial worker gives it
     alone = run_jobs(make_worker(pair, parallel=1), [specs[2]])[0]
     assert results[2][0] == alone[0] and alone[1].batch_size == 1
+
+
+def recorded_passes(monkeypatch):
+    """A list that gets, per target pass the engine prepares, (whether it is a pipelined
+    plain round's queued pass, whether it verifies a draft tree)."""
+    passes, real = [], Engine._verify
+
+    def verify(self, cache, block, draft, history, unseen, *args, **kwargs):
+        passes.append((unseen is not None, draft.tree is not None))
+        return real(self, cache, block, draft, history, unseen, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_verify", verify)
+    return passes
+
+
+def test_a_job_alone_on_a_batching_worker_runs_as_on_a_serial_one(pair, private_cost_cache, monkeypatch):
+    """One client of `--parallel 4` gets the serial worker's speed-ups: at γ 0 the same
+    passes (every plain round pipelined), under `--gamma tree` draft trees; each answer
+    is mlx-lm's."""
+    passes = recorded_passes(monkeypatch)
+    spec = {"prompt": PROMPTS[1], "max_tokens": LENGTHS[1]}
+    seen = []
+    for parallel in (1, 4):
+        tokens, done = run_jobs(make_worker(pair, parallel=parallel, gamma="0"), [spec])[0]
+        assert isinstance(done, Done) and done.batch_size == 1
+        assert tokens == reference(pair, PROMPTS[1], LENGTHS[1])
+        seen.append(list(passes))
+        passes[:] = []
+    assert seen[0] == seen[1] and sum(queued for queued, _ in seen[1]) > LENGTHS[1] // 2
+
+    target, _, tokenizer = pair  # n-gram drafts cost nothing: trees pay
+    worker = Worker(Engine(target, NgramDrafter(), eos_ids=tokenizer.eos_token_ids), tokenizer, gamma="tree",
+                    parallel=4, cache_budget=2**28)
+    tokens, done = run_jobs(worker, [{"prompt": BRANCHING_PROMPT, "max_tokens": 30}])[0]
+    assert tokens == reference(pair, BRANCHING_PROMPT, 30)
+    assert any(tree for _, tree in passes)
 
 
 def test_constrained_jobs_in_a_batch_answer_as_alone(pair):

@@ -4,7 +4,8 @@ in a bounded queue in front of it.
 Up to `parallel` jobs decode together (`mlx_spec.batch`): each job is a generator that
 yields its round's target pass; every round the worker admits waiting jobs while there is
 room, then runs the running jobs' passes in one forward. A job that ends (finished,
-failed, cancelled) leaves between rounds. With parallel 1 a job yields nothing and runs
+failed, cancelled) leaves between rounds. A job alone in the batch runs its rounds as a
+serial job does (`Engine.rounds(alone=...)`). With parallel 1 a job yields nothing and runs
 to its end, as one generation at a time always did.
 
 All MLX work runs on this one thread (mlx-lm's server does the same), and no two running
@@ -225,6 +226,7 @@ class Worker:
         self._stopping = False
         self._busy: dict[Job, object] = {}  # running jobs' prompt caches (worker thread only)
         self._share = BatchShare()  # the running jobs' γ choices, for auto γ in a batch
+        self._alone = None  # the running batch's `Batch.alone` (worker thread only)
 
     # -- the request side (event-loop thread) ---------------------------------------------
 
@@ -310,6 +312,7 @@ class Worker:
         self._open_disk()
         # With parallel 1 a job's steps never yield a pass: `step` runs it to its end.
         batch, jobs = Batch(), {}  # jobs: each running job's steps -> the job
+        self._alone = batch.alone  # a job's round asks it whether it decodes alone
         while True:
             while len(batch) < self.parallel:
                 job = self._next_job(wait=not batch)
@@ -494,6 +497,7 @@ class Worker:
             images=images,
             grammar=grammar,
             batched=batched,
+            alone=self._alone if batched else None,
         )
         finish, stop_string = None, None
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
