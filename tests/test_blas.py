@@ -132,7 +132,7 @@ def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
         return json.loads(done.stdout)
 
     cores, half = os.cpu_count(), max(1, os.cpu_count() // 2)
-    label = f"{half}/{cores}" if cores != half else str(half)
+    label = f"{half}/{cores}@{blas.WIDE_ROWS}" if cores != half else str(half)
     assert threads() == {"before": half, "narrow": half, "wide": cores, "after": half, "label": label}
     assert threads(MLX_SPEC_BLAS_THREADS="1") == {"before": 1, "narrow": 1, "wide": 1, "after": 1, "label": "1"}
     assert threads(MKL_NUM_THREADS="1")["wide"] == 1
