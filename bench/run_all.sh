@@ -37,7 +37,7 @@ py trees.py --pair gemma270m-q8 --prompts long --gammas 2 4 --max-tokens 48 --re
 py concurrency.py --gamma 3
 py concurrency.py --clients 1,4 --prompts copying,ordinary --gamma auto --servers batched,serial,mlx-lm --runs 3 --one-client-runs 3 --name concurrency_auto
 py concurrency.py --servers batched-draft,mlx-lm-draft,batched --prompts copying --clients 1,2,4 --runs 2 --one-client-runs 2 --name concurrency_draft
-py concurrency.py --tokens 64 --clients 1,4 --prompts copying,ordinary --runs 5 --one-client-runs 7 --gamma auto --servers batched,serial,mlx-lm --name concurrency_auto_64
+py concurrency.py --tokens 64 --clients 1,4 --prompts copying,ordinary --runs 5 --one-client-runs 9 --gamma auto --servers batched,serial,mlx-lm --name concurrency_auto_64
 py wide_rows.py
 py batched_drafting.py
 py batched_drafting.py --pair gemma270m-self
