@@ -67,3 +67,19 @@ def gemma270m(mlx_spec_cache):
     from mlx_spec.models import load_model
 
     return load_model(None, dtype="float32", progress=False)
+
+
+def recorded_verify_passes(monkeypatch):
+    """A list that gets, per target pass the engine prepares, (whether it is a pipelined
+    plain round's queued pass, fed the token still being computed; whether it verifies a
+    draft tree)."""
+    from mlx_spec.engine import Engine
+
+    passes, real = [], Engine._verify
+
+    def verify(self, cache, block, draft, history, unseen, *args, **kwargs):
+        passes.append((unseen is not None, draft.tree is not None))
+        return real(self, cache, block, draft, history, unseen, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_verify", verify)
+    return passes

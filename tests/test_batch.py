@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_spec.engine as engine_module
-from conftest import greedy_reference
+from conftest import greedy_reference, recorded_verify_passes
 from mlx_spec.batch import Batch, TargetPass, run_passes
 from mlx_spec.cache import KVQuantization, SequenceCache
 from mlx_spec.cost_model import CostCurve
@@ -291,38 +291,24 @@ def test_the_batched_check_catches_a_broken_rule(models, monkeypatch):
     assert stat > critical  # row 0: a model drafter at γ = 3, where the rule breaks most
 
 
-def recording_queued_passes(monkeypatch):
-    """A list that gets, per target pass the engine prepares, whether it is a pipelined
-    plain round's queued pass (fed the token still being computed)."""
-    queued, real = [], Engine._verify
-
-    def verify(self, cache, block, draft, history, unseen, *args, **kwargs):
-        queued.append(unseen is not None)
-        return real(self, cache, block, draft, history, unseen, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "_verify", verify)
-    return queued
-
-
-
 def test_a_request_alone_in_its_batch_decodes_as_without_one_until_another_decodes(tiny_target, monkeypatch):
     """Plain decoding alone in a batch prepares the passes it would without a batch (each
     plain round pipelined), and still does while a 600-token prompt that joined is prefilled
     a chunk a step; once that one decodes, the two share forwards and none is queued; once
     it has left, pipelined again. Both answers are mlx-lm's."""
-    queued = recording_queued_passes(monkeypatch)
+    passes = recorded_verify_passes(monkeypatch)
     engine = Engine(tiny_target, prefill_chunk=64)
     list(engine.rounds(PROMPTS[1], max_tokens=MAX_TOKENS))
-    serial, queued[:] = list(queued), []
-    assert serial.count(True) > MAX_TOKENS // 2
+    serial, passes[:] = list(passes), []
+    assert sum(queued for queued, _ in serial) > MAX_TOKENS // 2
 
     batch = Batch()
     alone = engine.for_request().rounds(PROMPTS[1], max_tokens=MAX_TOKENS, batched=True, alone=batch.alone)
     out = {alone: []}
     assert max(batched([alone], [0], out, batch)) == 1
     assert out[alone] == greedy_reference(tiny_target, PROMPTS[1], MAX_TOKENS)
-    assert queued == serial
-    queued[:] = []
+    assert passes == serial
+    passes[:] = []
 
     long_prompt = [2] + [(11 * i) % 250 + 6 for i in range(600)]
     batch = Batch()
@@ -336,9 +322,9 @@ def test_a_request_alone_in_its_batch_decodes_as_without_one_until_another_decod
         if len(rows) == 3:
             batch.add(requests[1])
         prefilling.append(requests[1] in batch.prefilling)
-        before = len(queued)
+        before = len(passes)
         rows.append(len(batch.step()))
-        queued_by_step.append(queued[before:])
+        queued_by_step.append([queued for queued, _ in passes[before:]])
     assert sum(prefilling) == 600 // 64  # the steps after each of its chunks but the last
     assert all(True in passes for passes, other in zip(queued_by_step, prefilling) if other)
     shared = [step for step, n in enumerate(rows) if n == 2]  # the long one's 8 rounds
@@ -387,7 +373,7 @@ def test_a_seeded_sample_runs_its_rounds_in_the_batch_even_alone(tiny_target, mo
     """A seeded request at temperature 1 alone in a batch prepares the passes it prepares
     beside others (no pipelined plain round: that would split its key another way), and
     draws the same tokens."""
-    queued = recording_queued_passes(monkeypatch)
+    passes = recorded_verify_passes(monkeypatch)
     params = SamplingParams(temperature=1.0, seed=7)
     draws = []
     for alone in (True, False):
@@ -397,9 +383,9 @@ def test_a_seeded_sample_runs_its_rounds_in_the_batch_even_alone(tiny_target, mo
         out = {rounds: []}
         batched([rounds], [0], out, batch)
         draws.append(out[rounds])
-    assert draws[0] == draws[1] and not any(queued)
+    assert draws[0] == draws[1] and not any(queued for queued, _ in passes)
     unseeded = Batch()
     rounds = Engine(tiny_target).rounds(PROMPTS[1], SamplingParams(temperature=1.0), max_tokens=MAX_TOKENS,
                                         batched=True, alone=unseeded.alone)
     batched([rounds], [0], {rounds: []}, unseeded)
-    assert any(queued)  # unseeded, its draws depend on nobody's choices: pipelined alone
+    assert any(queued for queued, _ in passes)  # unseeded, its draws depend on nobody's choices: pipelined alone

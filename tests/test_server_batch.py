@@ -17,7 +17,7 @@ import pytest
 from mlx_lm import generate, load
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import greedy_reference
+from conftest import greedy_reference, recorded_verify_passes
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
@@ -115,24 +115,11 @@ def test_jobs_decoded_together_each_answer_as_alone(pair):
     assert results[2][0] == alone[0] and alone[1].batch_size == 1
 
 
-def recorded_passes(monkeypatch):
-    """A list that gets, per target pass the engine prepares, (whether it is a pipelined
-    plain round's queued pass, whether it verifies a draft tree)."""
-    passes, real = [], Engine._verify
-
-    def verify(self, cache, block, draft, history, unseen, *args, **kwargs):
-        passes.append((unseen is not None, draft.tree is not None))
-        return real(self, cache, block, draft, history, unseen, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "_verify", verify)
-    return passes
-
-
 def test_a_job_alone_on_a_batching_worker_runs_as_on_a_serial_one(pair, private_cost_cache, monkeypatch):
     """One client of `--parallel 4` gets the serial worker's speed-ups: at γ 0 the same
     passes (every plain round pipelined), under `--gamma tree` draft trees; each answer
     is mlx-lm's."""
-    passes = recorded_passes(monkeypatch)
+    passes = recorded_verify_passes(monkeypatch)
     spec = {"prompt": PROMPTS[1], "max_tokens": LENGTHS[1]}
     seen = []
     for parallel in (1, 4):
