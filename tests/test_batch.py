@@ -326,7 +326,7 @@ def test_a_request_alone_in_its_batch_decodes_as_without_one_until_another_decod
         rows.append(len(batch.step()))
         queued_by_step.append([queued for queued, _ in passes[before:]])
     assert sum(prefilling) == 600 // 64  # the steps after each of its chunks but the last
-    assert all(True in passes for passes, other in zip(queued_by_step, prefilling) if other)
+    assert all(True in queued for queued, other in zip(queued_by_step, prefilling) if other)
     shared = [step for step, n in enumerate(rows) if n == 2]  # the long one's 8 rounds
     assert len(shared) == 8 and not any(True in queued_by_step[step] for step in shared)
     assert True in sum(queued_by_step[shared[-1] + 1:], [])  # alone again, pipelined again
