@@ -34,24 +34,21 @@ def main() -> None:
     args = parser.parse_args()
 
     from mlx_spec import blas
-    from mlx_spec.cli.common import setup_models
     from mlx_spec.clients import run_clients
+    from mlx_spec.models import load_pair
     from mlx_spec.runner import build_engine
     from mlx_spec.sampling import SamplingParams
 
     if blas._setter is None:
         raise SystemExit("the BLAS's threads are not ours to set here (no MKL/OpenBLAS, or a thread count in the "
                          "environment): nothing to measure")
-    setup = setup_models(model=None, draft_model=None, drafter="ngram", preset=None, gamma="auto",
-                         dtype="float32", quantize=None, draft_quantize=None, group_size=None, kv_bits=None,
-                         kv_group_size=None, kv_start=None, draft_kv_bits=None, draft_on=None,
-                         sampling=dict(temp=0.0, seed=None), preset_sampling=False)
-    engine = build_engine(setup.pair, "ngram")
+    pair = load_pair(None, dtype="float32", progress=False)
+    engine = build_engine(pair, "ngram")
     candidates = [int(r) for r in args.rows.split(",")]
     kinds = {"copying": COPYING, "ordinary": ORDINARY}
     load, rows = OtherLoad(), []
     for kind in args.prompts.split(","):
-        prompts = [setup.pair.tokenizer.encode(p) for p in kinds[kind][: args.clients]]
+        prompts = [pair.tokenizer.encode(p) for p in kinds[kind][: args.clients]]
         runs: dict[int, list] = {r: [] for r in candidates}
         answers: dict[int, list] = {}
         for repetition in range(args.runs + 1):  # the first: warm-up
