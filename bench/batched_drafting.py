@@ -26,9 +26,8 @@ from pairs import PAIRS, build  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_spec.batch import run_alone, run_passes  # noqa: E402
+from mlx_spec.passes import run_alone, run_passes  # noqa: E402
 from mlx_spec.cache import PromptCache  # noqa: E402
-from mlx_spec.drafters import draft_steps  # noqa: E402
 from mlx_spec.sampling import LogitProcessor, SamplingParams  # noqa: E402
 
 
@@ -48,7 +47,7 @@ def draft_round(drafters: list, gamma: int, batched: bool) -> float:
     are rolled back."""
     key = mx.random.key(0)
     start = time.perf_counter()
-    steps = [draft_steps(drafter, gamma, prompt, key) for drafter, prompt in drafters]
+    steps = [drafter.drafting(gamma, prompt, key) for drafter, prompt in drafters]
     if batched:  # what `Batch.step` does with the rows' draft passes
         drafts, pending = [], {s: next(s) for s in steps}
         while pending:

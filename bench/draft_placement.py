@@ -31,6 +31,7 @@ LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main;
 def rank_main(args, folder: Path) -> None:
     from mlx_spec import distributed
     from mlx_spec.drafters import ModelDrafter
+    from mlx_spec.drafters.broadcast import BroadcastDrafter
     from mlx_spec.engine import Engine
     from mlx_spec.sampling import SamplingParams
     from mlx_spec.stats import Stats
@@ -39,8 +40,8 @@ def rank_main(args, folder: Path) -> None:
     pair = distributed.load_pair(w, str(folder / "target"), str(folder / "draft"), draft_on="all",
                                  progress=False)
     replicated = ModelDrafter(pair.draft.model, pair.vocab_size_target)
-    broadcast = distributed.BroadcastDrafter(w, ModelDrafter(pair.draft.model, pair.vocab_size_target)
-                                             if w.is_root else None)
+    broadcast = BroadcastDrafter(w, ModelDrafter(pair.draft.model, pair.vocab_size_target)
+                                 if w.is_root else None)
     engines = {name: Engine(pair.target.model, drafter, agree=w.agree_verdict)
                for name, drafter in (("root", broadcast), ("all", replicated))}
     prompt = list(pair.tokenizer.encode("the quick brown fox " * 12))

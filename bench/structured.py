@@ -50,7 +50,7 @@ def run(engine, prompt_ids, grammar, gamma, max_tokens):
     matcher = grammar.matcher(engine.eos_ids) if grammar is not None else None
     start = time.perf_counter()
     tokens = [t for r in engine.rounds(prompt_ids, SamplingParams(), gamma=gamma, max_tokens=max_tokens,
-                                       stats=stats, grammar=matcher) for t in r.tokens]
+                                       stats=stats, constraint=matcher) for t in r.tokens]
     return tokens, stats, time.perf_counter() - start
 
 

@@ -229,43 +229,6 @@ def load_pair(w: World, target: Optional[str], draft: Optional[str] = None, *,
 # ---------------------------------------------------------------------------------------
 
 
-class BroadcastDrafter:
-    """Rank 0's drafter, with its tokens broadcast to every rank before the verify pass.
-
-    On rank 0 it wraps the real drafter; elsewhere `inner` is None and it proposes whatever
-    rank 0 proposed (the count is the same on every rank: a draft model always returns γ
-    tokens, and the γ policy agrees). Only rank 0 holds q, so the acceptance decision is
-    rank 0's, broadcast (`World.agree_verdict`).
-    """
-
-    passes_per_token = 1
-
-    def __init__(self, w: World, inner=None, name: str = "model"):
-        self.world = w
-        self.inner = inner
-        self.name = name
-        self.model = getattr(inner, "model", None)
-
-    @property
-    def rollbackable(self) -> bool:
-        return True if self.inner is None else self.inner.rollbackable
-
-    def begin(self, prompt_ids, prompt_cache, processor) -> int:
-        return self.inner.begin(prompt_ids, prompt_cache, processor) if self.inner else 0
-
-    def propose(self, gamma: int, history, key):
-        from mlx_spec.drafters import Draft
-
-        if self.inner is not None:
-            draft = self.inner.propose(gamma, history, key)
-            return Draft(self.world.broadcast(draft.tokens), draft.q)
-        return Draft(self.world.broadcast(mx.zeros((gamma,), mx.uint32)))
-
-    def accept(self, committed) -> None:
-        if self.inner is not None:
-            self.inner.accept(committed)
-
-
 # ---------------------------------------------------------------------------------------
 # What communication costs (for bench)
 # ---------------------------------------------------------------------------------------

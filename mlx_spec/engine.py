@@ -1,33 +1,28 @@
 """The speculative round loop. Token ids in, token ids out: the engine knows no text.
 
-One round (Leviathan et al. 2023, Algorithm 1):
-  1. choose γ                    the policy is asked once per round, capped by max_tokens
-  2. draft                       x_1..x_γ and q_1..q_γ from the drafter (lazy, on device), or
-                                 a draft tree where the policy and drafter branch
-                                 (`mlx_spec.tree`; siblings one-hot), at most γ deep
-  3. verify pass                 one target forward over [last, x_1..x_γ] → p_1..p_γ+1, and
-                                 the acceptance rule → Verdict(n, token), still lazy (a tree:
-                                 one forward over the flattened tree, and its accepted path)
-  4. accept                      the round's one host sync on the verdict
-  5. commit                      cut at the first EOS id or at max_tokens, even mid-block;
-                                 both caches forget every position that was not committed
-
-Under a grammar (`mlx_spec.grammar`, `rounds(grammar=...)`) every row's logits, the target's
-and the draft model's, are masked to the tokens the grammar allows after that row's path, so
-the acceptance rule runs on the constrained p and q; a model-free draft is cut at its first
-token the grammar forbids, and the tokens the grammar forces after the draft are appended to
-it as one-hot drafts (`grammar_drafts`), which the target accepts wherever it is forced too.
-Draft trees are not drawn under a grammar (the policy's chains are).
+One round (Leviathan et al. 2023, Algorithm 1), each phase one call of `Generation`:
+  1. choose γ     the policy is asked once per round, capped by max_tokens and the caches
+  2. draft        x_1..x_γ and q_1..q_γ from the drafter (lazy, on device), or a draft tree
+                  where the policy and drafter branch (`mlx_spec.tree`; siblings one-hot);
+                  2b. under a grammar, cut to what it allows and extended by what it forces
+                  (`mlx_spec.constraint`)
+  3. score        one target forward over [last, x_1..x_γ] → p_1..p_γ+1, and the acceptance
+                  rule → a `Verdict`, still lazy (a tree: one forward over the flattened tree)
+  4. decide       the round's one host sync on the verdict
+  5. commit       cut at the first EOS id or at max_tokens, even mid-block; both caches
+                  forget every position that was not committed
+  6. observe      the policy and the stats learn the round's outcome and time
 
 A plain round (γ = 0) followed by another is pipelined as mlx-lm's generate_step is: the
 next round's pass is queued on the device, fed the token still being computed, before the
-host waits for it (step 3b). A queued pass that turns out not to be needed is rolled back.
+host waits for it (3b, `queue_plain_round`). A queued pass that turns out not to be needed
+is rolled back with the rest of the round.
 
-With `rounds(batched=True)` step 2's draft passes (a draft model's or the MTP assistant's)
-and step 3's target pass are handed to the caller, which runs each in one forward with
-other requests' (`mlx_spec.batch`); everything else stays per request. A round that finds
-the request alone in its batch (`alone`) runs as without one, so a lone client of a
-batching server decodes as fast as a serial one: pipelined, and in trees where it draws them.
+In a batch (`rounds(batched=True)`) step 2's draft passes and step 3's target pass are
+yielded to the caller, which runs each in one forward with other requests'
+(`mlx_spec.batch`); everything else stays per request. A round that finds the request
+alone in its batch runs as without one (pipelined, and in trees where it draws them), so
+a lone client of a batching server decodes as fast as a serial one.
 """
 
 from __future__ import annotations
@@ -40,16 +35,17 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import PREFILLING, RAN_ALONE, TargetPass
+from mlx_spec.batch import PREFILLING, RAN_ALONE
 from mlx_spec.cache import KVQuantization, PromptCache
-from mlx_spec.drafters import Draft, Drafter, draft_steps
+from mlx_spec.constraint import Constraint
+from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.grammar import Matcher, constrain
+from mlx_spec.passes import TargetPass, run_alone
 from mlx_spec.policy import MAX_GAMMA, GammaPolicy, as_policy
-from mlx_spec.sampling import UNDECIDED, LogitProcessor, SamplingParams, make_key
+from mlx_spec.sampling import UNDECIDED, LogitProcessor, SamplingParams, likeliest, make_key
 from mlx_spec.stats import Stats
-from mlx_spec.verify import (Verdict, verify_greedy, verify_sampled, verify_tree_greedy,
-                             verify_tree_sampled)
+from mlx_spec.verify import Verdict, verify_block
 
 
 @dataclass
@@ -61,6 +57,38 @@ class Round:
     # With `rounds(logprobs=k)`: per committed token, (its log-prob under the target's p,
     # the k likeliest (id, log-prob)), from the verify pass that scored it.
     logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+
+
+@dataclass
+class Request:
+    """One generation, typed once where it enters (the CLI, the server) and carried whole
+    into the engine. Arguments as `Engine.rounds`; `constraint` is the request's grammar
+    state (a `grammar.Matcher`, fresh per generation)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = SamplingParams()
+    gamma: "int | GammaPolicy" = 3
+    max_tokens: int = 256
+    logprobs: Optional[int] = None
+    images: object = None  # an `mlx_spec.vision.ImagePrompt`
+    constraint: Optional[Matcher] = None
+
+
+@dataclass
+class Scored:
+    """Step 3's outcome, lazy until step 4: the draft verified, the acceptance rule's
+    verdict and what the target pass gave."""
+
+    draft: Draft
+    drafted_by: int  # of the draft's tokens, those the drafter proposed (the rest a grammar forced)
+    verdict: Verdict  # or a `TreeVerdict`
+    hidden: Optional[mx.array]  # the target's final hidden states [rows, H], for drafters that read them
+    scores: Optional[mx.array]  # the target's log-probs [rows, V], with `logprobs`
+    settle: Optional[Callable[[], Verdict]]  # greedy: the exact decision, for a near-tie
+
+    @property
+    def gamma(self) -> int:
+        return self.draft.tokens.shape[0]
 
 
 class Engine:
@@ -121,15 +149,14 @@ class Engine:
         self.context_length = context_length
         self.vision = vision
         self.kv, self.draft_kv = kv, draft_kv
-        # Drafters that read the target's final hidden states (MTP heads) get them with
-        # accept(); the target pass computes them only for those.
-        self.wants_hidden = bool(getattr(drafter, "wants_hidden", False))
+        # the target pass computes its final hidden states only for drafters that read them
+        self.wants_hidden = drafter is not None and drafter.wants_hidden
 
     def for_request(self) -> "Engine":
         """This engine with a drafter of its own (drafters keep one request's state between
         begin and accept), for a request decoded beside others; models are shared."""
         twin = copy.copy(self)
-        twin.drafter = copy.copy(self.drafter)
+        twin.drafter = None if self.drafter is None else self.drafter.fork()
         return twin
 
     def make_prompt_cache(self) -> PromptCache:
@@ -147,11 +174,11 @@ class Engine:
         prefill_progress: Optional[Callable[[int, int], None]] = None,
         logprobs: Optional[int] = None,
         images=None,
-        grammar: Optional[Matcher] = None,
+        constraint: Optional[Matcher] = None,
         batched: bool = False,
         alone: Optional[Callable[[], bool]] = None,
     ) -> Iterator[Round]:
-        """Generate from `prompt_ids`, one `Round` per target forward.
+        """Generate from `prompt_ids`, one `Round` per target forward (`run` with a `Request`).
 
         Args:
             prompt_ids: the prompt as token ids (at least one).
@@ -167,14 +194,14 @@ class Engine:
                 (so at temperature 0 the chosen token is the likeliest one shown).
             images: an `mlx_spec.vision.ImagePrompt` whose ids are `prompt_ids`: the target's
                 prefill reads its image features; drafters see the ids as they are.
-            grammar: a `Matcher` the output must follow (see the module docstring); it
-                ends generation ("stop") once the value is complete.
-            batched: yield each round's draft steps as passes (`batch.DraftPass`, the MTP
-                assistant's `AssistantPass`) and its target pass as a `batch.TargetPass`
-                before the round goes on, for the
-                caller to run (`batch.run_passes`, beside other requests'),
-                and `batch.PREFILLING` between the prompt's prefill chunks; such rounds are
-                chains (no trees) and plain rounds are not pipelined.
+            constraint: the request's grammar state (`grammar.Grammar.matcher()`, fresh per
+                generation) the output must follow (`mlx_spec.constraint`); it ends
+                generation ("stop") once the value is complete.
+            batched: yield each round's draft steps as passes (`passes.DraftPass`, the MTP
+                assistant's `AssistantPass`) and its target pass as a `passes.TargetPass`
+                before the round goes on, for the caller to run (`passes.run_passes`,
+                beside other requests'), and `batch.PREFILLING` between the prompt's prefill
+                chunks; such rounds are chains (no trees) and plain rounds are not pipelined.
             alone: with `batched`, asked at each round's start whether no other request
                 decodes beside this one now (`batch.Batch.alone`). If so, the round runs
                 as without a batch (its passes at once, a plain round pipelined, a tree
@@ -184,151 +211,36 @@ class Engine:
             `Round`s (with `batched`, also the passes, `PREFILLING`s and `RAN_ALONE`s);
             the last `Round` has a finish_reason.
         """
-        self.check_prompt(prompt_ids)
-        if self.context_length is not None:
-            max_tokens = min(max_tokens, self.context_length - len(prompt_ids))
-        cache = prompt_cache or self.make_prompt_cache()
-        stats = stats if stats is not None else Stats()
-        policy = as_policy(gamma)
-        processor = LogitProcessor(params, grammar)
-        key = key_draft = key_verify = make_key(params.seed)
-        history = list(prompt_ids)
-        drafter = self.drafter
+        request = Request(prompt_ids, params, gamma, max_tokens, logprobs, images, constraint)
+        return self.run(request, prompt_cache=prompt_cache, stats=stats, prefill_progress=prefill_progress,
+                        company=in_company(params, batched, alone))
 
-        # Prefill: both caches end up holding the prompt except its last token, which the
-        # first verify pass feeds. A drafter that reads hidden states gets the last prefilled
-        # position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
-        start = perf_counter()
-        keys = inputs = None
-        if images is not None:  # the target reads the images' features; drafters, the ids
-            if self.vision is None:
-                raise MlxSpecError("the target model reads no images (it has no vision tower)")
-            if len(images.keys) != len(prompt_ids):
-                raise ValueError(f"the ImagePrompt has {len(images.keys)} positions for {len(prompt_ids)} prompt ids")
-            keys, inputs = images.keys, lambda begin, end: self.vision.embed(images, begin, end)
-        # in a batch, smaller chunks: the others wait one chunk a round
-        chunk = min(self.prefill_chunk, self.batch_prefill_chunk) if batched else self.prefill_chunk
-        prompt = (prompt_ids[:-1], chunk, prefill_progress)
-        extra = dict(hidden=self.wants_hidden, keys=keys, inputs=inputs)
-        if batched:  # the batch decodes the other requests between chunks
-            processed = yield from _pausing(cache.target.prefill_chunks(*prompt, **extra))
-        else:
-            processed = cache.target.prefill(*prompt, **extra)
-        if drafter is not None:
-            processed += drafter.begin(prompt_ids, cache, processor)
-        stats.observe_prefill(len(prompt_ids), processed, perf_counter() - start)
-        drafting = drafter is not None and self._can_draft(cache)
-        # Trees where the policy shapes them, the drafter branches, and the target's
-        # layers take tree masks; a sharded target (agree) keeps chains, so does a batch.
-        can_branch = (drafting and grammar is None and hasattr(policy, "prune")
-                      and hasattr(drafter, "propose_tree")
-                      and self.agree is None and cache.target.tree_capable)
-        # a seeded sample splits its key the same way whoever else is in the batch
-        may_run_alone = batched and alone is not None and (params.greedy or params.seed is None)
-
-        def runs_here() -> bool:
-            """Whether a pass prepared now runs here, not in the batch."""
-            return not batched or (may_run_alone and alone())
-
-        last, generated = prompt_ids[-1], 0
-        queued = None  # the next plain round's (verdict, hidden), already on the device (3b)
-        gamma_next = None  # the next round's γ, when this round already asked the policy
-        while generated < max_tokens:
+    def run(self, request: Request, *, prompt_cache: Optional[PromptCache] = None, stats: Optional[Stats] = None,
+            prefill_progress: Optional[Callable[[int, int], None]] = None,
+            company: Optional[Callable[[], bool]] = None) -> Iterator[Round]:
+        """`rounds` for a `Request`. `company`: None decoding alone; in a batch, asked at each
+        round's start whether other requests share this round's forwards (`in_company`)."""
+        g = Generation(self, request, prompt_cache, stats, company)
+        yield from g.prefill(prefill_progress)
+        while g.generated < g.max_tokens:
             start = perf_counter()
-            # this round's passes go to the batch, or run here (alone, or queued last round)
-            together = queued is None and not runs_here()
-            branching = can_branch and not together
-            if queued is not None:  # steps 1-3 of this plain round were queued last round
-                (verdict, hidden, scores, settle), queued = queued, None
-                gamma, draft, drafted_by = 0, Draft.empty(), 0
-            else:
-                if not params.greedy:
-                    key, key_draft, key_verify = mx.random.split(key, 3)
-                # 1. choose γ; the round adds one token of the target's own, hence the - 1
-                gamma = policy.choose(stats) if gamma_next is None else gamma_next
-                gamma = min(gamma, self.max_gamma, max_tokens - generated - 1,
-                            cache.target.draft_room(tree=branching))
-                # 2. draft
-                draft = Draft.empty()
-                if drafting and gamma and branching:
-                    draft = policy.prune(drafter.propose_tree(gamma, policy.branches, history, key_draft),
-                                         self.max_gamma)
-                elif drafting and gamma:  # in a batch, each draft step's pass runs beside the others'
-                    draft = ((yield from draft_steps(drafter, gamma, history, key_draft)) if together else
-                             drafter.propose(gamma, history, key_draft))
-                masks, drafted_by = None, draft.tokens.shape[0]
-                if grammar is not None:  # 2b. cut to the grammar, add what it forces, mask each row
-                    room = min(self.max_gamma, max_tokens - generated - 1)
-                    draft, drafted_by, masks = _constrain_draft(draft, grammar, room, self.grammar_drafts)
-                gamma = draft.tokens.shape[0]
-                if self.profile:
-                    mx.eval(draft.tokens)
-                # 3. one target pass over [last, x_1..x_γ] and the acceptance rule, lazily
-                block = mx.concatenate([mx.array([last], mx.uint32), draft.tokens])
-                verdict, hidden, scores, settle = yield from self._verify(
-                    cache, block, draft, history, None, processor, key_verify, logprobs, masks, together)
+            scored = g.take_queued()  # steps 1-3 of a plain round queued by the last round
+            together = scored is None and g.in_company()  # this round's passes go to the batch
+            if scored is None:
+                key_draft, key_verify = g.keys(2)
+                branching = g.can_branch and not together
+                gamma = g.choose_gamma(branching)  # 1
+                proposal = yield from g.draft(gamma, key_draft, together, branching)  # 2
+                scored = yield from g.score(proposal, key_verify, together)  # 3
             drafted = perf_counter()
-            # 3b. Another plain round next? Then queue its pass, fed this round's token, so
-            # the device computes it while the host waits below. A plain round teaches the
-            # policy nothing, so asking it now for the next round's γ is asking it once.
-            gamma_next = None
-            if gamma == 0 and generated + 1 < max_tokens:
-                gamma_next = policy.choose(stats) if drafting else 0
-                if gamma_next == 0 and self.pipeline_plain_rounds and grammar is None and runs_here():
-                    if not params.greedy:
-                        key, key_verify = mx.random.split(key)
-                    block = verdict.token.astype(mx.uint32).reshape(1)
-                    if settle is not None:  # an UNDECIDED token is no id: the pass is dropped below
-                        block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)
-                    queued = yield from self._verify(cache, block, Draft.empty(), history, block, processor,
-                                                     key_verify, logprobs)
-                    mx.async_eval(queued[0])
-            # 4. accept: the round's one host synchronisation (two where the cheap greedy
-            # choice met a near-tie it leaves to the exact one: `LogitProcessor.greedy`)
-            mx.eval(verdict)
-            if settle is not None and verdict.token.item() == UNDECIDED:
-                verdict, queued = settle(), None  # the queued pass was fed no token: rolled back
-                mx.eval(verdict)
-            n, token = verdict.n.item(), verdict.token.item()
-            # the accepted nodes: a chain's first n, a tree's accepted path
-            path = list(range(n)) if draft.tree is None else [i for i, on in enumerate(verdict.path.tolist()) if on]
-            # 5. commit
-            x = draft.tokens.tolist()
-            rows = [0] + [i + 1 for i in path]  # the block rows that scored each emitted token
-            if draft.tree is not None and hidden is not None:  # an MTP drafter reads the path's rows
-                hidden = hidden[mx.array(rows)]
-            emitted = [x[i] for i in path] + [token]
-            if grammar is not None:  # nothing after the value's end (plain decoding stops there too)
-                emitted = grammar.until_complete(emitted)
-            emitted, finish = self._commit(cache, last, emitted, max_tokens - generated,
-                                           queued is not None, drafting, hidden, rows)
-            if finish:
-                queued = None  # its position was rolled back with the rest
-            if grammar is not None:
-                grammar.commit(emitted)
-                stats.grammar_forced += max(0, min(n, len(emitted)) - drafted_by)
-                if finish is None and grammar.stopped:
-                    finish = "stop"  # the value is complete: only EOS could follow
-            history.extend(emitted)
-            last, generated = emitted[-1], generated + len(emitted)
-            end = perf_counter()
-            if draft.tree is not None:
-                policy.observe_tree(draft.tree, path, end - start)
-                stats.observe_tree(draft.tree.attempts(path))
-            else:  # the round's measured time teaches auto γ its costs (of the drafter's tokens)
-                policy.observe(drafted_by, min(n, drafted_by), end - start)
-            depth = draft.tree.max_depth if draft.tree is not None else drafted_by
-            stats.observe_round(drafted_by, min(n, drafted_by), len(emitted), drafted - start, end - drafted,
-                                depth=depth)
-            stats.draft_forwards += (draft.forwards if draft.forwards is not None else
-                                     drafted_by * drafter.passes_per_token) if drafting else 0
-            stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
-            yield Round(emitted, gamma, n, finish,
-                        None if scores is None else
-                        _token_logprobs(scores[mx.array(rows[:len(emitted)])], emitted, logprobs))
-            if finish:
+            g.queue_plain_round(scored)  # 3b
+            verdict = g.decide(scored)  # 4
+            rnd, path = g.commit(scored, verdict)  # 5
+            g.observe(scored, rnd, path, start, drafted)  # 6
+            yield rnd
+            if rnd.finish_reason:
                 return
-            if batched and not together:  # the batch's step is over for this request
+            if company is not None and not together:  # the batch's step is over for this request
                 yield RAN_ALONE
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -339,105 +251,260 @@ class Engine:
             raise MlxSpecError(f"the prompt is {len(prompt_ids):,} tokens, but the model's context "
                                f"is {self.context_length:,} tokens")
 
-    def _verify(self, cache, block, draft, history, unseen, processor, key, logprobs=None, masks=None,
-                batched=False):
-        """Step 3 without the sync: the target pass over `block` ([last, x_1..x_γ]) and the
-        acceptance rule, as a lazy (`Verdict` or `TreeVerdict`, hidden states or None, log-probs
-        [rows, V] or None unless `logprobs` is set). `unseen`: tokens after `history` not yet on
-        the host (a queued round's input), for the repetition penalty. `masks`: a function
-        giving the grammar's allowed tokens per block row [rows, V] (bool), called once the
-        pass is on the device, so the host computes them meanwhile; or None. A generator: with
-        `batched` it yields the `TargetPass` for the caller to run; it returns the tuple."""
-        # one target pass over the block (a tree's flattened, under its tree masks)
-        target_pass = TargetPass(cache.target, block, self.wants_hidden, draft.tree)
-        if batched:
-            yield target_pass
-        else:
-            target_pass.run()
-        logits, hidden = target_pass.logits, target_pass.hidden_states
-        if masks is not None:
-            mx.async_eval(logits)
-            logits = constrain(logits, masks())
-        if draft.tree is not None:
-            windows = processor.tree_windows(history, draft.tokens, draft.tree)
-        else:
-            windows = None
-            if processor.params.penalized:
-                lead = 0 if unseen is None else unseen.shape[0]
-                after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
-                windows = processor.windows(history, after, lead + block.shape[0], first=lead)
-
-        def decide(target_tokens=None):
-            if target_tokens is not None:
-                verdict = (verify_greedy(draft.tokens, target_tokens) if draft.tree is None else
-                           verify_tree_greedy(draft.tokens, draft.tree, target_tokens))
-            elif draft.tree is None:
-                verdict = verify_sampled(draft.tokens, draft.q, processor.distribution(logits, windows), key)
-            else:
-                verdict = verify_tree_sampled(draft.tokens, draft.tree, processor.distribution(logits, windows),
-                                              key, draft.q)
-            return verdict if self.agree is None else self.agree(verdict)
-
-        settle = None
-        if processor.params.greedy:
-            verdict = decide(processor.greedy(logits, windows))
-            settle = lambda: decide(processor.greedy(logits, windows, settle=True))  # noqa: E731
-        else:
-            verdict = decide()
-        scores = None if logprobs is None else _log_softmax(processor.penalize(logits, windows))
-        return verdict, hidden, scores, settle
-
-    def _commit(self, cache: PromptCache, last: int, emitted: list[int], room: int, queued: bool,
-                drafting: bool, hidden: Optional[mx.array], rows: list[int]):
-        """Step 5: cut `emitted` (accepted drafts + the recovered or bonus token) at the first
-        EOS id, or to the `room` left before max_tokens; roll the target's cache back to
-        [last] + emitted minus the new last token (plus a queued pass, if it is still
-        needed), and tell the drafter, which rolls back its own state. `rows`: the block
-        rows the kept positions were fed at (a tree's accepted path is not a prefix of it).
-        Returns (emitted, finish reason or None)."""
-        finish = None
-        for i, t in enumerate(emitted):
-            if t in self.eos_ids:
-                emitted, finish = emitted[: i + 1], "stop"
-                break
-        if finish is None and len(emitted) >= room:
-            emitted, finish = emitted[:room], "length"
-        kept = ([last] + emitted)[:-1]
-        cache.target.settle(kept, queued=1 if queued and not finish else 0, rows=rows[: len(kept)])
-        if drafting:
-            self.drafter.accept(emitted, **({"target_hidden": hidden} if self.wants_hidden else {}))
-        return emitted, finish
-
-    def _can_draft(self, cache: PromptCache) -> bool:
+    def can_draft(self, cache: PromptCache) -> bool:
+        """Whether both caches roll back exactly; warns and decodes plainly if not."""
         for name, ok in (("target", cache.target.rollbackable), ("draft", self.drafter.rollbackable)):
             if not ok:
                 warnings.warn(
                     f"the {name} model's cache cannot roll back exactly (recurrent layers); "
                     "decoding without drafting (γ = 0)",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 return False
         return True
 
 
-def _constrain_draft(draft: Draft, grammar: Matcher, room: int, forced: bool) -> tuple[Draft, int, mx.array]:
-    """Step 2b: the draft cut before its first token the grammar forbids (or an EOS), then
-    (`forced`) the run the grammar forces after it (up to `room` tokens in all), appended
-    with one-hot q. Returns (the draft, how many of its tokens the drafter proposed, a
-    function giving the block's masks [γ+1, V]: row i allows what may follow x_1..x_i)."""
-    x = draft.tokens.tolist()
-    n = grammar.valid_prefix(x)
-    x = x[: min(n, room)]
-    forced = grammar.forced(x, room - len(x)) if forced and grammar.continues(x) else []
-    path = x + forced
-    q = draft.q
-    if q is not None:
-        q = q[: len(x)]
-        if forced:
-            one_hot = mx.arange(q.shape[-1])[None, :] == mx.array(forced)[:, None]
-            q = mx.concatenate([q, one_hot.astype(q.dtype)])
-    return (Draft(mx.array(path, dtype=mx.uint32), q, forwards=draft.forwards), len(x),
-            lambda: grammar.path_masks(path))
+def in_company(params: SamplingParams, batched: bool,
+               alone: Optional[Callable[[], bool]]) -> Optional[Callable[[], bool]]:
+    """`Engine.run`'s `company` for `rounds`' batched / alone: None outside a batch; a
+    seeded sample always keeps the batch's way, so its key splits the same whoever else is
+    served."""
+    if not batched:
+        return None
+    if alone is None or not (params.greedy or params.seed is None):
+        return lambda: True
+    return lambda: not alone()
+
+
+class Generation:
+    """One request being decoded: its caches, drafter, policy, sampling and history, with
+    the phases of its rounds (`Engine.run` is the loop over them)."""
+
+    def __init__(self, engine: Engine, request: Request, prompt_cache: Optional[PromptCache],
+                 stats: Optional[Stats], company: Optional[Callable[[], bool]]):
+        engine.check_prompt(request.prompt_ids)
+        self.engine, self.request, self.company = engine, request, company
+        self.max_tokens = request.max_tokens
+        if engine.context_length is not None:
+            self.max_tokens = min(self.max_tokens, engine.context_length - len(request.prompt_ids))
+        self.cache = prompt_cache or engine.make_prompt_cache()
+        self.stats = stats if stats is not None else Stats()
+        self.policy = as_policy(request.gamma)
+        self.constraint = Constraint(request.constraint, forced_drafts=engine.grammar_drafts)
+        self.processor = LogitProcessor(request.params, request.constraint)
+        self.key = make_key(request.params.seed)
+        self.drafter = engine.drafter
+        self.history = list(request.prompt_ids)
+        self.last, self.generated = request.prompt_ids[-1], 0
+        self.drafting = self.can_branch = False  # known once the prefill is done
+        self.queued: Optional[Scored] = None  # the next plain round's pass, on the device (3b)
+        self.gamma_next: Optional[int] = None  # the next round's γ, when this round asked already
+
+    def in_company(self) -> bool:
+        """Whether this round's passes are shared with other requests' (not run here)."""
+        return self.company is not None and self.company()
+
+    def keys(self, n: int) -> list[mx.array]:
+        """n fresh PRNG keys split off the request's (greedy rounds draw nothing)."""
+        if self.request.params.greedy:
+            return [self.key] * n
+        self.key, *keys = mx.random.split(self.key, n + 1)
+        return keys
+
+    def prefill(self, progress):
+        """Both caches end up holding the prompt except its last token, which the first
+        verify pass feeds. A drafter that reads hidden states gets the last prefilled
+        position's from the prefill's own pass (`SequenceCache.prefill_hidden`), in begin.
+        In a batch, smaller chunks, yielding `PREFILLING` between them: the others decode
+        meanwhile, waiting one chunk a round."""
+        engine, request, cache = self.engine, self.request, self.cache
+        start = perf_counter()
+        keys = inputs = None
+        if request.images is not None:  # the target reads the images' features; drafters, the ids
+            images = request.images
+            if engine.vision is None:
+                raise MlxSpecError("the target model reads no images (it has no vision tower)")
+            if len(images.keys) != len(request.prompt_ids):
+                raise ValueError(f"the ImagePrompt has {len(images.keys)} positions for "
+                                 f"{len(request.prompt_ids)} prompt ids")
+            keys, inputs = images.keys, lambda begin, end: engine.vision.embed(images, begin, end)
+        batched = self.company is not None
+        chunk = min(engine.prefill_chunk, engine.batch_prefill_chunk) if batched else engine.prefill_chunk
+        prompt = (request.prompt_ids[:-1], chunk, progress)
+        extra = dict(hidden=engine.wants_hidden, keys=keys, inputs=inputs)
+        if batched:
+            processed = yield from _pausing(cache.target.prefill_chunks(*prompt, **extra))
+        else:
+            processed = cache.target.prefill(*prompt, **extra)
+        if self.drafter is not None:
+            processed += self.drafter.begin(request.prompt_ids, cache, self.processor)
+        self.stats.observe_prefill(len(request.prompt_ids), processed, perf_counter() - start)
+        self.drafting = self.drafter is not None and engine.can_draft(cache)
+        # Trees where the policy shapes them, the drafter branches, and the target's layers
+        # take tree masks; not under a grammar, nor across ranks (agree), nor in company.
+        self.can_branch = (self.drafting and not self.constraint.active and self.policy.branches > 0
+                           and self.drafter.can_branch and engine.agree is None and cache.target.tree_capable)
+
+    def take_queued(self) -> Optional[Scored]:
+        scored, self.queued = self.queued, None
+        return scored
+
+    def choose_gamma(self, branching: bool) -> int:
+        """1. γ from the policy (unless asked already, 3b); the round adds one token of the
+        target's own, hence the - 1."""
+        gamma = self.policy.choose() if self.gamma_next is None else self.gamma_next
+        return min(gamma, self.engine.max_gamma, self.max_tokens - self.generated - 1,
+                   self.cache.target.draft_room(tree=branching))
+
+    def draft(self, gamma: int, key: mx.array, together: bool, branching: bool):
+        """2. The drafter's proposal (a pruned tree where `branching`); in company each of its
+        passes is yielded to run beside the others'. 2b: cut to the grammar. Returns (the
+        draft, how many of its tokens the drafter proposed, the grammar's masks or None)."""
+        draft = Draft.empty()
+        if self.drafting and gamma and branching:
+            tree = self.drafter.propose_tree(gamma, self.policy.branches, self.history, key)
+            draft = self.policy.prune(tree, self.engine.max_gamma)
+        elif self.drafting and gamma and together:
+            draft = yield from self.drafter.drafting(gamma, self.history, key)
+        elif self.drafting and gamma:
+            draft = self.drafter.propose(gamma, self.history, key)
+        room = min(self.engine.max_gamma, self.max_tokens - self.generated - 1)
+        draft, drafted_by, masks = self.constraint.cut(draft, room)
+        if self.engine.profile:
+            mx.eval(draft.tokens)
+        return draft, drafted_by, masks
+
+    def score(self, proposal, key: mx.array, together: bool, unseen: Optional[mx.array] = None):
+        """3. One target pass over the block [last, x_1..x_γ] (a tree's flattened, under its
+        tree masks) and the acceptance rule, lazily; in company the pass is yielded to run
+        beside the others'. `unseen`: the block of a queued round, whose input is not on
+        the host yet (for the repetition penalty). `proposal`: what `draft` returned.
+        Returns a `Scored`."""
+        draft, drafted_by, masks = proposal
+        block = unseen if unseen is not None else mx.concatenate([mx.array([self.last], mx.uint32), draft.tokens])
+        target_pass = TargetPass(self.cache.target, block, self.engine.wants_hidden, draft.tree)
+        if together:
+            yield target_pass
+        else:
+            target_pass.run()
+        logits = target_pass.logits
+        if masks is not None:
+            mx.async_eval(logits)  # the host computes the grammar's masks meanwhile
+            logits = constrain(logits, masks())
+        windows = self._penalty_windows(block, draft, unseen)
+        processor = self.processor
+
+        def verdict(target_tokens=None):
+            chosen = verify_block(draft.tokens, draft.tree, draft.q, target_tokens=target_tokens,
+                                  p=None if target_tokens is not None else processor.distribution(logits, windows),
+                                  key=key)
+            return chosen if self.engine.agree is None else self.engine.agree(chosen)
+
+        settle = None
+        if processor.params.greedy:  # the cheap choice; a near-tie waits for the exact one (4)
+            first = verdict(processor.greedy(logits, windows))
+            settle = lambda: verdict(processor.greedy(logits, windows, settle=True))  # noqa: E731
+        else:
+            first = verdict()
+        scores = None if self.request.logprobs is None else _log_softmax(processor.penalize(logits, windows))
+        return Scored(draft, drafted_by, first, target_pass.hidden_states, scores, settle)
+
+    def _penalty_windows(self, block: mx.array, draft: Draft, unseen: Optional[mx.array]) -> Optional[mx.array]:
+        """The repetition penalty's window for each block row (None where it is off)."""
+        if draft.tree is not None:
+            return self.processor.tree_windows(self.history, draft.tokens, draft.tree)
+        if not self.processor.params.penalized:
+            return None
+        lead = 0 if unseen is None else unseen.shape[0]
+        after = draft.tokens if unseen is None else mx.concatenate([unseen, draft.tokens])
+        return self.processor.windows(self.history, after, lead + block.shape[0], first=lead)
+
+    def queue_plain_round(self, scored: Scored) -> None:
+        """3b. Another plain round next? Then queue its pass, fed this round's token, so the
+        device computes it while the host waits in step 4. A plain round teaches the policy
+        nothing, so asking it now for the next round's γ is asking it once."""
+        self.gamma_next = None
+        if scored.gamma != 0 or self.generated + 1 >= self.max_tokens:
+            return
+        self.gamma_next = self.policy.choose() if self.drafting else 0
+        if (self.gamma_next == 0 and self.engine.pipeline_plain_rounds and not self.constraint.active
+                and not self.in_company()):
+            (key,) = self.keys(1)
+            block = scored.verdict.token.astype(mx.uint32).reshape(1)
+            if scored.settle is not None:  # an UNDECIDED token is no id: the pass is dropped in 4
+                block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)
+            self.queued = run_alone(self.score((Draft.empty(), 0, None), key, False, unseen=block))
+            mx.async_eval(self.queued.verdict)
+
+    def decide(self, scored: Scored) -> Verdict:
+        """4. The round's one host synchronisation (two where the cheap greedy choice met a
+        near-tie it leaves to the exact one: `LogitProcessor.greedy`)."""
+        mx.eval(scored.verdict)
+        if scored.settle is None or scored.verdict.token.item() != UNDECIDED:
+            return scored.verdict
+        self.queued = None  # it was fed no token: rolled back in 5
+        verdict = scored.settle()
+        mx.eval(verdict)
+        return verdict
+
+    def commit(self, scored: Scored, verdict: Verdict) -> tuple[Round, list[int]]:
+        """5. The accepted drafts and the recovered or bonus token, cut at the first EOS id
+        or where max_tokens is reached; the target's cache keeps [last] + emitted minus the
+        new last token (and a queued pass still needed), the drafter rolls back its own.
+        Returns the `Round` and the accepted draft nodes (a chain's first n, a tree's path)."""
+        draft, n, token = scored.draft, verdict.n.item(), verdict.token.item()
+        path = list(range(n)) if draft.tree is None else [i for i, on in enumerate(verdict.path.tolist()) if on]
+        rows = [0] + [i + 1 for i in path]  # the block rows that scored each emitted token
+        x = draft.tokens.tolist()
+        emitted = self.constraint.until_complete([x[i] for i in path] + [token])
+        emitted, finish = self._cut(emitted)
+        if finish:
+            self.queued = None  # its position is rolled back with the rest
+        kept = ([self.last] + emitted)[:-1]
+        self.cache.target.settle(kept, queued=int(self.queued is not None), rows=rows[: len(kept)])
+        if self.drafting:
+            hidden = scored.hidden  # a tree's: the rows of its accepted path
+            if draft.tree is not None and hidden is not None:
+                hidden = hidden[mx.array(rows)]
+            self.drafter.accept(emitted, target_hidden=hidden)
+        if self.constraint.commit(emitted) and finish is None:
+            finish = "stop"  # the value is complete: only EOS could follow
+        self.history.extend(emitted)
+        self.last, self.generated = emitted[-1], self.generated + len(emitted)
+        logprobs = None
+        if scored.scores is not None:
+            logprobs = _token_logprobs(scores=scored.scores[mx.array(rows[: len(emitted)])], emitted=emitted,
+                                       top=self.request.logprobs)
+        return Round(emitted, scored.gamma, n, finish, logprobs), path
+
+    def _cut(self, emitted: list[int]) -> tuple[list[int], Optional[str]]:
+        for i, t in enumerate(emitted):
+            if t in self.engine.eos_ids:
+                return emitted[: i + 1], "stop"
+        room = self.max_tokens - self.generated
+        if len(emitted) >= room:
+            return emitted[:room], "length"
+        return emitted, None
+
+    def observe(self, scored: Scored, rnd: Round, path: list[int], start: float, drafted: float) -> None:
+        """6. The round's outcome and measured time teach the policy (auto γ learns its
+        costs from the drafter's tokens) and go into the stats."""
+        end = perf_counter()
+        draft, drafted_by = scored.draft, scored.drafted_by
+        accepted = min(rnd.accepted, drafted_by)
+        if draft.tree is not None:
+            self.policy.observe_tree(draft.tree, path, end - start)
+            self.stats.observe_tree(draft.tree.attempts(path))
+        else:
+            self.policy.observe(drafted_by, accepted, end - start)
+        stats = self.stats
+        stats.grammar_forced += max(0, min(rnd.accepted, len(rnd.tokens)) - drafted_by)
+        depth = draft.tree.max_depth if draft.tree is not None else drafted_by
+        stats.observe_round(drafted_by, accepted, len(rnd.tokens), drafted - start, end - drafted, depth=depth)
+        if self.drafting:
+            stats.draft_forwards += (draft.forwards if draft.forwards is not None
+                                     else drafted_by * self.drafter.passes_per_token)
+        stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
 
 
 def _pausing(chunks):
@@ -464,10 +531,7 @@ def _token_logprobs(scores: mx.array, emitted: list[int], top: int) -> list:
     rows = scores[: len(emitted)]
     chosen = mx.take_along_axis(rows, mx.array(emitted)[:, None], axis=-1)[:, 0]
     if top > 0:
-        ids = mx.argpartition(-rows, top - 1, axis=-1)[:, :top]  # the top, in no order
-        values = mx.take_along_axis(rows, ids, axis=-1)
-        order = mx.argsort(-values, axis=-1)
-        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+        ids, values = likeliest(rows, top)
         mx.eval(chosen, ids, values)
         alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     else:

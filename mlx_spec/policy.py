@@ -20,39 +20,49 @@ length two fully accepted probes bring drafting back.
 from __future__ import annotations
 
 import math
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
 from mlx_spec.cost_model import CostCurve, LiveCosts
-from mlx_spec.stats import Stats
+from mlx_spec.drafters.base import Draft
 from mlx_spec.tree import TreeShape
 
 MAX_GAMMA = 16  # the largest γ anywhere; caches keep MAX_GAMMA + 1 positions of rollback slack
 
 
-class GammaPolicy(Protocol):
-    def choose(self, stats: Stats) -> int:
+class GammaPolicy:
+    """Chooses each round's γ and learns from its outcome. A policy that shapes draft trees
+    sets `branches` (continuations asked of a drafter that can branch) and overrides
+    `prune` and `observe_tree`; the others draw chains."""
+
+    branches = 0  # 0: chains only
+
+    def choose(self) -> int:
         """γ for the next round."""
-        ...
+        raise NotImplementedError
 
     def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
         """The round drafted `gamma` tokens, the first `accepted` were accepted, and it
         took `seconds` (draft, verify, sync and commit; None where not measured)."""
-        ...
+
+    def prune(self, draft: Draft, max_nodes: Optional[int] = None) -> Draft:
+        """The part of a drafted tree worth verifying, at most `max_nodes` nodes."""
+        return draft
+
+    def observe_tree(self, shape: TreeShape, path: list[int], seconds: Optional[float] = None) -> None:
+        """A tree round: its shape, the accepted path's nodes, its time."""
+        self.observe(shape.max_depth, len(path), seconds)
 
 
-class FixedGamma:
+class FixedGamma(GammaPolicy):
     def __init__(self, gamma: int):
         if gamma < 0:
             raise ValueError("gamma must be >= 0")
         self.gamma = gamma
 
-    def choose(self, stats: Stats) -> int:
+    def choose(self) -> int:
         return self.gamma
-
-    def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
-        pass
 
     def __repr__(self) -> str:
         return f"FixedGamma({self.gamma})"
@@ -130,7 +140,7 @@ class BatchShare:
         self.choices.pop(id(policy), None)
 
 
-class AutoGamma:
+class AutoGamma(GammaPolicy):
     """Bandwidth-aware γ from a measured cost curve and live per-position acceptance.
 
     Args:
@@ -230,7 +240,7 @@ class AutoGamma:
     def _best(self, acceptance: list[float], min_gamma: int = 0) -> int:
         return max(range(min_gamma, self.max_gamma + 1), key=lambda g: self.rate(g, acceptance))
 
-    def choose(self, stats: Stats = None) -> int:
+    def choose(self) -> int:
         # Parked, only a probe's outcome can bring drafting back: evidence fading while
         # parked must not by itself flip the choice (drafting, losing, parking, in a cycle).
         can_pay = self.can_pay
@@ -357,8 +367,6 @@ class TreePolicy(AutoGamma):
     def prune(self, draft, max_nodes: Optional[int] = None):
         """The part of `draft`'s tree worth verifying, at most `max_nodes` nodes (a chain is
         returned as a chain)."""
-        from mlx_spec.drafters import Draft
-
         if draft.tree is None:
             return draft
         values = self.node_values(draft.tree)

@@ -13,10 +13,9 @@ from typing import Any, Callable, Optional, Union
 
 from mlx_spec.cache import KVQuantization, attention_layers
 from mlx_spec.costs import BATCH_WIDTH, load_or_measure
-from mlx_spec.drafters import DRAFTER_NAMES, ModelDrafter, NgramDrafter
-from mlx_spec.drafters.mtp import MtpDrafter
+from mlx_spec.drafters import DRAFTER_NAMES, NO_DRAFTER, drafter_class
 from mlx_spec.engine import Engine
-from mlx_spec.errors import UsageError
+from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy, TreePolicy
 
 MAX_AUTO_GAMMA = 6
@@ -80,9 +79,8 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     from mlx_spec.models import get_preset
     from mlx_spec.models.stores import drafting_defaults as store_drafting
 
-    if drafter is not None and drafter not in DRAFTER_NAMES:
-        raise UsageError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}",
-                         flag="--drafter")
+    if drafter is not None:
+        drafter_class(drafter)  # a one-line error for a name no drafter has
     if gamma is not None:
         gamma = parse_gamma(gamma)
     chosen = get_preset(preset or "default") if (preset or model is None) else None
@@ -91,20 +89,39 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
         _preset_value(chosen, "draft") if model is None or preset else None)
     if drafter is None and draft_model is None:
         drafter = _preset_value(chosen, "drafter")
+        if drafter is not None:
+            _check_preset_drafter(chosen)
+    # None: `build_engine` chooses once the models are loaded (perhaps one with a draft)
+    loads_draft = drafter is None or _needs_draft_model(drafter)
     store = None
-    if model is not None and draft is None and drafter not in ("none", "ngram"):
+    if model is not None and draft is None and loads_draft:
         store = store_drafting(target)  # an Ollama model file's own draft and γ
         draft = store.draft
-    if drafter in ("model", "mtp") and not draft:
+    if drafter is not None and loads_draft and not draft:
         raise UsageError(f"--drafter {drafter} needs a draft model: give --draft-model or a preset with one")
-    if drafter in ("none", "ngram"):
+    if not loads_draft:
         draft = None  # no need to load (or hold in memory) a draft model that will not draft
     if gamma is None:
         gamma = parse_gamma(store.gamma if store is not None and store.gamma is not None
                             else _preset_value(chosen, "gamma", "auto"))
-    if drafter == "none":
+    if drafter == NO_DRAFTER:
         gamma = 0
     return Choice(chosen, str(target), draft, drafter, gamma)
+
+
+def _needs_draft_model(drafter: str) -> bool:
+    chosen = drafter_class(drafter)
+    return chosen is not None and chosen.needs_draft_model
+
+
+def _check_preset_drafter(preset) -> None:
+    """A preset's drafter is a registered one, with a draft model where it needs one."""
+    try:
+        needs = _needs_draft_model(preset.drafter)
+    except UsageError:
+        raise MlxSpecError(f"preset '{preset.name}': drafter must be one of {DRAFTER_NAMES}") from None
+    if needs and not preset.draft:
+        raise MlxSpecError(f"preset '{preset.name}': drafter '{preset.drafter}' needs a draft model")
 
 
 def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GAMMA, world=None,
@@ -121,41 +138,19 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
             drafts there and its tokens are broadcast (`distributed.load_pair`).
         kv, draft_kv: quantize the target's / draft model's K/V cache (None: full precision).
     """
-    from mlx_spec.distributed import BroadcastDrafter, world as this_world
-    from mlx_spec.models.pairing import is_assistant
+    from mlx_spec.distributed import world as this_world  # mlx.distributed: launched runs only
+    from mlx_spec.models.pairing import is_assistant  # the loaders' stack, not needed to import this
 
     w = world or this_world()
-    assistant = is_assistant(pair.draft)
-    # Across ranks with the draft on rank 0, the other ranks know of it by its vocabulary.
-    remote_draft = w.active and pair.draft is None and pair.vocab_size_draft is not None
     if drafter is None:
-        drafter = "mtp" if assistant else "model" if (pair.draft is not None or remote_draft) else "ngram"
-    if drafter not in DRAFTER_NAMES:
-        raise UsageError(f"unknown drafter {drafter!r}: choose one of {', '.join(DRAFTER_NAMES)}",
-                         flag="--drafter")
-    if w.active and drafter == "mtp":
-        raise UsageError("the MTP drafter reads the target's K/V cache, which the ranks split "
-                           "between them: across ranks use --drafter model or ngram")
-    if drafter in ("model", "mtp") and pair.draft is None and not remote_draft:
-        raise UsageError(f"--drafter {drafter} needs a draft model (--draft-model or a preset with one)")
-    if drafter == "model" and assistant:
-        raise UsageError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
-                           "own states: use --drafter mtp (or leave --drafter out)")
-    if drafter == "mtp" and not assistant:
-        raise UsageError("--drafter mtp needs a Gemma 4 MTP assistant checkpoint as the draft "
-                           "(model_type gemma4_assistant or gemma4_unified_assistant)")
-    if drafter == "model":
-        chosen = ModelDrafter(pair.draft.model, pair.vocab_size_target) if pair.draft is not None else None
-        if w.active and (chosen is None or (w.is_root and pair.draft_on == "root")):
-            chosen = BroadcastDrafter(w, chosen)
-    elif drafter == "mtp":
-        chosen = MtpDrafter(pair.draft.model, pair.target.model)
-    elif drafter == "ngram":
-        chosen = NgramDrafter()
-    else:
-        chosen = None
+        # Across ranks with the draft on rank 0, the other ranks know of it by its vocabulary.
+        remote_draft = w.active and pair.draft is None and pair.vocab_size_draft is not None
+        drafter = ("mtp" if is_assistant(pair.draft) else
+                   "model" if pair.draft is not None or remote_draft else "ngram")
+    chosen_class = drafter_class(drafter)
+    chosen = None if chosen_class is None else chosen_class.for_pair(pair, w)
     check_kv_group(pair.target.model, kv, "--kv-group-size")
-    if drafter == "model" and pair.draft is not None:
+    if chosen is not None and chosen.own_cache and pair.draft is not None:
         check_kv_group(pair.draft.model, draft_kv, "--kv-group-size (for --draft-kv-bits)")
     eos_ids = set(getattr(pair.tokenizer, "eos_token_ids", None) or [])
     return Engine(pair.target.model, chosen, eos_ids=eos_ids, max_gamma=max_gamma,
@@ -215,7 +210,7 @@ def gamma_policy(
     if engine.drafter is None:
         return FixedGamma(0)
     max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
-    draft_model = getattr(engine.drafter, "model", None)
+    draft_model = None if engine.drafter is None else engine.drafter.model
     batch = None if reproducible else batch
     # in a batch, priced up to the rows the batch's forward reaches (a seeded request reads
     # the one-request curve `generate` reads, so it draws what `generate` draws)
@@ -244,7 +239,7 @@ def tree_policy(engine: Engine, *, context: int = 256, refresh: bool = False,
     `reproducible`: as for `gamma_policy`."""
     if engine.drafter is None:
         return FixedGamma(0)
-    draft_model = getattr(engine.drafter, "model", None)
+    draft_model = None if engine.drafter is None else engine.drafter.model
     nodes = min(TREE_NODES, engine.max_gamma)
     costs = load_or_measure(engine.target, draft_model, max_width=nodes + 1, context=context_bucket(context),
                             refresh=refresh, progress=progress)

@@ -68,13 +68,14 @@ class LogitProcessor:
     """Applies `SamplingParams` to rows of logits.
 
     Row i of a block is conditioned on `history + block[:i]`; the repetition penalty looks
-    at the last `repetition_context` tokens of exactly that, for p and q alike. `grammar`:
-    the request's `mlx_spec.grammar.Matcher`, whose masks p's rows and q's rows both get.
+    at the last `repetition_context` tokens of exactly that, for p and q alike. `constraint`:
+    the request's grammar state (`mlx_spec.grammar.Matcher`), whose masks p's rows and q's
+    rows both get.
     """
 
-    def __init__(self, params: SamplingParams, grammar=None):
+    def __init__(self, params: SamplingParams, constraint=None):
         self.params = params
-        self.grammar = grammar
+        self.constraint = constraint
         # A full sort of a 262k vocabulary takes ~100 ms for 4 rows on a CPU: there, look
         # for the nucleus among the 1024 likeliest tokens first (one extra host check). A
         # GPU sorts quickly, and a host check would stall its queue, so it sorts everything.
@@ -99,8 +100,7 @@ class LogitProcessor:
         if not self.params.penalized or not history:
             return None
         C = self.params.repetition_context
-        recent = history[-C:]
-        tokens = mx.array([NO_TOKEN] * (C - len(recent)) + recent, dtype=mx.uint32)
+        tokens = self._recent(history)
         if rows > 1:
             tokens = mx.concatenate([tokens, block[: rows - 1].astype(mx.uint32)])
         index = mx.arange(first, rows)[:, None] + mx.arange(C)[None, :]
@@ -112,12 +112,17 @@ class LogitProcessor:
         if not self.params.penalized or not history:
             return None
         C = self.params.repetition_context
-        recent = history[-C:]
-        tokens = mx.concatenate([mx.array([NO_TOKEN] * (C - len(recent)) + recent, dtype=mx.uint32),
-                                 x.astype(mx.uint32)])
+        tokens = mx.concatenate([self._recent(history), x.astype(mx.uint32)])
         rows = [list(range(C))] + [(list(range(C)) + [C + j for j in shape.path(i)])[-C:]
                                    for i in range(shape.size)]
         return tokens[mx.array(rows)]
+
+    def _recent(self, history: list[int]) -> mx.array:
+        """The penalty's window over the history alone [C]: its last C tokens, led by
+        `NO_TOKEN` while it is shorter."""
+        C = self.params.repetition_context
+        recent = history[-C:]
+        return mx.array([NO_TOKEN] * (C - len(recent)) + recent, dtype=mx.uint32)
 
     def penalize(self, logits: mx.array, windows: Optional[mx.array]) -> mx.array:
         """Apply the repetition penalty to the ids in each row's window. Ids past the width
@@ -174,7 +179,6 @@ class LogitProcessor:
             probs = mx.where(probs < floor, 0.0, probs)
         return probs / mx.sum(probs, axis=-1, keepdims=True)
 
-
     def _nucleus_floor(self, probs: mx.array) -> mx.array:
         """The smallest probability kept by top-p, per row [rows, 1].
 
@@ -199,6 +203,23 @@ def tie_step(dtype, width: int) -> float:
     argument's edges."""
     bits = MANTISSA_BITS.get(dtype, 23)
     return 2.0 * 2.0 ** (math.floor(math.log2(math.log(max(width, 2)) + 2.0)) - bits)
+
+
+def likeliest(values: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k largest entries of each row of values [rows, V] (probabilities, log-probs):
+    their ids and values, largest first ([rows, k] each; a partition, then a sort of k,
+    not of the vocabulary)."""
+    ids = mx.argpartition(-values, k - 1, axis=-1)[:, :k]
+    top = mx.take_along_axis(values, ids, axis=-1)
+    order = mx.argsort(-top, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(top, order, axis=-1)
+
+
+def one_hot(tokens: mx.array, width: int, dtype=mx.float32) -> mx.array:
+    """[n, width]: row i is 1 at tokens[i] ([n]) and 0 elsewhere; the q of a drafted token
+    chosen deterministically (a model-free draft, a sibling, a token a grammar forces).
+    An id outside [0, width) gives a row of zeros."""
+    return (mx.arange(width)[None, :] == tokens.reshape(-1, 1)).astype(dtype)
 
 
 def draw(probs: mx.array, key: mx.array) -> mx.array:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
 from mlx_spec.cache import PromptCache
-from mlx_spec.engine import Engine, Round
+from mlx_spec.engine import Engine, Request, Round, in_company
 from mlx_spec.policy import GammaPolicy
 from mlx_spec.prompts import valid_text
 from mlx_spec.sampling import SamplingParams
@@ -153,7 +153,7 @@ def stream_generate(
     prefill_progress=None,
     logprobs: Optional[int] = None,
     images=None,
-    grammar=None,
+    constraint=None,
     batched: bool = False,
     alone=None,
 ) -> Iterator[Response]:
@@ -163,33 +163,29 @@ def stream_generate(
         engine: the `Engine` (target, drafter).
         tokenizer: an mlx-lm `TokenizerWrapper` (its detokenizer streams text).
         prompt: text, or token ids used as they are.
-        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images, grammar,
-            batched, alone: as `Engine.rounds` (grammar: a fresh `mlx_spec.grammar.Matcher` per
-            generation; with `batched` what it yields for the batch is yielded as it comes).
+        params, gamma, max_tokens, prompt_cache, prefill_progress, logprobs, images, constraint,
+            batched, alone: as `Engine.rounds` (constraint: a fresh `mlx_spec.grammar.Matcher`
+            per generation; with `batched` what it yields for the batch is yielded as it comes).
         stop: strings that end generation; the text returned stops before them.
         chat: wrap a text prompt in the chat template as one user turn.
     Yields:
         `Response`s; the last one has a finish_reason.
     """
-    prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    request = Request(encode_prompt(tokenizer, prompt, chat), params, gamma, max_tokens, logprobs, images, constraint)
+    yield from stream_request(engine, tokenizer, request, stop=stop, prompt_cache=prompt_cache, stats=stats,
+                              prefill_progress=prefill_progress, company=in_company(params, batched, alone))
+
+
+def stream_request(engine: Engine, tokenizer, request: Request, *, stop: Sequence[str] = (),
+                   prompt_cache: Optional[PromptCache] = None, stats: Optional[Stats] = None,
+                   prefill_progress=None, company=None) -> Iterator[Response]:
+    """`stream_generate` for a `Request` already in token ids (`company`: as `Engine.run`)."""
     stats = stats if stats is not None else Stats()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     stops = _StopText(stop)
-    rounds = engine.rounds(
-        prompt_ids,
-        params,
-        gamma=gamma,
-        max_tokens=max_tokens,
-        prompt_cache=prompt_cache,
-        stats=stats,
-        prefill_progress=prefill_progress,
-        logprobs=logprobs,
-        images=images,
-        grammar=grammar,
-        batched=batched,
-        alone=alone,
-    )
+    rounds = engine.run(request, prompt_cache=prompt_cache, stats=stats, prefill_progress=prefill_progress,
+                        company=company)
     for rnd in rounds:
         if not isinstance(rnd, Round):  # for the batch: a pass, PREFILLING or RAN_ALONE
             yield rnd

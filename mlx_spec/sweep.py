@@ -34,7 +34,8 @@ import mlx.core as mx
 
 from mlx_spec.cost_model import CostCurve, weight_bandwidth, weight_bytes
 from mlx_spec.costs import load_or_measure
-from mlx_spec.distributed import BroadcastDrafter, CommProfile, comm_profile, world
+from mlx_spec.distributed import CommProfile, comm_profile, world
+from mlx_spec.drafters.broadcast import BroadcastDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import FixedGamma, cost_model_speedup, theorem_speedup
@@ -301,7 +302,7 @@ def run_sweep(
     if spec.drafter is None:
         raise MlxSpecError("the sweep needs a drafter: --drafter model, mtp or ngram")
     drafter_name = spec.drafter.name
-    draft_model = getattr(spec.drafter, "model", None)
+    draft_model = None if spec.drafter is None else spec.drafter.model
     target_bytes = weight_bytes(spec.target)
     draft_bytes = weight_bytes(draft_model) if draft_model is not None else 0
 

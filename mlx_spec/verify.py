@@ -35,7 +35,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 
-from mlx_spec.sampling import draw
+from mlx_spec.sampling import draw, one_hot
 from mlx_spec.tree import TreeShape
 
 
@@ -94,7 +94,7 @@ def verify_sampled(x: mx.array, q: Optional[mx.array], p: mx.array, key: mx.arra
     p_n = mx.take(p, n, axis=0)
     if q is None:
         x_n = mx.take(mx.concatenate([x.astype(mx.int32), mx.array([-1])]), n)
-        q_n = (mx.arange(V) == x_n).astype(p.dtype)
+        q_n = one_hot(x_n, V, p.dtype)[0]
     else:
         q_n = mx.take(mx.concatenate([q, mx.zeros((1, V), q.dtype)]), n, axis=0)
     residual = mx.maximum(p_n - q_n, 0.0)
@@ -141,11 +141,6 @@ def verify_tree_greedy(x: mx.array, shape: TreeShape, target_tokens: mx.array) -
     return TreeVerdict(n, mx.take(target_tokens, end), path)
 
 
-def rejected_mass(shape: TreeShape, p_x: mx.array) -> mx.array:
-    """[N]: p of the siblings tried before each node, all rejected when its turn comes."""
-    return shape.device["earlier_f"] @ p_x
-
-
 def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.array,
                         q: Optional[mx.array] = None) -> TreeVerdict:
     """Recursive rejection sampling over a draft tree (see the module docstring).
@@ -162,7 +157,7 @@ def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.arra
     key_accept, key_token = mx.random.split(key)
     x = x.astype(mx.int32)
     if q is None:
-        q = (mx.arange(V)[None, :] == x[:, None]).astype(p.dtype)
+        q = one_hot(x, V, p.dtype)
     parent_rows = mx.array(shape.parents) + 1
     # Per block row: the residual once its first child is rejected, p' = norm(max(p − q, 0)).
     q_first = mx.take(mx.concatenate([q, mx.zeros((1, V), q.dtype)]), tables["first_child"], axis=0)
@@ -184,3 +179,13 @@ def verify_tree_sampled(x: mx.array, shape: TreeShape, p: mx.array, key: mx.arra
     final_mass = mx.sum(final)
     final = mx.where(final_mass > 0, final / final_mass, mx.take(p, end, axis=0))
     return TreeVerdict(n, draw(final, key_token), path)
+
+
+def verify_block(x: mx.array, tree: Optional[TreeShape], q: Optional[mx.array], *,
+                 target_tokens: Optional[mx.array] = None, p: Optional[mx.array] = None,
+                 key: Optional[mx.array] = None) -> "Verdict | TreeVerdict":
+    """The rule for a round's draft, a chain (`tree` None) or a tree: greedy given the
+    target's tokens at every block row, else Leviathan's given p and the round's `key`."""
+    if target_tokens is not None:
+        return verify_greedy(x, target_tokens) if tree is None else verify_tree_greedy(x, tree, target_tokens)
+    return verify_sampled(x, q, p, key) if tree is None else verify_tree_sampled(x, tree, p, key, q)

@@ -73,13 +73,13 @@ def recorded_verify_passes(monkeypatch):
     """A list that gets, per target pass the engine prepares, (whether it is a pipelined
     plain round's queued pass, fed the token still being computed; whether it verifies a
     draft tree)."""
-    from mlx_spec.engine import Engine
+    from mlx_spec.engine import Generation
 
-    passes, real = [], Engine._verify
+    passes, real = [], Generation.score
 
-    def verify(self, cache, block, draft, history, unseen, *args, **kwargs):
-        passes.append((unseen is not None, draft.tree is not None))
-        return real(self, cache, block, draft, history, unseen, *args, **kwargs)
+    def score(self, proposal, key, together, unseen=None):
+        passes.append((unseen is not None, proposal[0].tree is not None))
+        return real(self, proposal, key, together, unseen)
 
-    monkeypatch.setattr(Engine, "_verify", verify)
+    monkeypatch.setattr(Generation, "score", score)
     return passes

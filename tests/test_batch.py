@@ -10,9 +10,10 @@ fit the target's exact distribution (chi-square), and a broken acceptance rule m
 import mlx.core as mx
 import pytest
 
-import mlx_spec.engine as engine_module
+import mlx_spec.verify as verify_module
 from conftest import greedy_reference, recorded_verify_passes
-from mlx_spec.batch import Batch, TargetPass, run_passes
+from mlx_spec.batch import Batch
+from mlx_spec.passes import TargetPass, run_passes
 from mlx_spec.cache import KVQuantization, SequenceCache
 from mlx_spec.cost_model import CostCurve
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
@@ -177,7 +178,7 @@ def test_a_grammar_row_and_a_draft_model_row_answer_as_alone(tiny_target, tiny_d
     def requests(batched):
         grammar = compile_grammar(TOKENIZER, "json_schema", ADDRESS, EOS).matcher(EOS)
         engines = [Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB), eos_ids=EOS) for _ in range(2)]
-        return [engines[0].rounds(ADDRESS_PROMPT, gamma=4, max_tokens=90, grammar=grammar, batched=batched),
+        return [engines[0].rounds(ADDRESS_PROMPT, gamma=4, max_tokens=90, constraint=grammar, batched=batched),
                 engines[1].rounds(PROMPTS[1], gamma=3, max_tokens=MAX_TOKENS, batched=batched)]
 
     together = requests(batched=True)
@@ -285,7 +286,7 @@ def test_each_row_of_a_batch_of_four_samples_the_target_distribution(models):
 def test_the_batched_check_catches_a_broken_rule(models, monkeypatch):
     target, draft = models
     params = SamplingParams(**PARAMS)
-    monkeypatch.setattr(engine_module, "verify_sampled", recovered_from_p)
+    monkeypatch.setattr(verify_module, "verify_sampled", recovered_from_p)
     counts = sampled_joints(row_engines(target, draft), [gamma for _, gamma in ROW_SETUPS], params, BROKEN_DRAWS)[0]
     stat, critical = chi_square(counts, exact_joints(target, params)[0])
     assert stat > critical  # row 0: a model drafter at γ = 3, where the rule breaks most

@@ -141,7 +141,7 @@ def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
 def test_prefill_chunks_and_batched_forwards_are_evaluated_on_the_wide_threads(tiny_target, monkeypatch):
     """Where a wide forward is evaluated, the BLAS runs on `wide_threads`; a decode step
     keeps the default (the switch is recorded, whatever this machine's BLAS)."""
-    from mlx_spec.batch import ModelPass, run_passes
+    from mlx_spec.passes import ModelPass, run_passes
     from mlx_spec.cache import SequenceCache
 
     calls = []

@@ -11,7 +11,7 @@ import math
 import mlx.core as mx
 import pytest
 
-import mlx_spec.engine as engine_module
+import mlx_spec.verify as verify_module
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.testing.tiny import tiny_gemma3
@@ -141,7 +141,7 @@ def deterministic_acceptance(x, q, p, key):
 def test_the_check_catches_broken_rules(models, monkeypatch, broken):
     target, draft = models
     params = SamplingParams(**PARAMS)
-    monkeypatch.setattr(engine_module, "verify_sampled", broken)
+    monkeypatch.setattr(verify_module, "verify_sampled", broken)
     engine = Engine(target, ModelDrafter(draft, VOCAB))
     stat, critical = chi_square(sampled_joint(engine, params, 3, BROKEN_DRAWS), exact_joint(target, params))
     assert stat > critical

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import greedy_reference
-from mlx_spec.drafters import Draft, ModelDrafter, NgramDrafter
+from mlx_spec.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.testing.tiny import TINY_VOCAB
 from mlx_spec.sampling import SamplingParams
@@ -18,13 +18,11 @@ def collect(engine, prompt=PROMPT, **kwargs):
     return [t for r in rounds for t in r.tokens], rounds
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes, for each round, the target's own greedy continuation with the tokens at
     the given positions replaced by a wrong token: position-wise acceptance is known."""
 
     name = "scripted"
-    passes_per_token = 0
-    rollbackable = True
 
     def __init__(self, reference, prompt_len, wrong_positions):
         self.reference, self.prompt_len, self.wrong = reference, prompt_len, set(wrong_positions)
@@ -38,7 +36,7 @@ class ScriptedDrafter:
         tokens = [(t + 1) % 200 + 6 if i in self.wrong else t for i, t in enumerate(truth)]
         return Draft(mx.array(tokens, mx.uint32))
 
-    def accept(self, committed):
+    def accept(self, committed, target_hidden=None):
         self.done += len(committed)
 
 

@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 from tokenizers import Tokenizer
 
 import mlx_spec.engine as engine_module
+import mlx_spec.verify as verify_module
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import UsageError
@@ -81,7 +82,7 @@ def run(engine, schema, gamma, max_tokens=90, params=SamplingParams(), prompt=PR
     grammar = compile_grammar(TOKENIZER, "json_schema", schema, EOS).matcher(EOS)
     stats = Stats()
     rounds = list(engine.rounds(prompt, params, gamma=gamma, max_tokens=max_tokens, stats=stats,
-                                grammar=grammar))
+                                constraint=grammar))
     tokens = [t for r in rounds for t in r.tokens]
     return [t for t in tokens if t not in EOS or raw], rounds[-1].finish_reason, stats
 
@@ -139,7 +140,7 @@ def test_mtp_drafter_under_a_grammar(tmp_path):
     for gamma in (2, 4):
         stats = Stats()
         tokens = [t for r in engine.rounds(prompt, gamma=gamma, max_tokens=50, stats=stats,
-                                           grammar=grammar.matcher(engine.eos_ids)) for t in r.tokens]
+                                           constraint=grammar.matcher(engine.eos_ids)) for t in r.tokens]
         assert [t for t in tokens if t not in engine.eos_ids] == schema_ref
         assert stats.drafted > 0
 
@@ -149,7 +150,7 @@ def constrained_reference_for(pair, prompt, max_tokens):
     plain.grammar_drafts = False
     grammar = compile_grammar(pair.tokenizer, "json_schema", ADDRESS, plain.eos_ids)
     tokens = [t for r in plain.rounds(prompt, gamma=0, max_tokens=max_tokens,
-                                      grammar=grammar.matcher(plain.eos_ids))
+                                      constraint=grammar.matcher(plain.eos_ids))
               for t in r.tokens]
     return [t for t in tokens if t not in plain.eos_ids]
 
@@ -184,7 +185,7 @@ def sampled_joint(engine, params, gamma, draws, forced_drafts=True):
         stats = Stats()
         run_params = SamplingParams(**{**params.__dict__, "seed": seed})
         tokens = [t for r in engine.rounds(SAMPLE_PROMPT, run_params, gamma=gamma, max_tokens=6, stats=stats,
-                                           prompt_cache=cache, grammar=grammar.matcher(EOS))
+                                           prompt_cache=cache, constraint=grammar.matcher(EOS))
                   for t in r.tokens]
         assert tokens[1:4] == encode("xyz")
         counts[(tokens[0], tokens[4])] = counts.get((tokens[0], tokens[4]), 0) + 1
@@ -231,7 +232,7 @@ def test_judging_drafts_against_unmasked_p_fails_the_check(sampling_models, monk
         return Verdict(n, draw(final, key_token))
 
     monkeypatch.setattr(engine_module, "constrain", keep_unmasked)
-    monkeypatch.setattr(engine_module, "verify_sampled", unmasked_acceptance)
+    monkeypatch.setattr(verify_module, "verify_sampled", unmasked_acceptance)
     engine = Engine(target, ModelDrafter(draft, TINY_VOCAB))
     stat, critical = chi_square(sampled_joint(engine, params, 2, 40, forced_drafts=False), masked_joint(target, params))
     assert stat > critical
@@ -299,7 +300,7 @@ def test_real_gemma_constrained_greedy_is_plain_constrained_decoding(gemma270m):
     for name, engine, gamma in (("plain", plain, 0), ("ngram", Engine(model, NgramDrafter(), eos_ids=eos), 4)):
         stats = Stats()
         outputs[name] = [t for r in engine.rounds(prompt, gamma=gamma, max_tokens=60, stats=stats,
-                                                  grammar=grammar.matcher(eos)) for t in r.tokens]
+                                                  constraint=grammar.matcher(eos)) for t in r.tokens]
     assert outputs["ngram"] == outputs["plain"]
     assert stats.grammar_forced > 0 and stats.accepted > 0
     jsonschema.validate(json.loads(tokenizer.decode([t for t in outputs["plain"] if t not in eos])), schema)

@@ -14,7 +14,7 @@ of 75; the exact rule scored 30), which shows it has the power to.
 import mlx.core as mx
 import pytest
 
-import mlx_spec.engine as engine_module
+import mlx_spec.verify as verify_module
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.models import gemma4_assistant
@@ -81,7 +81,7 @@ def recovered_from_p_one_hot(x, q, p, key):
 def test_the_check_catches_a_broken_recovery(models, monkeypatch):
     target, assistant = models
     params = SamplingParams(**PARAMS)
-    monkeypatch.setattr(engine_module, "verify_sampled", recovered_from_p_one_hot)
+    monkeypatch.setattr(verify_module, "verify_sampled", recovered_from_p_one_hot)
     engine = Engine(target, MtpDrafter(assistant, target))
     stat, critical = chi_square(sampled_joint(engine, params, GAMMA, BROKEN_DRAWS), exact_joint(target, params))
     assert stat > critical
@@ -91,7 +91,7 @@ def test_the_check_catches_a_broken_recovery(models, monkeypatch):
 def test_the_batched_mtp_check_catches_a_broken_recovery(models, monkeypatch):
     target, assistant = models
     params = SamplingParams(**PARAMS)
-    monkeypatch.setattr(engine_module, "verify_sampled", recovered_from_p_one_hot)
+    monkeypatch.setattr(verify_module, "verify_sampled", recovered_from_p_one_hot)
     engines = [Engine(target, MtpDrafter(assistant, target)) for _ in BATCH_GAMMAS]
     stats = [chi_square(counts, joint) for counts, joint in
              zip(sampled_joints(engines, BATCH_GAMMAS, params, BATCH_DRAWS), exact_joints(target, params))]

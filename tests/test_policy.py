@@ -11,10 +11,10 @@ import mlx.core as mx
 from mlx_spec.cache import SequenceCache
 from mlx_spec.cost_model import CostCurve
 from mlx_spec.costs import _fill_context, measure_costs
-from mlx_spec.drafters import ModelDrafter
+from mlx_spec.drafters import Drafter, ModelDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.testing.tiny import TINY_VOCAB
-from mlx_spec.policy import AutoGamma, expected_tokens
+from mlx_spec.policy import AutoGamma, GammaPolicy, expected_tokens
 from mlx_spec.stats import Stats
 
 # memory-bound (an Apple GPU at bf16): verifying more rows costs a little more
@@ -76,7 +76,7 @@ def test_compute_bound_costs_probe_only_once_in_max_probe_every_rounds():
     assert not policy.can_pay  # not even a draft that is always right would pay
     chosen = []
     for _ in range(300):
-        chosen.append(policy.choose(Stats()))
+        chosen.append(policy.choose())
         policy.observe(chosen[-1], 0)
     probes = [i for i, g in enumerate(chosen) if g]
     # still probing (so measured round times could overturn the curve), but rarely
@@ -97,7 +97,7 @@ def test_parks_probes_with_backoff_and_resumes():
     policy = AutoGamma(STEEP, prior=0.6, prior_weight=2.0, probe_every=4, max_probe_every=16)
     chosen = []
     for r in range(120):
-        gamma = policy.choose(Stats())
+        gamma = policy.choose()
         chosen.append(gamma)
         # the text is unpredictable for 60 rounds, then a quoted passage: all accepted
         accepted = 0 if r < 60 else gamma
@@ -180,14 +180,14 @@ def test_a_parked_policy_probes_and_resumes_drafting_through_the_engine(tiny_tar
     assert stats.accepted == stats.drafted > 50
 
 
-class Switching:
+class Switching(Drafter):
     """A drafter that proposes wrong tokens for its first `bad` drafting rounds, then the
     target's own greedy continuation (the target drafting for itself: always right)."""
 
     def __init__(self, target, bad: int):
         self.inner = ModelDrafter(target, TINY_VOCAB)
         self.bad, self.rounds = bad, 0
-        self.name, self.passes_per_token, self.rollbackable = "switching", 1, True
+        self.name, self.passes_per_token = "switching", 1
 
     def begin(self, prompt_ids, cache, processor=None):
         return self.inner.begin(prompt_ids, cache, processor)
@@ -203,18 +203,18 @@ class Switching:
         self.inner.accept(committed)
 
 
-class BadStretchFirst:
+class BadStretchFirst(GammaPolicy):
     """γ = 3 for the first `rounds` rounds (a bad stretch while drafting), then the wrapped
     AutoGamma's choice; the AutoGamma observes every round."""
 
     def __init__(self, policy: AutoGamma, rounds: int):
         self.policy, self.left = policy, rounds
 
-    def choose(self, stats):
+    def choose(self):
         if self.left > 0:
             self.left -= 1
             return 3
-        return self.policy.choose(stats)
+        return self.policy.choose()
 
     def observe(self, gamma, accepted, seconds=None):
         self.policy.observe(gamma, accepted, seconds)

@@ -9,11 +9,11 @@ exact joint distribution of the first two tokens computed from the target's logi
 import mlx.core as mx
 import pytest
 
-import mlx_spec.engine as engine_module
+import mlx_spec.verify as verify_module
 from conftest import greedy_reference
 from mlx_spec.cache import SequenceCache
 from mlx_spec.cost_model import CostCurve
-from mlx_spec.drafters import Draft, ModelDrafter, NgramDrafter
+from mlx_spec.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.testing.tiny import perturbed_copy, tiny_gemma3
 from mlx_spec.policy import TreePolicy
@@ -120,13 +120,13 @@ def test_greedy_model_drafter_trees_match_plain_decoding(tiny_target, prompt):
     assert stats.draft_forwards < stats.drafted  # siblings cost no draft forward
 
 
-class SecondSiblingDrafter:
+class SecondSiblingDrafter(Drafter):
     """Test drafter: a tree whose right answer is never the first child. At each of
     `depth` levels it proposes a decoy token first, then the reference's next token, and a
     decoy child under each decoy but the deepest; so every accepted path runs through rank-1 nodes and is
     never a prefix of the flattened block. `reference`: the greedy output it peeks at."""
 
-    name, passes_per_token, rollbackable = "second-sibling", 0, True
+    name, can_branch = "second-sibling", True
 
     def __init__(self, prompt, reference, depth=3):
         self.prompt, self.reference, self.depth = list(prompt), reference, depth
@@ -156,7 +156,7 @@ class SecondSiblingDrafter:
             return Draft.empty()
         return Draft(mx.array(tokens, mx.uint32), tree=TreeShape(tuple(parents)))
 
-    def accept(self, committed):
+    def accept(self, committed, target_hidden=None):
         pass
 
 
@@ -197,13 +197,13 @@ def small_target():
     return tiny_gemma3(seed=0, vocab_size=VOCAB, logit_scale=2.0)
 
 
-class LikeliestSiblingsDrafter:
+class LikeliestSiblingsDrafter(Drafter):
     """Test drafter: at the root, the target's own `width` likeliest next tokens (target
     sampling processed as `params`, from the history alone), each with one child, its
     likeliest follower; so high-probability siblings are tried in turn. Its choices never
     see the verify pass's randomness, so the rule must stay exact for them."""
 
-    name, passes_per_token, rollbackable = "likeliest", 0, True
+    name, can_branch = "likeliest", True
 
     def __init__(self, target, params, width=3):
         self.target, self.processor, self.width = target, LogitProcessor(params), width
@@ -232,7 +232,7 @@ class LikeliestSiblingsDrafter:
                 tokens.append(self._likeliest(history + [t], 1)[0])
         return Draft(mx.array(tokens, mx.uint32), tree=TreeShape(tuple(parents)))
 
-    def accept(self, committed):
+    def accept(self, committed, target_hidden=None):
         pass
 
 
@@ -269,7 +269,7 @@ def no_sibling_removal(x, shape, p, key, q=None):
 
 def test_the_check_catches_a_wrong_residual_update(small_target, monkeypatch):
     params = SamplingParams(**PARAMS)
-    monkeypatch.setattr(engine_module, "verify_tree_sampled", no_sibling_removal)
+    monkeypatch.setattr(verify_module, "verify_tree_sampled", no_sibling_removal)
     engine = Engine(small_target, LikeliestSiblingsDrafter(small_target, params))
     stat, critical = chi_square(sampled_tree_joint(engine, params, BROKEN_DRAWS), exact_joint(small_target, params))
     assert stat > critical
@@ -286,17 +286,17 @@ def test_model_drafter_tree_sampling_matches_target_distribution(small_target, s
     params = SamplingParams(**PARAMS)
     engine = Engine(small_target, ModelDrafter(small_draft, VOCAB))
     shapes = []
-    real = engine_module.verify_tree_sampled
+    real = verify_module.verify_tree_sampled
 
     def recording(x, shape, p, key, q=None):
         shapes.append((shape, q is not None))
         return real(x, shape, p, key, q)
 
-    engine_module.verify_tree_sampled = recording
+    verify_module.verify_tree_sampled = recording
     try:
         counts = sampled_tree_joint(engine, params, DRAWS)
     finally:
-        engine_module.verify_tree_sampled = real
+        verify_module.verify_tree_sampled = real
     assert len(shapes) >= DRAWS // 2 and all(with_q for _, with_q in shapes)
     assert any(max(shape.rank) >= 2 for shape, _ in shapes)  # several siblings at a node
     stat, critical = chi_square(counts, exact_joint(small_target, params))
@@ -325,7 +325,7 @@ def one_hot_residual(x, shape, p, key, q=None):
 
 def test_the_check_catches_a_one_hot_residual_after_a_sampled_child(small_target, small_draft, monkeypatch):
     params = SamplingParams(**PARAMS)
-    monkeypatch.setattr(engine_module, "verify_tree_sampled", one_hot_residual)
+    monkeypatch.setattr(verify_module, "verify_tree_sampled", one_hot_residual)
     engine = Engine(small_target, ModelDrafter(small_draft, VOCAB))
     stat, critical = chi_square(sampled_tree_joint(engine, params, BROKEN_DRAWS), exact_joint(small_target, params))
     assert stat > critical

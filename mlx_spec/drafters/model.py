@@ -6,14 +6,18 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import DraftPass, run_alone
 from mlx_spec.cache import common_prefix_length
-from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
+from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
+from mlx_spec.drafters.broadcast import BroadcastDrafter
+from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
+from mlx_spec.errors import UsageError
 from mlx_spec.grammar import constrain
-from mlx_spec.sampling import draw
+from mlx_spec.models.gemma4_assistant import is_assistant_config
+from mlx_spec.passes import DraftPass, run_alone
+from mlx_spec.sampling import draw, likeliest
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts γ tokens autoregressively with a small model that shares the target's tokenizer.
 
     The draft cache lags the committed sequence by the `pending` tokens: normally the last
@@ -28,7 +32,10 @@ class ModelDrafter:
     """
 
     name = "model"
+    needs_draft_model = True
     passes_per_token = 1
+    own_cache = True
+    can_branch = True
     # Past this many pending tokens (after γ = 0 rounds) catch up with a chunked prefill.
     catch_up_after = 8
     # Branch where the draft's top-1 probability is below this; a sibling needs at least
@@ -42,6 +49,24 @@ class ModelDrafter:
         self.model = model
         self.target_vocab = target_vocab
         self.draft_vocab = int(model(mx.array([[0]])).shape[-1])
+        self.reset()
+
+    @classmethod
+    def for_pair(cls, pair, world) -> Drafter:
+        """Across ranks with the draft model on rank 0 only, the other ranks draft what
+        rank 0 broadcasts (`BroadcastDrafter`); they know the draft by its vocabulary."""
+        remote = world.active and pair.draft is None and pair.vocab_size_draft is not None
+        if not remote:
+            require_draft_model(cls.name, pair)
+        if pair.draft is not None and is_assistant_config(pair.draft.config):
+            raise UsageError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
+                             "own states: use --drafter mtp (or leave --drafter out)")
+        drafter = cls(pair.draft.model, pair.vocab_size_target) if pair.draft is not None else None
+        if world.active and (drafter is None or (world.is_root and pair.draft_on == "root")):
+            return BroadcastDrafter(world, drafter)
+        return drafter
+
+    def reset(self) -> None:
         self.state = None
         self.pending: list[int] = []
         self.fed_drafts: Optional[int] = None  # draft tokens fed to the cache this round
@@ -62,9 +87,6 @@ class ModelDrafter:
         self.fed_drafts = self.fed_chain = None
         return processed
 
-    def propose(self, gamma: int, history: list[int], key: mx.array) -> Draft:
-        return run_alone(self.drafting(gamma, history, key))
-
     def drafting(self, gamma: int, history: list[int], key: mx.array):
         """`propose` as a generator that yields each draft step's `DraftPass` (a batch runs
         it beside other requests') and returns the Draft."""
@@ -82,7 +104,7 @@ class ModelDrafter:
         > 0 the `ranked` likeliest tokens and their probabilities per step ([1, ranked]
         each, from q, or at temperature 0 from the penalised softmax).
 
-        Under the processor's grammar each step's logits are masked as the target's row
+        Under the processor's constraint each step's logits are masked as the target's row
         for the same path will be (so q is the constrained draft distribution), and the
         chain stops before an EOS or after a token that completes the value: one host
         sync per step, for the next step's mask."""
@@ -96,7 +118,7 @@ class ModelDrafter:
         qs: list[mx.array] = []
         tops: list[tuple[mx.array, mx.array]] = []
         y = mx.array(self.pending, dtype=mx.uint32)
-        grammar = self.processor.grammar
+        grammar = self.processor.constraint
         path: list[int] = []  # the chain so far on the host, for the grammar's masks
         self.fed_drafts = gamma - 1  # x_γ is sampled, not fed
         for j in range(gamma):
@@ -162,16 +184,23 @@ class ModelDrafter:
                                 self.split_below, self.sibling_floor)
         return with_leaves(chain, leaves, self._pad(mx.concatenate(qs)) if qs else None, forwards=gamma)
 
-    def accept(self, committed: list[int]) -> None:
+    def accept(self, committed: list[int], target_hidden=None) -> None:
+        self.pending = self._rolled_back(committed)
+        self.fed_drafts = self.fed_chain = None
+
+    def _rolled_back(self, committed: list[int]) -> list[int]:
+        """Roll the draft cache back to the committed tokens it was fed; returns the
+        committed tokens it was not fed (the next round's `pending`).
+
+        The off-by-one: a round feeds pending + x_1..x_{γ−1} (x_γ is sampled, never fed),
+        and the round's last committed token (recovered or bonus) is never a fed draft, so
+        at most len(committed) − 1 drafts stay, and that last token is always pending, as
+        in mlx-lm's speculative loop. After a tree the committed path may leave the chain at
+        a sibling: only the part the chain shares stays."""
         if self.fed_drafts is None:  # nothing fed this round: the draft just falls behind
-            self.pending += committed
-            return
-        # The cache holds pending + x_1..x_{γ-1}; keep the drafts that were committed, except
-        # the last committed token, which becomes pending like any round's final token. After
-        # a tree the committed path may leave the chain at a sibling: keep only the common part.
+            return self.pending + committed
         keep = min(len(committed) - 1, self.fed_drafts)
         if self.fed_chain is not None:
             keep = min(keep, common_prefix_length(self.fed_chain, committed))
         self.state.settle(self.pending + committed[:keep])
-        self.pending = committed[keep:]
-        self.fed_drafts = self.fed_chain = None
+        return committed[keep:]

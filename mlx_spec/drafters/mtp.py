@@ -36,11 +36,13 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import Pass, pad_left, run_alone
 from mlx_spec.cache import kv_slots
-from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
-from mlx_spec.errors import MlxSpecError
-from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model
+from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
+from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
+from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.models.gemma4_assistant import is_assistant_config, last_kv_layers, target_text_model
+from mlx_spec.passes import Pass, pad_left, run_alone
+from mlx_spec.sampling import likeliest
 
 # The query position of every draft step, as the number of tokens in the target's cache
 # minus this. 0: the position the newest token will take (transformers'
@@ -145,7 +147,7 @@ def draft_greedy(assistant, embed, token: mx.array, h: mx.array, kv: dict, posit
     return run_alone(greedy_steps(assistant, embed, token, h, kv, position, gamma, ranked))
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """Drafts with a Gemma 4 MTP assistant over the target's own caches.
 
     Args:
@@ -158,9 +160,10 @@ class MtpDrafter:
     """
 
     name = "mtp"
+    needs_draft_model = True  # the assistant checkpoint
     passes_per_token = 1  # assistant forwards per drafted token
-    rollbackable = True  # nothing of its own to roll back
     wants_hidden = True  # the engine hands over the target's final hidden states
+    can_branch = True
     split_below, sibling_floor = 0.8, 0.02  # where `propose_tree` branches (see ModelDrafter)
 
     def __init__(self, assistant, target, *, position: Optional[str] = None):
@@ -182,6 +185,20 @@ class MtpDrafter:
         self.layers = last_kv_layers(inner.config)
         self.window = inner.config.sliding_window
         self.position = position
+        self.reset()
+
+    @classmethod
+    def for_pair(cls, pair, world) -> "MtpDrafter":
+        if world.active:
+            raise UsageError("the MTP drafter reads the target's K/V cache, which the ranks split "
+                             "between them: across ranks use --drafter model or ngram")
+        require_draft_model(cls.name, pair)
+        if not is_assistant_config(pair.draft.config):
+            raise UsageError("--drafter mtp needs a Gemma 4 MTP assistant checkpoint as the draft "
+                             "(model_type gemma4_assistant or gemma4_unified_assistant)")
+        return cls(pair.draft.model, pair.target.model)
+
+    def reset(self) -> None:
         self.state = None  # the target's SequenceCache
         self.h: Optional[mx.array] = None  # [1, 1, H_target] at the last committed position
         self.h_at = 0  # tokens in the target's cache when h was taken (h is at the newest)
@@ -215,9 +232,6 @@ class MtpDrafter:
         token = mx.array([[history[-1]]])
         position = context - POSITIONS[self.position]
         return greedy_steps(self.model, self.embed, token, self.h, kv, position, gamma, ranked=ranked)
-
-    def propose(self, gamma: int, history: list[int], key=None) -> Draft:
-        return run_alone(self.drafting(gamma, history, key))
 
     def drafting(self, gamma: int, history: list[int], key=None):
         """`propose` as a generator that yields each step's `AssistantPass` (a batch runs it

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlx_spec.drafters import Draft
+from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.tree import TreeShape
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Proposes the tokens that followed the latest earlier occurrence of the context's
     longest matching suffix (max_ngram down to min_ngram tokens). Costs no model pass;
     q is one-hot, so a proposal is accepted with probability p(x). Strong on inputs that
@@ -20,20 +20,25 @@ class NgramDrafter:
     """
 
     name = "ngram"
-    passes_per_token = 0
-    rollbackable = True
+    can_branch = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.reset()
+
+    @classmethod
+    def for_pair(cls, pair, world) -> "NgramDrafter":
+        return cls()  # integer code: every rank of a sharded target runs it alike
+
+    def reset(self) -> None:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> each index it ends at, with a follower
 
     def begin(self, prompt_ids: list[int], prompt_cache=None, processor=None) -> int:
-        self.tokens = []
-        self.ends = {}
+        self.reset()
         self._extend(prompt_ids)
         return 0
 
@@ -89,5 +94,5 @@ class NgramDrafter:
             return Draft.empty()
         return Draft(mx.array(node_tokens, dtype=mx.uint32), tree=TreeShape(tuple(parents)))
 
-    def accept(self, committed: list[int]) -> None:
+    def accept(self, committed: list[int], target_hidden=None) -> None:
         self._extend(committed)

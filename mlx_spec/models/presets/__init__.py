@@ -11,7 +11,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from mlx_spec.drafters import DRAFTER_NAMES
 from mlx_spec.errors import MlxSpecError, UsageError
 
 
@@ -23,7 +22,8 @@ class Preset:
         name: the preset's key in presets.toml.
         target: target model source (see `load_model`).
         draft: draft model source, or None when the drafter needs no model.
-        drafter: "model" | "mtp" (draft is a Gemma 4 MTP assistant) | "ngram" | "none".
+        drafter: a name in the drafter registry (`mlx_spec.drafters.DRAFTERS`) or "none";
+            checked where the preset is used (`runner.resolve_choice`).
         gamma: draft tokens per round, or "auto" to let the γ policy choose.
         temperature, top_p, top_k, min_p: sampling defaults (0 temperature is greedy).
         description: one line for `mlx-spec models list`.
@@ -88,10 +88,6 @@ def _parse(name: str, table: dict) -> Preset:
         family=table.get("family", ""),
         chat=bool(table.get("chat", True)),
     )
-    if preset.drafter not in DRAFTER_NAMES:
-        raise MlxSpecError(f"preset '{name}': drafter must be one of {DRAFTER_NAMES}")
-    if preset.drafter in ("model", "mtp") and not preset.draft:
-        raise MlxSpecError(f"preset '{name}': drafter '{preset.drafter}' needs a draft model")
     if not (preset.gamma == "auto" or (isinstance(preset.gamma, int) and preset.gamma >= 0)):
         raise MlxSpecError(f"preset '{name}': gamma must be a non-negative integer or 'auto'")
     return preset
