@@ -36,7 +36,7 @@ from mlx_spec.cli.common import (
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.runner import build_engine, parse_gamma
+from mlx_spec.runner import Gamma, build_engine
 from mlx_spec.stats import Stats
 from mlx_spec.vision import read_image_file
 
@@ -134,7 +134,7 @@ def _line_editing():
 class ChatRepl:
     """The loop: read a line, run a slash command or ask the model, print a footer."""
 
-    def __init__(self, session: ChatSession, setup, engine, params, gamma: str, max_tokens: int,
+    def __init__(self, session: ChatSession, setup, engine, params, gamma: Gamma, max_tokens: int,
                  stop, color: bool, out=None, grammar=None):
         """`grammar`: a function giving each answer its own grammar matcher (see
         `structured_output`), or None."""
@@ -154,14 +154,14 @@ class ChatRepl:
 
     # -- state changes ---------------------------------------------------------------
 
-    def set_gamma(self, gamma: str, name: str = "/gamma") -> None:
-        gamma = str(parse_gamma(gamma, name=name))
-        if self.engine.drafter is None and gamma != "0":
+    def set_gamma(self, gamma: Gamma, name: str = "/gamma") -> None:
+        """`name`: the flag or command that set it, for error messages."""
+        if self.engine.drafter is None and gamma != 0:
             raise MlxSpecError("drafting is off (--drafter none): only /gamma 0 applies")
         context = max(len(self.session.ids), 1)
         self.policy = calibrate_gamma(self.engine, gamma, context, name=name,
                                       reproducible=self.params.seed is not None)
-        self.gamma = gamma if self.engine.drafter is not None else "0"
+        self.gamma = gamma if self.engine.drafter is not None else Gamma.OFF
         self.views = ViewMaker(self.engine, self.policy, self.gamma)
 
     def command(self, line: str) -> bool:
@@ -176,7 +176,7 @@ class ChatRepl:
             if not arg:
                 self.say(f"γ is {self.gamma}; /gamma N or /gamma auto changes it")
             else:
-                self.set_gamma(arg)
+                self.set_gamma(Gamma.parse(arg, name="/gamma"))
                 self.say(f"γ set to {self.gamma}")
         elif name == "temp":
             try:
@@ -415,7 +415,7 @@ def chat(
         except CacheFileError as error:
             raise MlxSpecError(f"cannot resume session {resume!r}: {error}") from None
     constrained = structured_output(setup, engine, json_schema, regex, grammar)  # every answer follows it
-    repl = ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts,
+    repl = ChatRepl(session, setup, engine, params, setup.gamma, max_tokens, stop, color_drafts,
                     grammar=constrained)
     if resume is not None:
         repl.turns = sum(m["role"] == "assistant" for m in session.messages)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -15,7 +15,7 @@ from mlx_spec.distributed import world
 from mlx_spec.errors import UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
-from mlx_spec.runner import Choice, gamma_policy, resolve_choice
+from mlx_spec.runner import Choice, Gamma, gamma_policy, resolve_choice
 from mlx_spec.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ class Setup:
         """`build_engine` keywords from the flags: the caches' K/V quantization."""
         return {"kv": self.kv, "draft_kv": self.draft_kv}
 
-    def __getattr__(self, name):  # preset, target, draft, drafter, gamma, models
+    def __getattr__(self, name):  # preset, target, draft, drafter, gamma (a `Gamma`), models
         return getattr(self.choice, name)
 
 
@@ -435,7 +435,7 @@ def warn_replaced(replaced: int, what: str) -> None:
               file=sys.stderr)
 
 
-def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma",
+def calibrate_gamma(engine, gamma: Gamma, context: int, name: str = "--gamma",
                     reproducible: bool = False):
     """The γ policy; 'auto' may first measure the cost curve (seconds, with progress).
     `reproducible`: a seeded sample (see `runner.gamma_policy`)."""

@@ -32,7 +32,7 @@ from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.progress import StderrProgress
-from mlx_spec.runner import build_engine
+from mlx_spec.runner import Gamma, build_engine
 from mlx_spec.stats import Stats
 from mlx_spec.stream import encode_prompt, stream_generate
 from mlx_spec.thinking import PhaseAcceptance
@@ -127,7 +127,7 @@ def generate(
         real_ids = prompt_ids
     splitter = thought_splitter(tokenizer, chat, real_ids)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
-    gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
+    gamma_mode = setup.gamma if engine.drafter is not None else Gamma.OFF
     policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids), reproducible=params.seed is not None)
     views = ViewMaker(engine, policy, gamma_mode)
     stats = Stats()
@@ -160,7 +160,7 @@ def generate(
             "generated_tokens": stats.generated,
             "models": setup.models,
             "drafter": views.drafter,
-            "gamma": gamma_mode if gamma_mode in ("auto", "tree") else int(gamma_mode),
+            "gamma": gamma_mode.value,
             "chat": chat,
             "ranks": world().size,  # > 1: the target sharded across ranks (mlx.launch)
             "device": str(mx.default_device()),

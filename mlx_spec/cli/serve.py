@@ -27,7 +27,7 @@ from mlx_spec.cli.common import (
     calibrate_gamma, setup_models,
 )
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.runner import build_engine
+from mlx_spec.runner import Gamma, build_engine
 
 SERVER = "Server"
 DEFAULT_CONTEXT = 8192  # when the model's config names no context length
@@ -202,7 +202,7 @@ def serve(
     setup = load_setup()
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
-    gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
+    gamma_mode = setup.gamma if engine.drafter is not None else Gamma.OFF
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
 
     def load():
