@@ -211,11 +211,10 @@ def test_dtype_and_quantize_flags(models, tiny_dirs):
 def test_quantization_group_size_flag(models, tiny_dirs):
     import mlx.nn as nn
 
-    from mlx_spec.cli.common import setup_models
+    from mlx_spec.cli.common import ModelOptions, setup_models
 
     target, _ = tiny_dirs
-    setup = setup_models(model=target, draft_model=None, drafter="none", preset=None, gamma=None,
-                         quantize=4, group_size=32)
+    setup = setup_models(ModelOptions(model=target, drafter="none", quantize=4, group_size=32))
     quantized = [m for _, m in setup.pair.target.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     assert quantized and {m.group_size for m in quantized} == {32}
     out = invoke_json(["generate", "Hello", *models, "-n", "4", "--raw", "--gamma", "2",

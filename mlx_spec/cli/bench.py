@@ -19,7 +19,8 @@ from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MaxTokensOpt,
-    ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, SeedOpt, setup_models, warn_replaced,
+    ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, SamplingOptions, SeedOpt, setup_models,
+    warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.distributed import world
@@ -149,12 +150,8 @@ def bench(
 
     # the sweep's own temperature and seed, not the preset's sampling defaults
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma="auto", dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                         draft_kv_bits=draft_kv_bits,
-                         draft_on=draft_on, sampling=dict(temp=temp, seed=seed), preset_sampling=False)
+    setup = setup_models(ModelOptions.from_flags(locals(), gamma=AUTO, chat_template=None),
+                         SamplingOptions(temp=temp, seed=seed), preset_sampling=False)
     params = setup.params
     tokenizer = setup.pair.tokenizer
     ids = {}

@@ -28,10 +28,9 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ChatTemplateOpt, ColorOpt, DraftKvBitsOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt,
     GammaOpt, GrammarOpt, GroupSizeOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, MaxTokensOpt,
-    MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt, StopOpt,
-    TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, refuse_thinking_with_grammar,
-    setup_models, structured_output,
-    template_kwargs, thought_splitter,
+    MinPOpt, ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt,
+    SamplingOptions, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text,
+    refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
@@ -396,14 +395,7 @@ def chat(
         if resume_path is not None and not resume_path.exists():
             raise MlxSpecError(f"no saved chat session {resume!r} in {resume_path.parent}")
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                         draft_kv_bits=draft_kv_bits,
-                         draft_on=draft_on, chat="later", chat_template=chat_template,
-                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                       repetition_penalty=repetition_penalty, seed=seed))
+    setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat="later")
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     session = ChatSession(engine, setup.pair.tokenizer, system=system,

@@ -24,8 +24,8 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     DraftKvBitsOpt, GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt,
-    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt,
-    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt,
+    MaxTokensOpt, MinPOpt, ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt,
+    SamplingOptions, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt,
     refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
@@ -102,14 +102,7 @@ def generate(
     if kv_bits is not None and prompt_cache is not None:  # mlx-lm's layout has no quantized windows
         raise UsageError("--kv-bits caches cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                         draft_kv_bits=draft_kv_bits,
-                         draft_on=draft_on, chat=chat, chat_template=chat_template,
-                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                       repetition_penalty=repetition_penalty, seed=seed))
+    setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat=chat)
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     constrained = structured_output(setup, engine, json_schema, regex, grammar)

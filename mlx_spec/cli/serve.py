@@ -23,8 +23,8 @@ from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ChatTemplateOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MinPOpt, ModelOpt,
-    PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt,
-    calibrate_gamma, setup_models,
+    ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SamplingOptions, SeedOpt, TempOpt, TopKOpt,
+    TopPOpt, calibrate_gamma, setup_models,
 )
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.runner import Gamma, build_engine
@@ -188,16 +188,11 @@ def serve(
         print(f"answering requests for {', '.join(served_hosts)} and loopback names (more: "
               "--allowed-hosts)", file=sys.stderr)
     costs.recalibrate(recalibrate)
+    models = ModelOptions.from_flags(locals(), draft_on=None)
+    sampling = SamplingOptions.from_flags(locals())
 
     def load_setup():
-        return setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                            gamma=gamma, dtype=dtype, quantize=quantize,
-                            draft_quantize=draft_quantize, group_size=group_size,
-                            kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                            draft_kv_bits=draft_kv_bits,
-                            chat=True, chat_template=chat_template,  # /v1/chat/completions renders them
-                            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                          repetition_penalty=repetition_penalty, seed=seed))
+        return setup_models(models, sampling, chat=True)  # /v1/chat/completions renders templates
 
     setup = load_setup()
     params = setup.params
