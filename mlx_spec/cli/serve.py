@@ -30,7 +30,9 @@ from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.runner import Gamma, build_engine
 
 SERVER = "Server"
-DEFAULT_CONTEXT = 8192  # when the model's config names no context length
+# The server bounds every answer by the context: for a model whose config names no context
+# length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
+DEFAULT_CONTEXT = 8192
 
 
 @app.command()
@@ -216,7 +218,7 @@ def serve(
         gamma=gamma_mode,
         defaults=params,
         max_tokens=max_tokens,
-        context_length=_context_length(setup.pair.target.config),
+        context_length=setup.pair.target.context_length or DEFAULT_CONTEXT,
         queue_size=queue_size,
         parallel=parallel,
         api_key=api_key,
@@ -342,8 +344,3 @@ def _loopback(address: str) -> bool:
     except ValueError:
         return False
 
-
-def _context_length(config: dict) -> int:
-    text = config.get("text_config") or config
-    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings")
-               or DEFAULT_CONTEXT)
