@@ -45,7 +45,7 @@ from mlx_spec.drafters import Draft, NgramDrafter  # noqa: E402
 from mlx_spec.engine import Engine  # noqa: E402
 from mlx_spec.models.pairing import ModelPair  # noqa: E402
 from mlx_spec.policy import AutoGamma, FixedGamma, TreePolicy  # noqa: E402
-from mlx_spec.runner import TREE_BRANCHES, TREE_NODES  # noqa: E402
+from mlx_spec.runner import TREE_BRANCHES, TREE_NODES, Gamma  # noqa: E402
 from mlx_spec.sampling import SamplingParams  # noqa: E402
 from mlx_spec.stats import Stats  # noqa: E402
 from mlx_spec.sweep import TREE, run_sweep, token_md5  # noqa: E402
@@ -310,7 +310,7 @@ def main() -> None:
     for prompt in args.prompts:
         ids = gemma_prompt_ids(loaded.tokenizer, prompt)
         sweep = run_sweep(pair, {prompt: ids}, drafter="ngram",
-                          gammas=[*args.gammas, "auto", TREE], warm_runs=args.repeats,
+                          gammas=[Gamma.parse(g) for g in (*args.gammas, "auto", TREE)], warm_runs=args.repeats,
                           max_tokens=args.max_tokens, params=SamplingParams())
         by = {s.setting: s for s in sweep.summaries}
         chains = [s for s in sweep.summaries if s.setting not in ("off", TREE)]

@@ -36,7 +36,7 @@ def main() -> None:
     from mlx_spec import blas
     from mlx_spec.clients import run_clients
     from mlx_spec.models import load_pair
-    from mlx_spec.runner import build_engine
+    from mlx_spec.runner import AUTO, Gamma, build_engine
     from mlx_spec.sampling import SamplingParams
 
     if blas._setter is None:
@@ -54,7 +54,7 @@ def main() -> None:
         for repetition in range(args.runs + 1):  # the first: warm-up
             for wide in candidates:
                 blas.WIDE_ROWS = wide
-                run = run_clients(engine, prompts, "auto", params=SamplingParams(), max_tokens=args.tokens)
+                run = run_clients(engine, prompts, Gamma(AUTO), params=SamplingParams(), max_tokens=args.tokens)
                 answers.setdefault(wide, [r.tokens for r in run.requests])
                 if repetition:
                     runs[wide].append(run.aggregate_tps)

@@ -20,10 +20,10 @@ from typing import Callable, Optional, Sequence
 from mlx_spec.batch import Batch
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import BatchShare, FixedGamma
-from mlx_spec.runner import build_engine, gamma_policy
+from mlx_spec.runner import AUTO, Gamma, build_engine, gamma_policy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.stats import Stats
-from mlx_spec.sweep import BASELINE, Gamma, setting_label, token_md5
+from mlx_spec.sweep import BASELINE, setting_label, token_md5
 
 
 @dataclass
@@ -87,8 +87,8 @@ def run_clients(engine, prompts: Sequence[list[int]], gamma: Gamma, *, params: S
 
     def steps(ids, request):
         twin = engine.for_request()
-        policy = (gamma_policy(gamma, twin, context=len(ids), batch=share) if isinstance(gamma, str)
-                  else FixedGamma(gamma))
+        policy = (gamma_policy(gamma, twin, context=len(ids), batch=share) if gamma.fixed is None
+                  else FixedGamma(gamma.fixed))
         try:
             yield from twin.rounds(ids, params, gamma=policy, max_tokens=max_tokens, stats=request.stats,
                                    batched=True, alone=batch.alone)
@@ -115,7 +115,7 @@ def run_clients(engine, prompts: Sequence[list[int]], gamma: Gamma, *, params: S
 
 
 def bench_clients(pair, prompts: Sequence[list[int]], *, drafter: Optional[str] = None,
-                  gammas: Sequence[Gamma] = ("auto",), runs: int = 3, max_tokens: int = 64,
+                  gammas: Sequence[Gamma] = (Gamma(AUTO),), runs: int = 3, max_tokens: int = 64,
                   params: SamplingParams = SamplingParams(), engine_options: Optional[dict] = None,
                   progress: Optional[Callable[[int, int, str], None]] = None) -> list[ClientsSummary]:
     """`run_clients` for drafting off and each γ in `gammas`: one cold run each, then `runs`
@@ -124,7 +124,7 @@ def bench_clients(pair, prompts: Sequence[list[int]], *, drafter: Optional[str] 
         raise MlxSpecError("no prompts to benchmark")
     plain = build_engine(pair, "none", **(engine_options or {}))
     spec = build_engine(pair, drafter, **(engine_options or {}))
-    settings: list[Gamma] = [0] + [g for g in gammas if g != 0]
+    settings: list[Gamma] = [Gamma.OFF] + [g for g in gammas if g != 0]
     total, done = len(settings) * (runs + 1), 0
     warm: dict[str, list[ClientsRun]] = {setting_label(g): [] for g in settings}
     for rep in range(runs + 1):  # rep 0: the cold pass

@@ -9,7 +9,7 @@ Typer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 from mlx_spec.cache import KVQuantization, attention_layers
 from mlx_spec.costs import BATCH_WIDTH, load_or_measure
@@ -19,24 +19,74 @@ from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy, TreePolicy
 
 MAX_AUTO_GAMMA = 6
+AUTO = "auto"  # --gamma auto: γ chosen each round from the cost curve (`AutoGamma`)
 TREE = "tree"  # --gamma tree: draft trees shaped by the cost curve (`TreePolicy`)
 TREE_NODES = 12  # the most nodes a draft tree keeps; its cost curve is measured that wide
 TREE_BRANCHES = 4  # continuations a branching drafter is asked for
 
 
-def parse_gamma(value: Union[int, str], *, name: str = "--gamma", minimum: int = 0,
-                limit: int = MAX_GAMMA) -> Union[int, str]:
-    """'auto', 'tree' (draft trees), or a whole number in [minimum, limit]; anything else is
-    a one-line error that names the flag or command (`name`) the user typed."""
-    if value in ("auto", TREE):
-        return value
-    try:
-        gamma = int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} must be a whole number or 'auto' (or 'tree'), not {value!r}") from None
-    if not minimum <= gamma <= limit:
-        raise UsageError(f"{name} must be between {minimum} and {limit}, or 'auto' (got {gamma})")
-    return gamma
+@dataclass(frozen=True, eq=False)
+class Gamma:
+    """γ, the draft tokens per round, as the user set it: a whole number (0: plain
+    decoding), "auto" or "tree".
+
+    Parsed once where it comes in (a flag, a preset, an Ollama model file, the server's
+    options: `Gamma.parse`) and carried as it is to `gamma_policy`. `fixed` is the number,
+    None for "auto" and "tree"; `str()` is what the user typed ("auto", "3") and `value`
+    what --json shows ("auto", 3). A Gamma equals (and hashes as) its value, so
+    `gamma == 0` reads as it says.
+    """
+
+    value: Union[int, str]
+
+    OFF: ClassVar["Gamma"]  # γ = 0: drafting off
+
+    def __post_init__(self):
+        if not (self.value in (AUTO, TREE) or (type(self.value) is int and self.value >= 0)):
+            raise ValueError(f"γ is a whole number, {AUTO!r} or {TREE!r}, not {self.value!r}")
+
+    @classmethod
+    def parse(cls, value: Union["Gamma", int, str], *, name: str = "--gamma", minimum: int = 0,
+              limit: int = MAX_GAMMA) -> "Gamma":
+        """'auto', 'tree', or a whole number in [minimum, limit] (text or a number; a Gamma
+        is only checked against the bounds); anything else is a one-line `UsageError` that
+        names the flag or command (`name`) the user typed."""
+        if isinstance(value, Gamma):
+            value = value.value
+        if value in (AUTO, TREE):
+            return cls(value)
+        try:
+            gamma = int(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{name} must be a whole number or 'auto' (or 'tree'), not {value!r}") from None
+        if not minimum <= gamma <= limit:
+            raise UsageError(f"{name} must be between {minimum} and {limit}, or 'auto' (got {gamma})")
+        return cls(gamma)
+
+    @property
+    def fixed(self) -> Optional[int]:
+        """The draft tokens of every round, or None when a policy chooses ("auto", "tree")."""
+        return self.value if isinstance(self.value, int) else None
+
+    @property
+    def auto(self) -> bool:
+        return self.value == AUTO
+
+    @property
+    def tree(self) -> bool:
+        return self.value == TREE
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __eq__(self, other) -> bool:
+        return self.value == (other.value if isinstance(other, Gamma) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+Gamma.OFF = Gamma(0)
 
 
 @dataclass
@@ -48,14 +98,15 @@ class Choice:
         target: the target model's source; draft: the draft model's, or None.
         drafter: "model" | "mtp" | "ngram" | "none", or None for `build_engine`'s default
             (which tells an MTP assistant from another draft model once it is loaded).
-        gamma: "auto" or a whole number.
+        gamma: the `Gamma` from the flag, else the model file's or the preset's (auto
+            when neither says); 0 for drafter "none".
     """
 
     preset: Any
     target: str
     draft: Optional[str]
     drafter: Optional[str]
-    gamma: Union[int, str]
+    gamma: Gamma
 
     @property
     def models(self) -> dict:
@@ -82,7 +133,7 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     if drafter is not None:
         drafter_class(drafter)  # a one-line error for a name no drafter has
     if gamma is not None:
-        gamma = parse_gamma(gamma)
+        gamma = Gamma.parse(gamma)
     chosen = get_preset(preset or "default") if (preset or model is None) else None
     target = model or _preset_value(chosen, "target", "default")
     draft = draft_model if draft_model is not None else (
@@ -102,10 +153,10 @@ def resolve_choice(*, model: Optional[str] = None, draft_model: Optional[str] = 
     if not loads_draft:
         draft = None  # no need to load (or hold in memory) a draft model that will not draft
     if gamma is None:
-        gamma = parse_gamma(store.gamma if store is not None and store.gamma is not None
-                            else _preset_value(chosen, "gamma", "auto"))
+        gamma = Gamma.parse(store.gamma if store is not None and store.gamma is not None
+                            else _preset_value(chosen, "gamma", AUTO))
     if drafter == NO_DRAFTER:
-        gamma = 0
+        gamma = Gamma.OFF
     return Choice(chosen, str(target), draft, drafter, gamma)
 
 
@@ -182,7 +233,7 @@ def context_bucket(tokens: int) -> int:
 
 
 def gamma_policy(
-    gamma: Union[int, str],
+    gamma: Union[Gamma, int, str],
     engine: Engine,
     *,
     context: int = 256,
@@ -194,19 +245,21 @@ def gamma_policy(
 ) -> GammaPolicy:
     """`FixedGamma(n)` for a whole number, `AutoGamma` from the measured cost curve for
     "auto" (measured once per pair and machine, then read from the cache), `tree_policy` for
-    "tree". `name`: the flag or command that set γ, for error messages.
+    "tree". `gamma`: a `Gamma`, or (a library caller's) its text or number, parsed here;
+    either is checked against the engine's max_gamma. `name`: the flag or command that set
+    γ, for error messages.
 
     `reproducible` (a seeded sample): γ follows the cached cost curve and the acceptance
     seen, never the clock. Learning from round times would make each run's γ choices, and
     with them how each round splits the seed's key, depend on how busy the machine was.
     `batch`: a `policy.BatchShare`, for auto γ chosen for the batch's tokens per second
     (not for a reproducible request: its γ, and so its draws, must not depend on others)."""
-    gamma = parse_gamma(gamma, name=name, limit=engine.max_gamma)
-    if gamma == TREE:
+    gamma = Gamma.parse(gamma, name=name, limit=engine.max_gamma)
+    if gamma.tree:
         return tree_policy(engine, context=context, refresh=refresh, progress=progress,
                            reproducible=reproducible)
-    if gamma != "auto":
-        return FixedGamma(gamma)
+    if gamma.fixed is not None:
+        return FixedGamma(gamma.fixed)
     if engine.drafter is None:
         return FixedGamma(0)
     max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)

@@ -39,14 +39,12 @@ from mlx_spec.drafters.broadcast import BroadcastDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import FixedGamma, cost_model_speedup, theorem_speedup
-from mlx_spec.runner import MAX_AUTO_GAMMA, TREE, TREE_NODES, build_engine, context_bucket, gamma_policy
+from mlx_spec.runner import MAX_AUTO_GAMMA, TREE, TREE_NODES, Gamma, build_engine, context_bucket, gamma_policy
 from mlx_spec.sampling import LogitProcessor, SamplingParams
 from mlx_spec.stats import Stats
 
 BASELINE = "off"  # label of the drafting-off setting
-DEFAULT_GAMMAS = (1, 2, 3, 5)
-
-Gamma = Union[int, str]  # a whole number, "auto" or "tree"
+DEFAULT_GAMMAS = tuple(Gamma(g) for g in (1, 2, 3, 5))
 
 # A multi-row verify pass and a one-row decode step run different kernels on a GPU, so at
 # a near-tie their argmax can differ while both are right to rounding. A first difference
@@ -116,7 +114,7 @@ class Run:
 
     prompt: str
     setting: str  # "off", "γ=3", "auto"
-    gamma: Gamma  # 0 for the baseline
+    gamma: Union[int, str]  # as --json shows it (`Gamma.value`): 0 for the baseline, 3, "auto"
     rep: int  # 0 = cold
     tokens: list[int] = field(repr=False)
     stats: Stats = field(repr=False)
@@ -137,7 +135,7 @@ class SettingSummary:
 
     prompt: str
     setting: str
-    gamma: Gamma
+    gamma: Union[int, str]  # as `Run.gamma`
     runs: int
     decode_tps: float  # median over warm runs
     tps_min: float
@@ -261,7 +259,7 @@ class SweepResult:
 
 
 def setting_label(gamma: Gamma) -> str:
-    return BASELINE if gamma == 0 else (gamma if gamma in ("auto", TREE) else f"γ={gamma}")
+    return BASELINE if gamma == 0 else (str(gamma) if gamma.fixed is None else f"γ={gamma}")
 
 
 def run_sweep(
@@ -283,7 +281,8 @@ def run_sweep(
         pair: a loaded `ModelPair` (target, optional draft, tokenizer, vocab widths).
         prompts: name → prompt token ids.
         drafter: "model", "mtp", "ngram" or None (as `build_engine` chooses).
-        gammas: the γ values (and/or "auto", "tree") to compare with the baseline.
+        gammas: the γ values (`Gamma`s: numbers and/or "auto", "tree") to compare with the
+            baseline.
         warm_runs: timed runs per setting after the cold one.
         max_tokens: tokens generated per run.
         params: sampling; at temperature 0 every run's tokens must equal the baseline's.
@@ -309,15 +308,15 @@ def run_sweep(
     # The cost curve gives c for Theorem 3.8 and the cost-model prediction; measured once
     # per pair/machine/context bucket and cached (the same entry --gamma auto reads).
     longest = max(len(ids) for ids in prompts.values())
-    numeric = [g for g in gammas if isinstance(g, int)]
-    width = max([MAX_AUTO_GAMMA] + numeric + ([TREE_NODES] if TREE in gammas else [])) + 1
+    numeric = [g.fixed for g in gammas if g.fixed is not None]
+    width = max([MAX_AUTO_GAMMA] + numeric + ([TREE_NODES] if any(g.tree for g in gammas) else [])) + 1
     costs = load_or_measure(spec.target, draft_model, max_width=width,
                             context=context_bucket(longest), progress=calibration_progress)
     w = world()
     comm = comm_profile(w, spec.target, width) if w.active else None
     broadcasts = isinstance(spec.drafter, BroadcastDrafter)  # one more collective per drafted round
 
-    settings: list[Gamma] = [0] + list(gammas)
+    settings: list[Gamma] = [Gamma.OFF] + list(gammas)
     total = len(prompts) * len(settings) * (warm_runs + 1)
     runs: list[Run] = []
     done = 0
@@ -329,8 +328,8 @@ def run_sweep(
                     progress(done, total, f"{name} {label} {'cold' if rep == 0 else f'run {rep}'}")
                 engine = plain if gamma == 0 else spec
                 policy = (gamma_policy(gamma, spec, context=len(ids), progress=calibration_progress)
-                          if gamma in ("auto", TREE) else FixedGamma(gamma))
-                runs.append(_one_run(engine, ids, params, policy, max_tokens, name, label, gamma, rep,
+                          if gamma.fixed is None else FixedGamma(gamma.fixed))
+                runs.append(_one_run(engine, ids, params, policy, max_tokens, name, label, gamma.value, rep,
                                      target_bytes, draft_bytes))
                 done += 1
     if progress:

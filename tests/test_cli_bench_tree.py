@@ -60,9 +60,10 @@ def test_generate_with_trees_reports_acceptance_by_rank(tiny_dirs):
     from rich.console import Console
 
     from mlx_spec.cli.render import View, render_stats
+    from mlx_spec.runner import Gamma
     from mlx_spec.stats import Stats
 
-    view = View(Stats(**{k: v for k, v in stats.items() if k in Stats.__dataclass_fields__}), "ngram", "tree", 3, 0.0)
+    view = View(Stats(**{k: v for k, v in stats.items() if k in Stats.__dataclass_fields__}), "ngram", Gamma("tree"), 3, 0.0)
     console = Console(width=100, record=True)
     console.print(render_stats(view))
     panel = console.export_text()

@@ -8,6 +8,7 @@ import pytest
 
 from cli_support import assert_one_line_error, assert_usage_error, invoke
 from mlx_spec.cli.render import View, summary_line
+from mlx_spec.runner import Gamma
 from mlx_spec.stats import Stats
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, models, private_cost_cache
@@ -105,10 +106,10 @@ def test_speedup_is_shown_only_when_something_was_drafted(models):
     assert result.exit_code == 0, result.stderr
     stats = json.loads(result.stdout)["stats"]
     assert (stats["measured_speedup"] is None) == (stats["drafted"] == 0)
-    parked = View(Stats(rounds=3, generated=3, decode_time=1.0), "ngram", "auto", 0, 1e9,
+    parked = View(Stats(rounds=3, generated=3, decode_time=1.0), "ngram", Gamma("auto"), 0, 1e9,
                   predicted_speedup=1.0, measured_speedup=None, plain_tps=3.0)
     assert "speedup" not in summary_line(parked)
-    drafting = View(Stats(rounds=3, drafted=6, accepted=4, generated=7, decode_time=1.0), "ngram", "auto", 2,
+    drafting = View(Stats(rounds=3, drafted=6, accepted=4, generated=7, decode_time=1.0), "ngram", Gamma("auto"), 2,
                     1e9, predicted_speedup=2.1, measured_speedup=7 / 3.0, plain_tps=3.0)
     assert "speedup 2.33× vs plain ≈ 3.0 tok/s from the cost curve (predicted 2.10× now, from the cost curve and this run's acceptance)" in summary_line(drafting)
 

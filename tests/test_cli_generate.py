@@ -9,6 +9,7 @@ from rich.console import Console
 
 from cli_support import ESC, assert_one_line_error, assert_usage_error, has_ansi, invoke, invoke_json, terminal_env
 from mlx_spec.cli.render import View, bar, render_stats, summary_line
+from mlx_spec.runner import Gamma
 from mlx_spec.stats import Stats
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, models, private_cost_cache
@@ -166,7 +167,7 @@ def test_render_stats_is_a_pure_function_of_the_snapshot():
     for accepted in (3, 1, 2, 3):
         stats.observe_round(3, accepted, accepted + 1, 0.01, 0.02)
     stats.peak_memory = 3 << 20
-    view = View(stats=stats, drafter="model", gamma_mode="auto", gamma_now=3, bandwidth=2.5e9,
+    view = View(stats=stats, drafter="model", gamma_mode=Gamma("auto"), gamma_now=3, bandwidth=2.5e9,
                 predicted_speedup=1.8, measured_speedup=1.6, plain_tps=20.0)
     console = Console(record=True, width=160, file=open("/dev/null", "w"))
     console.print(render_stats(view))
@@ -210,11 +211,10 @@ def test_dtype_and_quantize_flags(models, tiny_dirs):
 def test_quantization_group_size_flag(models, tiny_dirs):
     import mlx.nn as nn
 
-    from mlx_spec.cli.common import setup_models
+    from mlx_spec.cli.common import ModelOptions, setup_models
 
     target, _ = tiny_dirs
-    setup = setup_models(model=target, draft_model=None, drafter="none", preset=None, gamma=None,
-                         quantize=4, group_size=32)
+    setup = setup_models(ModelOptions(model=target, drafter="none", quantize=4, group_size=32))
     quantized = [m for _, m in setup.pair.target.model.named_modules() if isinstance(m, nn.QuantizedLinear)]
     assert quantized and {m.group_size for m in quantized} == {32}
     out = invoke_json(["generate", "Hello", *models, "-n", "4", "--raw", "--gamma", "2",

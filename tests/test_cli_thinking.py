@@ -87,11 +87,12 @@ def test_chat_folds_the_thought_on_a_terminal(model, thinker):
 
     from mlx_spec.chat import ChatSession
     from mlx_spec.cli.chat import ChatRepl
+    from mlx_spec.runner import Gamma
     from mlx_spec.sampling import SamplingParams
 
     _, tokenizer, engine = thinker
     session = ChatSession(engine, tokenizer, template_kwargs={"enable_thinking": True})
-    repl = ChatRepl(session, None, engine, SamplingParams(), "2", 200, (), False)
+    repl = ChatRepl(session, None, engine, SamplingParams(), Gamma(2), 200, (), False)
     screen = io.StringIO()
     repl.console = Console(file=screen, force_terminal=True, width=50, height=40, highlight=False)
     repl.tty = True
@@ -115,6 +116,7 @@ def test_generate_on_a_terminal_dims_the_thought_above_the_answer(thinker, monke
     from mlx_spec.cli.common import thought_splitter
     from mlx_spec.cli.generate import _live
     from mlx_spec.cli.render import ViewMaker
+    from mlx_spec.runner import Gamma
     from mlx_spec.stats import Stats
     from mlx_spec.stream import encode_prompt, stream_generate
 
@@ -124,7 +126,7 @@ def test_generate_on_a_terminal_dims_the_thought_above_the_answer(thinker, monke
     ids = encode_prompt(tokenizer, ASK[0]["content"], True, {"enable_thinking": True})
     stats = Stats()
     _live(lambda progress: stream_generate(engine, tokenizer, ids, gamma=2, max_tokens=200, stats=stats),
-          ViewMaker(engine, 2, "2"), stats, False, thought_splitter(tokenizer, True, ids))
+          ViewMaker(engine, 2, Gamma(2)), stats, False, thought_splitter(tokenizer, True, ids))
     shown = screen.getvalue()
     assert f"\x1b[2m{THOUGHT}" in shown.replace("\x1b[0m\x1b[2m", "")
     text = ANSI.sub("", shown)  # the live panel is redrawn between them

@@ -122,10 +122,10 @@ def test_library_callers_get_a_value_error(tiny_dirs):
     """The engine API and the server catch ValueError (or MlxSpecError) as before."""
     from mlx_spec.errors import MlxSpecError
     from mlx_spec.models.loader import load_model
-    from mlx_spec.runner import parse_gamma, resolve_choice
+    from mlx_spec.runner import Gamma, resolve_choice
     from mlx_spec.sampling import SamplingParams
 
-    for call in (lambda: SamplingParams(top_p=0), lambda: parse_gamma("99"),
+    for call in (lambda: SamplingParams(top_p=0), lambda: Gamma.parse("99"),
                  lambda: resolve_choice(drafter="psychic"), lambda: resolve_choice(preset="nosuch"),
                  lambda: load_model(tiny_dirs[0], dtype="float64", progress=False)):
         with pytest.raises(ValueError) as error:

@@ -19,7 +19,8 @@ from mlx_spec import blas, costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MaxTokensOpt,
-    ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, SeedOpt, setup_models, warn_replaced,
+    ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, SamplingOptions, SeedOpt, setup_models,
+    warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.distributed import world
@@ -27,13 +28,14 @@ from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.stores import drafting_defaults as store_drafting
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
-from mlx_spec.runner import parse_gamma
+from mlx_spec.runner import AUTO, Gamma
 from mlx_spec.stream import encode_prompt
 from mlx_spec.sweep import BASELINE, DEFAULT_GAMMAS, TREE, SweepResult, run_sweep
 
 # The reference measurement's settings after drafting off (DESIGN §2: Ollama's gemma4:12b
 # with its built-in draft on an M3 Pro), and the automatic policy.
-REFERENCE_GAMMAS = (1, 2, 3, 5, "auto")
+REFERENCE_GAMMAS = (1, 2, 3, 5, AUTO)
+SWEPT = "--gamma in a sweep (γ = 0 is the baseline)"  # the name in a bad γ's message
 
 CSV_FIELDS = (
     "prompt", "setting", "gamma", "runs", "decode_tps", "tps_min", "tps_max", "spread",
@@ -122,13 +124,13 @@ def bench(
         store = store_drafting(model) if model is not None and draft_model is None and drafter != "ngram" else None
         if store is not None and store.draft is None:
             store = None
-        gamma_list = parse_gammas(gammas or ["auto" if clients else ",".join(map(str, default_gammas(store)))])
-        if clients and (tree or TREE in gamma_list):
+        gamma_list = parse_gammas(gammas) if gammas else [Gamma(AUTO)] if clients else default_gammas(store)
+        if clients and (tree or any(g.tree for g in gamma_list)):
             raise UsageError("a batch drafts chains, not trees: --clients takes no --tree", flag="--clients")
-        if auto and "auto" not in gamma_list:
-            gamma_list.append("auto")
-        if tree and TREE not in gamma_list:
-            gamma_list.append(TREE)
+        if auto and not any(g.auto for g in gamma_list):
+            gamma_list.append(Gamma(AUTO))
+        if tree and not any(g.tree for g in gamma_list):
+            gamma_list.append(Gamma(TREE))
         specs = prompts or (["quote", "short"] if clients else ["long"])
         if "all" in specs:
             specs = [s for s in specs if s != "all"] + [s for s in committed_prompts() if s not in specs]
@@ -148,12 +150,8 @@ def bench(
 
     # the sweep's own temperature and seed, not the preset's sampling defaults
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma="auto", dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                         draft_kv_bits=draft_kv_bits,
-                         draft_on=draft_on, sampling=dict(temp=temp, seed=seed), preset_sampling=False)
+    setup = setup_models(ModelOptions.from_flags(locals(), gamma=AUTO, chat_template=None),
+                         SamplingOptions(temp=temp, seed=seed), preset_sampling=False)
     params = setup.params
     tokenizer = setup.pair.tokenizer
     ids = {}
@@ -198,7 +196,7 @@ def bench(
         raise typer.Exit(1)
 
 
-def _bench_clients(setup, prompt_ids: list, clients: int, gammas: list, runs: int, max_tokens: int,
+def _bench_clients(setup, prompt_ids: list, clients: int, gammas: list[Gamma], runs: int, max_tokens: int,
                    json_out: bool) -> None:
     """`bench --clients N`: `clients.bench_clients` over the prompts cycled to N requests,
     rendered; exit 1 where a request's greedy tokens differ from drafting off's."""
@@ -240,23 +238,23 @@ def _bench_clients(setup, prompt_ids: list, clients: int, gammas: list, runs: in
         raise typer.Exit(1)
 
 
-def default_gammas(store=None) -> list:
+def default_gammas(store=None) -> list[Gamma]:
     """The γ sweep when --gamma is not given: DEFAULT_GAMMAS; for a store model with its own
     draft (`stores.drafting_defaults`), the reference run's REFERENCE_GAMMAS with the model
     file's γ among them."""
     if store is None:
         return list(DEFAULT_GAMMAS)
-    fixed = sorted({g for g in REFERENCE_GAMMAS if g != "auto"} | ({store.gamma} if store.gamma else set()))
-    return fixed + ["auto"]
+    fixed = sorted({g for g in REFERENCE_GAMMAS if g != AUTO} | ({store.gamma} if store.gamma else set()))
+    return [Gamma.parse(g, name=SWEPT, minimum=1) for g in fixed] + [Gamma(AUTO)]
 
 
-def parse_gammas(values: list[str]) -> list:
-    """'1,2,3' / ['1', '2', 'auto'] → [1, 2, 3, 'auto'], validated, duplicates dropped."""
-    out: list = []
+def parse_gammas(values: list[str]) -> list[Gamma]:
+    """'1,2,3' / ['1', '2', 'auto'] → [1, 2, 3, 'auto'] as `Gamma`s, validated, duplicates dropped."""
+    out: list[Gamma] = []
     for value in values:
         for part in str(value).replace(" ", ",").split(","):
             if part:
-                gamma = parse_gamma(part, name="--gamma in a sweep (γ = 0 is the baseline)", minimum=1)
+                gamma = Gamma.parse(part, name=SWEPT, minimum=1)
                 if gamma not in out:
                     out.append(gamma)
     if not out:

@@ -28,15 +28,14 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ChatTemplateOpt, ColorOpt, DraftKvBitsOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt,
     GammaOpt, GrammarOpt, GroupSizeOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, MaxTokensOpt,
-    MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt, StopOpt,
-    TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text, refuse_thinking_with_grammar,
-    setup_models, structured_output,
-    template_kwargs, thought_splitter,
+    MinPOpt, ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt,
+    SamplingOptions, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text,
+    refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.runner import build_engine, parse_gamma
+from mlx_spec.runner import Gamma, build_engine
 from mlx_spec.stats import Stats
 from mlx_spec.vision import read_image_file
 
@@ -134,7 +133,7 @@ def _line_editing():
 class ChatRepl:
     """The loop: read a line, run a slash command or ask the model, print a footer."""
 
-    def __init__(self, session: ChatSession, setup, engine, params, gamma: str, max_tokens: int,
+    def __init__(self, session: ChatSession, setup, engine, params, gamma: Gamma, max_tokens: int,
                  stop, color: bool, out=None, grammar=None):
         """`grammar`: a function giving each answer its own grammar matcher (see
         `structured_output`), or None."""
@@ -154,14 +153,14 @@ class ChatRepl:
 
     # -- state changes ---------------------------------------------------------------
 
-    def set_gamma(self, gamma: str, name: str = "/gamma") -> None:
-        gamma = str(parse_gamma(gamma, name=name))
-        if self.engine.drafter is None and gamma != "0":
+    def set_gamma(self, gamma: Gamma, name: str = "/gamma") -> None:
+        """`name`: the flag or command that set it, for error messages."""
+        if self.engine.drafter is None and gamma != 0:
             raise MlxSpecError("drafting is off (--drafter none): only /gamma 0 applies")
         context = max(len(self.session.ids), 1)
         self.policy = calibrate_gamma(self.engine, gamma, context, name=name,
                                       reproducible=self.params.seed is not None)
-        self.gamma = gamma if self.engine.drafter is not None else "0"
+        self.gamma = gamma if self.engine.drafter is not None else Gamma.OFF
         self.views = ViewMaker(self.engine, self.policy, self.gamma)
 
     def command(self, line: str) -> bool:
@@ -176,7 +175,7 @@ class ChatRepl:
             if not arg:
                 self.say(f"γ is {self.gamma}; /gamma N or /gamma auto changes it")
             else:
-                self.set_gamma(arg)
+                self.set_gamma(Gamma.parse(arg, name="/gamma"))
                 self.say(f"γ set to {self.gamma}")
         elif name == "temp":
             try:
@@ -265,7 +264,7 @@ class ChatRepl:
             images, self.images = self.images, []
             responses = self.session.ask(text, self.params, images, gamma=self.policy,
                                          max_tokens=self.max_tokens, stop=self.stop, stats=stats,
-                                         grammar=self.grammar() if self.grammar else None)
+                                         constraint=self.grammar() if self.grammar else None)
             try:
                 for response in responses:
                     if splitter is None:  # the turn's prompt is known once it streams
@@ -396,14 +395,7 @@ def chat(
         if resume_path is not None and not resume_path.exists():
             raise MlxSpecError(f"no saved chat session {resume!r} in {resume_path.parent}")
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                         draft_kv_bits=draft_kv_bits,
-                         draft_on=draft_on, chat="later", chat_template=chat_template,
-                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                       repetition_penalty=repetition_penalty, seed=seed))
+    setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat="later")
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     session = ChatSession(engine, setup.pair.tokenizer, system=system,
@@ -415,7 +407,7 @@ def chat(
         except CacheFileError as error:
             raise MlxSpecError(f"cannot resume session {resume!r}: {error}") from None
     constrained = structured_output(setup, engine, json_schema, regex, grammar)  # every answer follows it
-    repl = ChatRepl(session, setup, engine, params, str(setup.gamma), max_tokens, stop, color_drafts,
+    repl = ChatRepl(session, setup, engine, params, setup.gamma, max_tokens, stop, color_drafts,
                     grammar=constrained)
     if resume is not None:
         repl.turns = sum(m["role"] == "assistant" for m in session.messages)

@@ -1,12 +1,13 @@
-"""Options and set-up shared by `generate`, `chat` and `bench`: the option types, loading
-what `runner.resolve_choice` chose, sampling flags, prompt input.
+"""Options and set-up shared by `generate`, `chat`, `bench` and `serve`: the option types,
+the model and sampling flags as one value each (`ModelOptions`, `SamplingOptions`), loading
+what `runner.resolve_choice` chose, prompt input.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Annotated, Any, Optional, Union
+from dataclasses import dataclass, fields
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -15,7 +16,7 @@ from mlx_spec.distributed import world
 from mlx_spec.errors import UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
-from mlx_spec.runner import Choice, gamma_policy, resolve_choice
+from mlx_spec.runner import Choice, Gamma, gamma_policy, resolve_choice
 from mlx_spec.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------
@@ -164,6 +165,69 @@ ColorOpt = Annotated[bool, typer.Option(
 # ---------------------------------------------------------------------------------------
 
 
+class _Flags:
+    """Options built once per command from its Typer parameters, which carry the fields' names."""
+
+    @classmethod
+    def from_flags(cls, flags: dict, **absent):
+        """From a command's parameters (its `locals()`); `absent`: the values of the fields
+        the command has no flag for. A field that is in neither is a `KeyError`."""
+        return cls(**{f.name: absent[f.name] if f.name in absent else flags[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class ModelOptions(_Flags):
+    """The model flags (panel "Models") as given, shared by generate, chat, bench and serve;
+    None: the preset's value or the loader's default. `setup_models` checks and loads them."""
+
+    model: Optional[str] = None
+    draft_model: Optional[str] = None
+    drafter: Optional[str] = None
+    preset: Optional[str] = None
+    gamma: Optional[str] = None  # --gamma's text: parsed once, by `runner.resolve_choice`
+    dtype: Optional[str] = None
+    quantize: Optional[int] = None
+    draft_quantize: Optional[int] = None
+    group_size: Optional[int] = None
+    draft_on: Optional[str] = None  # under mlx.launch: "root" or "all" (`distributed.load_pair`)
+    chat_template: Optional[str] = None  # a built-in template's name or a file
+    kv_bits: Optional[int] = None  # kv_bits … draft_kv_bits: the caches' K/V quantization
+    kv_group_size: Optional[int] = None
+    kv_start: Optional[int] = None
+    draft_kv_bits: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SamplingOptions(_Flags):
+    """The sampling flags as given; None: the preset's default, else `SamplingParams`'s."""
+
+    temp: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+
+    def params(self, preset) -> SamplingParams:
+        """Flags over the preset's sampling defaults over `SamplingParams()`'s."""
+        base = SamplingParams()
+
+        def pick(flag, name):
+            if flag is not None:
+                return flag
+            value = getattr(preset, name, None) if preset is not None else None
+            return getattr(base, name) if value is None else value
+
+        return SamplingParams(
+            temperature=pick(self.temp, "temperature"),
+            top_k=pick(self.top_k, "top_k"),
+            top_p=pick(self.top_p, "top_p"),
+            min_p=pick(self.min_p, "min_p"),
+            repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+            seed=self.seed,
+        )
+
+
 @dataclass
 class Setup:
     """What the flags and the preset resolved to (`runner.Choice`), the sampling
@@ -180,47 +244,27 @@ class Setup:
         """`build_engine` keywords from the flags: the caches' K/V quantization."""
         return {"kv": self.kv, "draft_kv": self.draft_kv}
 
-    def __getattr__(self, name):  # preset, target, draft, drafter, gamma, models
+    def __getattr__(self, name):  # preset, target, draft, drafter, gamma (a `Gamma`), models
         return getattr(self.choice, name)
 
 
 def setup_models(
+    models: ModelOptions,
+    sampling: Optional[SamplingOptions] = None,
     *,
-    model: Optional[str],
-    draft_model: Optional[str],
-    drafter: Optional[str],
-    preset: Optional[str],
-    gamma: Optional[str],
-    dtype: Optional[str] = None,
-    quantize: Optional[int] = None,
-    draft_quantize: Optional[int] = None,
-    group_size: Optional[int] = None,
-    sampling: Optional[dict] = None,
     preset_sampling: bool = True,
-    draft_on: Optional[str] = None,
     chat: Optional[bool | str] = None,
-    chat_template: Optional[str] = None,
-    kv_bits: Optional[int] = None,
-    kv_group_size: Optional[int] = None,
-    kv_start: Optional[int] = None,
-    draft_kv_bits: Optional[int] = None,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
 
     Args:
-        sampling: `sampling_params` keywords from the flags; `preset_sampling`: whether the
-            preset's sampling defaults apply under them.
-        draft_on: under mlx.launch, "root" or "all": where the draft model runs
-            (`distributed.load_pair`); the target is sharded across the ranks.
+        models: the model flags; sampling: the sampling flags (None: none given);
+            `preset_sampling`: whether the preset's sampling defaults apply under them.
         chat: --chat/--raw, or True for a command that always chats ("later" for one
             that renders its first template only once the user has typed): with the
             preset's choice (`use_chat`) it says whether to load the tokenizer that renders
             chat templates at once (`load_model(for_chat=...)`).
-        chat_template: --chat-template: a built-in template's name or a file, replacing
-            the target's template.
-        kv_bits, kv_group_size, kv_start, draft_kv_bits: the caches' K/V quantization
-            (`kv_quantization`).
     """
     from mlx_spec.models import check_source, load_pair
     from mlx_spec.models.chat_templates import chat_template_text
@@ -228,30 +272,31 @@ def setup_models(
 
     w = world()
     with w.together():  # across ranks: a bad flag or path on any rank ends every rank here
-        choice = resolve_choice(model=model, draft_model=draft_model, drafter=drafter, preset=preset, gamma=gamma)
-        params = sampling_params(choice.preset if preset_sampling else None, **(sampling or {}))
-        if group_size is not None and quantize is None and draft_quantize is None:
+        choice = resolve_choice(model=models.model, draft_model=models.draft_model, drafter=models.drafter,
+                                preset=models.preset, gamma=models.gamma)
+        params = (sampling or SamplingOptions()).params(choice.preset if preset_sampling else None)
+        if models.group_size is not None and models.quantize is None and models.draft_quantize is None:
             raise UsageError("--q-group-size applies to quantization: add --quantize or --draft-quantize")
-        check_bits(quantize, "--quantize")
-        check_bits(draft_quantize, "--draft-quantize")  # else checked only once the target has loaded
-        kv, draft_kv = kv_quantization(kv_bits, kv_group_size, kv_start, draft_kv_bits)
-        if draft_on is not None and draft_on not in distributed.DRAFT_ON:
-            raise UsageError(f"--draft-on must be root or all, not {draft_on!r}")
+        check_bits(models.quantize, "--quantize")
+        check_bits(models.draft_quantize, "--draft-quantize")  # else checked only once the target has loaded
+        kv, draft_kv = kv_quantization(models.kv_bits, models.kv_group_size, models.kv_start, models.draft_kv_bits)
+        if models.draft_on is not None and models.draft_on not in distributed.DRAFT_ON:
+            raise UsageError(f"--draft-on must be root or all, not {models.draft_on!r}")
         check_source(choice.target, "target model", as_target=True)
-        template = chat_template_text(chat_template) if chat_template is not None else None
+        template = chat_template_text(models.chat_template) if models.chat_template is not None else None
         if choice.draft is not None:
             check_source(choice.draft, "draft model")
-    kwargs = {k: v for k, v in (("dtype", dtype), ("quantize", quantize), ("group_size", group_size))
-              if v is not None}
+    kwargs = {k: v for k, v in (("dtype", models.dtype), ("quantize", models.quantize),
+                                ("group_size", models.group_size)) if v is not None}
     if chat is None:  # as use_chat decides once the tokenizer is loaded
         chat = getattr(choice.preset, "chat", True) if choice.preset is not None else True
     if chat:
         kwargs["for_chat"] = "later" if chat == "later" else True
     if template is not None:
         kwargs["chat_template"] = template
-    draft_options = {"quantize": draft_quantize} if draft_quantize is not None else None
+    draft_options = {"quantize": models.draft_quantize} if models.draft_quantize is not None else None
     if w.active:  # launched by mlx.launch: the target sharded over the ranks
-        pair = distributed.load_pair(w, choice.target, choice.draft, draft_on=draft_on or "root",
+        pair = distributed.load_pair(w, choice.target, choice.draft, draft_on=models.draft_on or "root",
                                      progress=w.is_root, draft_options=draft_options, **kwargs)
     else:
         pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
@@ -280,35 +325,6 @@ def kv_quantization(bits: Optional[int], group_size: Optional[int], start: Optio
         raise UsageError(f"--kv-start must be 0 or more, not {start}")
     options = {"group_size": group_size or 64, "start": start or 0}
     return tuple(None if b is None else KVQuantization(b, **options) for b in (bits, draft_bits))
-
-
-def sampling_params(
-    preset,
-    *,
-    temp: Optional[float] = None,
-    top_p: Optional[float] = None,
-    top_k: Optional[int] = None,
-    min_p: Optional[float] = None,
-    repetition_penalty: Optional[float] = None,
-    seed: Optional[int] = None,
-) -> SamplingParams:
-    """Flags over the preset's sampling defaults over `SamplingParams()`'s."""
-    base = SamplingParams()
-
-    def pick(flag, name):
-        if flag is not None:
-            return flag
-        value = getattr(preset, name, None) if preset is not None else None
-        return getattr(base, name) if value is None else value
-
-    return SamplingParams(
-        temperature=pick(temp, "temperature"),
-        top_k=pick(top_k, "top_k"),
-        top_p=pick(top_p, "top_p"),
-        min_p=pick(min_p, "min_p"),
-        repetition_penalty=repetition_penalty if repetition_penalty is not None else 1.0,
-        seed=seed,
-    )
 
 
 def refuse_thinking_with_grammar(think: Optional[bool], json_schema, regex, grammar) -> None:
@@ -435,7 +451,7 @@ def warn_replaced(replaced: int, what: str) -> None:
               file=sys.stderr)
 
 
-def calibrate_gamma(engine, gamma: Union[int, str], context: int, name: str = "--gamma",
+def calibrate_gamma(engine, gamma: Gamma, context: int, name: str = "--gamma",
                     reproducible: bool = False):
     """The γ policy; 'auto' may first measure the cost curve (seconds, with progress).
     `reproducible`: a seeded sample (see `runner.gamma_policy`)."""

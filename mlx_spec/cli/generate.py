@@ -24,15 +24,15 @@ from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
     DraftKvBitsOpt, GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt,
-    MaxTokensOpt, MinPOpt, ModelOpt, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt, SeedOpt,
-    StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt,
+    MaxTokensOpt, MinPOpt, ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt,
+    SamplingOptions, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt,
     refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.progress import StderrProgress
-from mlx_spec.runner import build_engine
+from mlx_spec.runner import Gamma, build_engine
 from mlx_spec.stats import Stats
 from mlx_spec.stream import encode_prompt, stream_generate
 from mlx_spec.thinking import PhaseAcceptance
@@ -102,14 +102,7 @@ def generate(
     if kv_bits is not None and prompt_cache is not None:  # mlx-lm's layout has no quantized windows
         raise UsageError("--kv-bits caches cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
     costs.recalibrate(recalibrate)
-    setup = setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                         gamma=gamma, dtype=dtype, quantize=quantize,
-                         draft_quantize=draft_quantize, group_size=group_size,
-                         kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                         draft_kv_bits=draft_kv_bits,
-                         draft_on=draft_on, chat=chat, chat_template=chat_template,
-                         sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                       repetition_penalty=repetition_penalty, seed=seed))
+    setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat=chat)
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     constrained = structured_output(setup, engine, json_schema, regex, grammar)
@@ -127,7 +120,7 @@ def generate(
         real_ids = prompt_ids
     splitter = thought_splitter(tokenizer, chat, real_ids)
     engine.check_prompt(prompt_ids)  # before calibration, which takes seconds
-    gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
+    gamma_mode = setup.gamma if engine.drafter is not None else Gamma.OFF
     policy = calibrate_gamma(engine, gamma_mode, len(prompt_ids), reproducible=params.seed is not None)
     views = ViewMaker(engine, policy, gamma_mode)
     stats = Stats()
@@ -136,7 +129,7 @@ def generate(
         return stream_generate(engine, tokenizer, prompt_ids, params, gamma=policy,
                                max_tokens=max_tokens, stop=stop or (), stats=stats,
                                prefill_progress=prefill_progress, images=images, prompt_cache=cache,
-                               grammar=constrained() if constrained else None)
+                               constraint=constrained() if constrained else None)
 
     if json_out:
         with StderrProgress(_bars_only()) as progress:
@@ -160,7 +153,7 @@ def generate(
             "generated_tokens": stats.generated,
             "models": setup.models,
             "drafter": views.drafter,
-            "gamma": gamma_mode if gamma_mode in ("auto", "tree") else int(gamma_mode),
+            "gamma": gamma_mode.value,
             "chat": chat,
             "ranks": world().size,  # > 1: the target sharded across ranks (mlx.launch)
             "device": str(mx.default_device()),

@@ -8,7 +8,7 @@ Rich table; `summary_line(view)` into one plain line (no control codes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rich import box
 from rich.table import Table
@@ -17,6 +17,9 @@ from rich.text import Text
 from mlx_spec.cost_model import weight_bandwidth, weight_bytes
 from mlx_spec.policy import AutoGamma
 from mlx_spec.stats import Stats
+
+if TYPE_CHECKING:
+    from mlx_spec.runner import Gamma
 
 BAR_WIDTH = 20
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -28,7 +31,7 @@ class View:
 
     stats: Stats
     drafter: str  # "model", "ngram", "none"
-    gamma_mode: str  # "auto" or a whole number as text
+    gamma_mode: Gamma  # as set: a whole number, "auto" or "tree"
     gamma_now: int  # the last round's γ
     bandwidth: float  # achieved weight bandwidth, bytes/s
     predicted_speedup: Optional[float] = None  # AutoGamma's expectation at its current γ
@@ -55,12 +58,12 @@ class View:
 class ViewMaker:
     """Builds `View`s for one engine and γ policy; weight sizes are computed once."""
 
-    def __init__(self, engine, policy, gamma_mode: str):
+    def __init__(self, engine, policy, gamma_mode: Gamma):
         self.engine = engine
         self.policy = policy
         self.gamma_mode = gamma_mode
         self.drafter = engine.drafter.name if engine.drafter is not None else "none"
-        draft_model = getattr(engine.drafter, "model", None)
+        draft_model = None if engine.drafter is None else engine.drafter.model
         self.target_bytes = weight_bytes(engine.target)
         self.draft_bytes = weight_bytes(draft_model) if draft_model is not None else 0
 
@@ -119,9 +122,9 @@ def bar(fraction: float, width: int = BAR_WIDTH) -> str:
 
 
 def gamma_text(view: View) -> str:
-    if view.gamma_mode in ("auto", "tree"):
+    if view.gamma_mode.fixed is None:
         return f"{view.gamma_mode} (now {view.gamma_now})"
-    return view.gamma_mode
+    return str(view.gamma_mode)
 
 
 def render_stats(view: View, title: str = "speculative decoding") -> Table:

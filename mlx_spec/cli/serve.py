@@ -23,14 +23,16 @@ from mlx_spec import costs
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (
     ChatTemplateOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MinPOpt, ModelOpt,
-    PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SeedOpt, TempOpt, TopKOpt, TopPOpt,
-    calibrate_gamma, setup_models,
+    ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SamplingOptions, SeedOpt, TempOpt, TopKOpt,
+    TopPOpt, calibrate_gamma, setup_models,
 )
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.runner import build_engine
+from mlx_spec.runner import Gamma, build_engine
 
 SERVER = "Server"
-DEFAULT_CONTEXT = 8192  # when the model's config names no context length
+# The server bounds every answer by the context: for a model whose config names no context
+# length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
+DEFAULT_CONTEXT = 8192
 
 
 @app.command()
@@ -188,21 +190,16 @@ def serve(
         print(f"answering requests for {', '.join(served_hosts)} and loopback names (more: "
               "--allowed-hosts)", file=sys.stderr)
     costs.recalibrate(recalibrate)
+    models = ModelOptions.from_flags(locals(), draft_on=None)
+    sampling = SamplingOptions.from_flags(locals())
 
     def load_setup():
-        return setup_models(model=model, draft_model=draft_model, drafter=drafter, preset=preset,
-                            gamma=gamma, dtype=dtype, quantize=quantize,
-                            draft_quantize=draft_quantize, group_size=group_size,
-                            kv_bits=kv_bits, kv_group_size=kv_group_size, kv_start=kv_start,
-                            draft_kv_bits=draft_kv_bits,
-                            chat=True, chat_template=chat_template,  # /v1/chat/completions renders them
-                            sampling=dict(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                                          repetition_penalty=repetition_penalty, seed=seed))
+        return setup_models(models, sampling, chat=True)  # /v1/chat/completions renders templates
 
     setup = load_setup()
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
-    gamma_mode = str(setup.gamma) if engine.drafter is not None else "0"
+    gamma_mode = setup.gamma if engine.drafter is not None else Gamma.OFF
     calibrate_gamma(engine, gamma_mode, 256)  # measured once now, not in a request
 
     def load():
@@ -221,7 +218,7 @@ def serve(
         gamma=gamma_mode,
         defaults=params,
         max_tokens=max_tokens,
-        context_length=_context_length(setup.pair.target.config),
+        context_length=setup.pair.target.context_length or DEFAULT_CONTEXT,
         queue_size=queue_size,
         parallel=parallel,
         api_key=api_key,
@@ -347,8 +344,3 @@ def _loopback(address: str) -> bool:
     except ValueError:
         return False
 
-
-def _context_length(config: dict) -> int:
-    text = config.get("text_config") or config
-    return int(text.get("max_position_embeddings") or config.get("max_position_embeddings")
-               or DEFAULT_CONTEXT)

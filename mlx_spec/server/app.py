@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from mlx_spec.errors import UsageError
 from mlx_spec.grammar import compile_grammar, llg_tokenizer
 from mlx_spec.models.fast_tokenizer import trims_first_space
+from mlx_spec.runner import Gamma
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server import anthropic
 from mlx_spec.server.guards import (
@@ -65,7 +66,7 @@ class ServerOptions:
             after it in `/v1/models`.
         public_name: the name /health shows, as it needs no key (None: model_name); the
             CLI passes a local model path's last part only.
-        gamma: "auto" or a whole number as text.
+        gamma: a `runner.Gamma`, or its text ("auto", "tree" or a whole number).
         defaults: sampling values for fields a request leaves out.
         max_tokens: completion length when a request gives none.
         context_length: prompt plus completion tokens the model takes.
@@ -91,7 +92,7 @@ class ServerOptions:
 
     model_name: str
     aliases: tuple[str, ...] = ()
-    gamma: str = "auto"
+    gamma: Gamma | str = "auto"
     defaults: SamplingParams = SamplingParams()
     max_tokens: int = 512
     context_length: int = 8192
@@ -126,7 +127,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     # No token's text is longer than its vocabulary entry in UTF-8 (byte-level and
     # SentencePiece entries spell a byte or space with one or more bytes).
     longest_token = max(len(piece.encode("utf-8")) for piece in vocab)
-    gamma_mode = worker.gamma
+    gamma_mode = str(worker.gamma)
     syntax = tool_syntax(tokenizer)
     think = think_syntax(tokenizer)
     describe = token_describer(tokenizer, eos_ids)

@@ -50,7 +50,7 @@ from typing import Callable, Optional, Union
 from mlx_spec.batch import Batch
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import BatchShare
-from mlx_spec.runner import gamma_policy
+from mlx_spec.runner import Gamma, gamma_policy
 from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.caches import CachePool, default_budget
 from mlx_spec.server.metrics import Metrics
@@ -178,7 +178,7 @@ class Worker:
     Args:
         engine: the `Engine`; its `make_prompt_cache` makes each cached conversation's caches.
         tokenizer: mlx-lm's `TokenizerWrapper` (only this thread uses its detokenizer).
-        gamma: "auto" or a whole number as text; "auto" builds a fresh `AutoGamma` per
+        gamma: a `Gamma` (or its text, parsed once here); "auto" builds a fresh `AutoGamma` per
             request from the cached cost curve, exactly as `mlx-spec generate` does, and a
             seeded one learns nothing from the clock, so a seeded request draws the same
             tokens as the same command would, however busy the machine.
@@ -195,7 +195,7 @@ class Worker:
             job at a time, as `Engine.rounds` decodes alone.
     """
 
-    def __init__(self, engine, tokenizer, gamma: str = "auto", queue_size: int = 8,
+    def __init__(self, engine, tokenizer, gamma: Gamma | str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
                  keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30,
                  parallel: int = 1):
@@ -210,7 +210,7 @@ class Worker:
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
         self.parallel = parallel
-        self.gamma = gamma if engine.drafter is not None else "0"
+        self.gamma = Gamma.parse(gamma) if engine.drafter is not None else Gamma.OFF
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
         self.cache_dir, self.cache_disk = cache_dir, cache_disk

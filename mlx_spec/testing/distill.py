@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from mlx_spec.cache import logits_and_hidden
@@ -102,6 +101,3 @@ def distill(assistant, target, teacher: Teacher, *, steps: int = 3, iterations: 
         losses.append(loss.item())
     return losses
 
-
-def parameter_count(model) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
