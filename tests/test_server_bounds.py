@@ -111,7 +111,7 @@ def test_the_counts_taken_before_parsing_are_json_loads_own(seed, monkeypatch):
     or member, plus the body; an empty container counts one) and refused one below."""
     import random
 
-    from mlx_spec.server import protocol
+    from mlx_spec.server import body_bounds as protocol
 
     rng = random.Random(seed)
     for _ in range(50):

@@ -22,10 +22,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field
 
-from mlx_spec.server.protocol import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, ApiError, Items, _Common, _Strict,
-    bounded_stops, parse_body,
+from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.body_bounds import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, bounded_stops,
 )
+from mlx_spec.server.request_base import Items, RequestBody, StrictModel, parse_body
 from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, template_call, template_result
 from mlx_spec.server.worker import Done, Failed, Piece
 
@@ -42,7 +43,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 # ---------------------------------------------------------------------------------------
 
 
-class Block(_Strict):
+class Block(StrictModel):
     # Any block type parses, so an unsupported one is refused by name.
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
@@ -58,30 +59,30 @@ class Block(_Strict):
     source: Optional[dict] = None  # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: Union[str, Items(Block, MAX_CONTENT_PARTS)]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     type: Optional[Literal["custom"]] = None  # server tools (web search, bash, ...) are Anthropic's
     name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: dict
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class ThinkingConfig(_Strict):
+class ThinkingConfig(StrictModel):
     type: Literal["enabled", "disabled"]
     budget_tokens: Optional[int] = None
 
 
-class MessagesRequest(_Common):
+class MessagesRequest(RequestBody):
     MAX_TEMPERATURE: ClassVar[float] = 1.0  # Anthropic's API range
     max_tokens: int = Field(ge=1)  # required by the Messages API
     messages: Items(AnthropicMessage, MAX_MESSAGES, min_length=1)

@@ -38,10 +38,13 @@ from mlx_spec.server.guards import (
 from mlx_spec.server.images import content_texts, take_images
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.prompt import ChatPrompts
-from mlx_spec.server.protocol import (
-    AnswerBytes, ApiError, ChatRequest, CompletionRequest, chunk_object, completion_object,
-    logprobs_object, new_id, parse_body, sse, token_describer, usage, usage_chunk,
+from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.logprobs import AnswerBytes, logprobs_object, token_describer
+from mlx_spec.server.openai_requests import ChatRequest, CompletionRequest
+from mlx_spec.server.openai_responses import (
+    chunk_object, completion_object, new_id, sse, usage, usage_chunk,
 )
+from mlx_spec.server.request_base import parse_body
 from mlx_spec.server.tools import (
     Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages, tool_syntax,
 )
