@@ -290,7 +290,7 @@ def _in_process(tokenizer, **options) -> InProcessServer:
 def test_after_a_500_the_connection_still_answers(tokenizer, monkeypatch):
     """A route that fails unexpectedly answers 500 in its shape, and the connection goes on:
     uvicorn used to close it behind Starlette's 500, dropping pipelined requests."""
-    from mlx_spec.server import anthropic as anthropic_routes, app as app_module
+    from mlx_spec.server import serving_anthropic as anthropic_routes, serving_openai as app_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")

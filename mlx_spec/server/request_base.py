@@ -72,18 +72,6 @@ class RequestBody(StrictModel):
     # Ollama's: how long the model stays loaded after this request ("5m", 300, -1: always)
     keep_alive: Union[str, float, None] = None
 
-    def keep_alive_seconds(self) -> Optional[float]:
-        """The request's keep-alive in seconds (`worker.keep_alive_seconds`), None if unset."""
-        from mlx_spec.server.worker import keep_alive_seconds
-
-        if self.keep_alive is None:
-            return None
-        try:
-            return keep_alive_seconds(self.keep_alive)
-        except ValueError as error:
-            raise ApiError(400, f"keep_alive: {error}", param="keep_alive",
-                           code="invalid_value") from None
-
     def output_format(self) -> Optional[tuple[str, Optional[dict]]]:
         """`response_format` as a grammar: ("json_schema", schema), ("json_object", None), or
         None for text. A schema the grammar library cannot take is refused when compiled."""
