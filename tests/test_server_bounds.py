@@ -111,7 +111,7 @@ def test_the_counts_taken_before_parsing_are_json_loads_own(seed, monkeypatch):
     or member, plus the body; an empty container counts one) and refused one below."""
     import random
 
-    from mlx_spec.server import protocol
+    from mlx_spec.server import body_bounds as protocol
 
     rng = random.Random(seed)
     for _ in range(50):
@@ -290,7 +290,7 @@ def _in_process(tokenizer, **options) -> InProcessServer:
 def test_after_a_500_the_connection_still_answers(tokenizer, monkeypatch):
     """A route that fails unexpectedly answers 500 in its shape, and the connection goes on:
     uvicorn used to close it behind Starlette's 500, dropping pipelined requests."""
-    from mlx_spec.server import anthropic as anthropic_routes, app as app_module
+    from mlx_spec.server import serving_anthropic as anthropic_routes, serving_openai as app_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")

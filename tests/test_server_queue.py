@@ -15,7 +15,7 @@ from mlx_lm.utils import load_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_spec.engine import Engine
-from mlx_spec.server import ServerOptions, app as server_app, create_app
+from mlx_spec.server import ServerOptions, create_app, serving_openai as server_app
 from scripted_model import END_OF_TURN_ID, EOS_ID, InProcessServer, ScriptedModel, save_tokenizer
 from server_support import wait_for
 

@@ -113,7 +113,7 @@ def test_a_server_reads_no_local_image_files_unless_allowed(files):
     """Without `serve --allow-image-files` a path or file: URL is a 400 naming the flag, the
     same whether the file exists, is no image, or is missing: a client cannot probe the disk."""
     from mlx_spec.server.images import take_images
-    from mlx_spec.server.protocol import ApiError
+    from mlx_spec.server.api_error import ApiError
 
     errors = []
     for url in (str(files / "a.png"), (files / "a.png").as_uri(), str(files / "target" / "config.json"),

@@ -3,14 +3,20 @@
     app = create_app(engine, tokenizer, ServerOptions(model_name="default"))
     uvicorn.run(app, host="127.0.0.1", port=8080)
 
-`guards` checks every request first (Host, API key, content type, body size), `protocol`
-has the wire format (request checks, response objects, error shape), `worker`
-the single generation thread with its bounded queue and long-lived caches (`caches`: several
-conversations at once), `app` the routes, `tools` tool calls (mlx-lm's parsers),
-`anthropic` the Messages API, `metrics` `GET /metrics`.
+`guards` checks every request first (Host, API key, content type, body size). Each API is
+a serving class on one base (`serving.Serving`: read and check the body, tokenize the
+prompt, queue the job, collect the answer): `serving_openai` (chat completions,
+completions), `serving_anthropic` (messages); `app` builds them and mounts their routes.
+The wire format: `body_bounds` (what a body may hold, checked on its bytes),
+`request_base`, `openai_requests` and `anthropic_requests` (request models),
+`openai_responses`, `anthropic_responses` and `logprobs` (answers), `api_error` (errors).
+`worker` is the single generation thread with its bounded queue and long-lived caches
+(`caches`, `disk_caches`: several conversations at once); `prompt` renders chat templates,
+`tools` tool calls (mlx-lm's parsers), `images` image parts, `metrics` `GET /metrics`.
 """
 
-from mlx_spec.server.app import ServerOptions, create_app
-from mlx_spec.server.protocol import ApiError
+from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.app import create_app
+from mlx_spec.server.options import ServerOptions
 
 __all__ = ["ApiError", "ServerOptions", "create_app"]

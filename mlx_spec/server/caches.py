@@ -14,7 +14,10 @@ answer.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Optional
+
+import mlx.core as mx
 
 from mlx_spec.cache import PromptCache, common_prefix_length
 
@@ -25,10 +28,6 @@ def default_budget() -> int:
     """Half the device memory left free once the models are loaded, at least 256 MiB. A
     Mac's GPU reports its working set; MLX's CPU device reports none, so there it is the
     machine's RAM."""
-    import os
-
-    import mlx.core as mx
-
     info = mx.device_info()
     total = info.get("max_recommended_working_set_size") or info.get("memory_size")
     if not total:

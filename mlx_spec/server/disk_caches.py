@@ -175,6 +175,3 @@ class DiskCaches:
         except OSError as error:
             log.warning("could not update the prompt cache index in %s: %s", self.folder,
                         error.strerror or error)
-
-    def disk_bytes(self) -> int:
-        return sum(e["bytes"] for e in self._read_index())

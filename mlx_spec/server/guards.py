@@ -39,7 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from mlx_spec.errors import UsageError
-from mlx_spec.server.protocol import ApiError
+from mlx_spec.server.api_error import ApiError
 
 log = logging.getLogger("mlx_spec.server")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlx_spec.server.protocol import ApiError
+from mlx_spec.server.api_error import ApiError
 from mlx_spec.vision import ImageError, ImagePrompter, image_from_url
 
 

@@ -19,7 +19,7 @@ from functools import cached_property
 from typing import Iterator, Optional
 
 from mlx_spec.server.images import content_texts
-from mlx_spec.server.protocol import ApiError
+from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.tools import ToolPlan, native_tool_turns
 
 SENTINELS = 0x100000  # Supplementary Private Use Area-B: no tokenizer gives these meaning

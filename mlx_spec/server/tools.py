@@ -27,7 +27,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from mlx_spec.server.protocol import ApiError, ChatRequest, Message, parse_json
+from mlx_spec.grammar import JSON_OPTIONS
+from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.body_bounds import parse_json
+from mlx_spec.server.openai_requests import ChatRequest, Message
 from mlx_spec.thinking import partial_suffix
 
 
@@ -106,8 +109,6 @@ def json_calls(syntax: ToolSyntax) -> bool:
 def forced_call_grammar(tools: list[dict]) -> str:
     """A Lark grammar (llguidance's dialect) for one JSON call to one of `tools`, each with its
     arguments as its `parameters` schema (%json), in json_tools' shape."""
-    from mlx_spec.grammar import JSON_OPTIONS
-
     rules, calls = [], []
     for i, tool in enumerate(tools):
         schema = {**(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}

@@ -22,7 +22,7 @@ continues from the committed tokens (the caches hold them, so nothing is prefill
 
 A request is cancelled by setting `Job.cancelled` (its client went away). A waiting job
 gives up its place in the queue at once; a running one is checked between rounds, and the
-worker closes the `stream_generate` generator, which leaves both caches holding exactly
+worker closes the `stream_request` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
 ends the running jobs the same way with a 503 event and answers every waiting one 503.
 
@@ -35,7 +35,6 @@ to tokenize before a job reaches the worker). Reloaded weights are the same, so 
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import math
@@ -45,19 +44,23 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
+
+import mlx.core as mx
 
 from mlx_spec.batch import Batch
+from mlx_spec.cache_files import cache_key
+from mlx_spec.engine import Request, in_company
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import BatchShare
 from mlx_spec.runner import Gamma, gamma_policy
-from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.caches import CachePool, default_budget
+from mlx_spec.server.disk_caches import DiskCaches
+from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.stats import Stats
-from mlx_spec.stream import Response, stream_generate
-from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax, ThoughtSplitter
-from mlx_spec.vision import ImagePrompt
+from mlx_spec.stream import Response, stream_request
+from mlx_spec.thinking import PhaseAcceptance, ThoughtSplitter
 
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
@@ -97,78 +100,15 @@ def keep_alive_seconds(value) -> float:
 
 
 @dataclass
-class Piece:
-    text: str  # new answer text (may be empty)
-    # with Job.logprobs: (token id, log-prob, top alternatives) per token released with text
-    logprobs: list = field(default_factory=list)
-    reasoning: str = ""  # new thought text (`thinking.ThoughtSplitter`), markers left out
+class Run:
+    """How one `stream_request` run of a job (`Worker._stream`) ended."""
+
+    finish: Optional[str] = None  # "stop", "length", or None when cancelled
+    stop_string: Optional[str] = None  # the stop string that ended it, if one did
+    generated: list[int] = field(default_factory=list)  # the ids it released
+    prefilled: int = 0  # prompt tokens the target's prefill processed (a job's first run only)
 
 
-@dataclass
-class Done:
-    finish_reason: Optional[str]  # "stop", "length", or None when cancelled
-    completion_tokens: int
-    prefilled_target: int  # prompt tokens the target processed (the rest came from its cache)
-    stats: Stats
-    stop_string: Optional[str] = None  # the stop string that ended the answer, if one did
-    phases: PhaseAcceptance = field(default_factory=PhaseAcceptance)  # thought and answer apart
-    load_seconds: Optional[float] = None  # set when this job first loaded the models (keep-alive)
-    batch_size: int = 1  # the most requests decoded in one forward with this one (itself included)
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-
-
-Event = Union[Piece, Done, Failed]
-
-
-@dataclass(eq=False)  # a job is itself: the worker keys its running jobs by it
-class Job:
-    """One request's work, and the channel its events travel back on."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stop: tuple[str, ...]
-    loop: asyncio.AbstractEventLoop
-    logprobs: Optional[int] = None  # top alternatives per token; None: no log-probs
-    # Prompt tokens read from the prompt cache: set by the worker before its first Piece or
-    # Done (a stream's first event can report the prompt's usage whole, as Anthropic's does).
-    cached_tokens: Optional[int] = None
-    think: Optional[ThinkSyntax] = None  # the model's thought markers: thoughts split out
-    thinking: bool = False  # the prompt ends inside a thought
-    thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
-    keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
-    images: Optional[ImagePrompt] = None  # the prompt's images (its ids are prompt_ids)
-    grammar: Optional[object] = None  # a compiled `mlx_spec.grammar.Grammar` the answer follows
-    batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event: Event) -> None:
-        """Hand an event to the request's coroutine (called from the worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            self.cancelled.set()
-
-
-class Busy(Exception):
-    """The queue is full; `retry_after` estimates when a place frees up (seconds)."""
-
-    def __init__(self, retry_after: int):
-        super().__init__(f"busy, retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class ShuttingDown(Exception):
-    """The server is stopping and takes no more requests."""
-
-
-SHUTTING_DOWN = Failed(503, "the server is shutting down")
 UNLOAD = object()  # `Worker._next_job`: the keep-alive ran out
 
 
@@ -338,9 +278,6 @@ class Worker:
     def _open_disk(self) -> None:
         if self.cache_dir is None:
             return
-        from mlx_spec.cache_files import cache_key
-        from mlx_spec.server.disk_caches import DiskCaches
-
         try:
             self.disk = DiskCaches(self.cache_dir, self.cache_disk, cache_key(self.engine, self.tokenizer))
         except OSError as error:
@@ -411,8 +348,6 @@ class Worker:
 
     def _unload(self) -> None:
         """Drop both models and every prompt cache, and give their memory back."""
-        import mlx.core as mx
-
         self.caches.persist()
         self.engine = None
         self.caches = CachePool(None, self.caches.budget, self.disk)
@@ -432,7 +367,6 @@ class Worker:
 
     def _generate(self, job: Job, engine, cache, load_seconds: Optional[float], batched: bool):
         stats = Stats()
-        prefilled = [0]  # prompt tokens the target's prefill processed
         policy = gamma_policy(self.gamma, engine, context=len(job.prompt_ids),
                               reproducible=job.params.seed is not None, batch=self._share if batched else None)
         try:
@@ -443,13 +377,16 @@ class Worker:
             budget = room
             if job.thought_budget is not None and job.think is not None:
                 budget = min(room, job.thought_budget)  # then see whether the thought has ended
+            first, prefilled = True, 0  # prefilled: prompt tokens the target's prefill processed
             while True:
-                limited, generated = budget < room, []
-                finish, stop_string = yield from self._stream(
-                    job, engine, cache, prompt, budget, policy, stats, prefilled if prompt is job.prompt_ids else None,
-                    splitter, phases, generated, batched, matcher)
+                limited = budget < room
+                request = job_request(job, prompt, budget, policy, matcher)
+                run = yield from self._stream(job, engine, cache, request, stats, splitter, phases, batched, first)
+                if first:
+                    first, prefilled = False, run.prefilled
+                generated = run.generated
                 tokens, room = tokens + len(generated), room - len(generated)
-                if finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
+                if run.finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
                     break
                 # The thought budget is spent. A thought still open is closed by its end marker,
                 # forced: what follows is the target's distribution given that forced text (the
@@ -464,8 +401,9 @@ class Worker:
                     if room <= 0:
                         break
                 budget = room
+            finish = run.finish
             self.counts["completed" if finish else "cancelled"] += 1
-            job.cached_tokens = cached_count(job, prefilled[0])
+            job.cached_tokens = cached_count(job, prefilled)
             self.metrics.observe(stats, job.cached_tokens)
             if finish is None and self._stopping:
                 job.emit(SHUTTING_DOWN)
@@ -473,33 +411,24 @@ class Worker:
             reasoning, text = splitter.finish()
             if reasoning or text:
                 job.emit(Piece(text, [], reasoning))
-            job.emit(Done(finish, tokens, prefilled[0], stats.snapshot(), stop_string, phases, load_seconds,
+            job.emit(Done(finish, tokens, prefilled, stats.snapshot(), run.stop_string, phases, load_seconds,
                           job.batch_size))
         finally:
             self._share.leave(policy)  # its row is gone from the batch
 
-    def _stream(self, job: Job, engine, cache, prompt: list[int], max_tokens: int, policy, stats: Stats,
-                prefilled: Optional[list], splitter: ThoughtSplitter, phases: PhaseAcceptance,
-                generated: list[int], batched: bool, grammar=None):
-        """One `stream_generate` run from `prompt`, its text split and emitted; the ids it
-        released go into `generated`, the target's prefill count into `prefilled` (unless
-        None: a run that continues the job's own tokens). A generator of its target passes
-        (`batched`); returns (finish reason, stop string)."""
+    def _stream(self, job: Job, engine, cache, request: Request, stats: Stats, splitter: ThoughtSplitter,
+                phases: PhaseAcceptance, batched: bool, first: bool):
+        """One run of `request` (`stream_request`), its text split and emitted; the job's
+        `first` (its prompt's) counts what the target prefilled, a later one continues the
+        job's own tokens. A generator of its target passes (`batched`); returns its `Run`."""
+        run = Run()
 
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
-            prefilled[0] = total
+            run.prefilled = total
 
-        images = job.images if job.images is None or prompt is job.prompt_ids else job.images.extended(prompt)
-        responses = stream_generate(
-            engine, self.tokenizer, prompt, job.params, gamma=policy,
-            max_tokens=max_tokens, stop=job.stop, prompt_cache=cache, stats=stats,
-            prefill_progress=on_prefill if prefilled is not None else None, logprobs=job.logprobs,
-            images=images,
-            grammar=grammar,
-            batched=batched,
-            alone=self._alone if batched else None,
-        )
-        finish, stop_string = None, None
+        responses = stream_request(engine, self.tokenizer, request, stop=job.stop, prompt_cache=cache, stats=stats,
+                                   prefill_progress=on_prefill if first else None,
+                                   company=in_company(job.params, batched, self._alone if batched else None))
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
@@ -508,26 +437,27 @@ class Worker:
                     continue
                 # The ids released with the text: a stop string and what followed it are
                 # neither shown nor counted.
-                generated += response.tokens
-                finish, stop_string = response.finish_reason, response.stop_string
+                run.generated += response.tokens
+                run.finish, run.stop_string = response.finish_reason, response.stop_string
                 phases.observe(splitter.thinking, response.round.gamma, response.round.accepted)
                 if response.round.logprobs is not None:
                     scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
                 # An EOS is released too: counted in usage, it has its log-prob entry.
                 released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
-                if prefilled is not None:
-                    job.cached_tokens = cached_count(job, prefilled[0])  # the prefill is done
+                if first:
+                    job.cached_tokens = cached_count(job, run.prefilled)  # the prefill is done
                 reasoning, text = splitter.feed(response.text)
                 if text or reasoning or released:
                     job.emit(Piece(text, released, reasoning))
-                if job.cancelled.is_set() and finish is None:
+                if job.cancelled.is_set() and run.finish is None:
                     break
         finally:
             responses.close()  # between rounds: the caches hold exactly what was committed
-        return finish, stop_string
+        return run
 
 
-def cached_count(job: Job, prefilled_target: int) -> int:
-    """Prompt tokens the target's cache held: it prefills all but the prompt's last token
-    (the first verify pass feeds it)."""
-    return max(0, len(job.prompt_ids) - 1 - prefilled_target)
+def job_request(job: Job, prompt: list[int], max_tokens: int, policy, constraint) -> Request:
+    """The engine's `Request` for one run of `job` from `prompt`: the job's own prompt, or
+    that continued by its own tokens (past a thought budget), whose images keep their places."""
+    images = job.images if job.images is None or prompt is job.prompt_ids else job.images.extended(prompt)
+    return Request(prompt, job.params, policy, max_tokens, job.logprobs, images, constraint)

@@ -1,48 +1,27 @@
-"""The Anthropic Messages API: `POST /v1/messages` (and `/v1/messages/count_tokens`) over the
-same worker as the OpenAI routes.
+"""Anthropic's request bodies: `/v1/messages` (`MessagesRequest`) and its `count_tokens`
+(`CountRequest`), on `request_base.RequestBody`, and what they make for the chat template.
 
 A request is turned into the chat-template messages the OpenAI route builds (`system` as a
 system turn, `tool_use` blocks as an assistant's calls, `tool_result` blocks as tool
-turns, `thinking` blocks as the turn's `reasoning_content`), generated the same way (with
-`thinking` enabled: the template's enable_thinking on and `budget_tokens` a thought budget,
-`worker`), and answered in Anthropic's shapes: a `message` object, or
-its event stream (`message_start`, `content_block_start` / `_delta` / `_stop`,
-`message_delta`, `message_stop`). Errors come as `{"type": "error", "error": {"type",
-"message"}}`, those of `guards.RequestGuards` on these paths too (`error_body`); the key
-may come as `x-api-key` or `Authorization: Bearer`.
+turns, `thinking` blocks as the turn's `reasoning_content`, `image` blocks as image parts):
+`template_messages`; its tools and tool_choice into a `tools.ToolPlan`: `tool_plan`.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field
 
-from mlx_spec.server.protocol import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, ApiError, Items, _Common, _Strict,
-    bounded_stops, parse_body,
+from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.body_bounds import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, bounded_stops,
 )
-from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, plan_tools, template_call, template_result
-from mlx_spec.server.worker import Done, Failed, Piece
-
-PATH = "/v1/messages"  # and what lies under it (count_tokens)
-SIGNATURE = ""  # a thinking block's: Anthropic's verifies thoughts sent back; ours are not checked
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               499: "invalid_request_error", 500: "api_error", 503: "overloaded_error"}
+from mlx_spec.server.request_base import Items, RequestBody, StrictModel
+from mlx_spec.server.tools import ToolPlan, plan_tools, template_call, template_result
 
 
-# ---------------------------------------------------------------------------------------
-# Request bodies
-# ---------------------------------------------------------------------------------------
-
-
-class Block(_Strict):
+class Block(StrictModel):
     # Any block type parses, so an unsupported one is refused by name.
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
@@ -58,30 +37,30 @@ class Block(_Strict):
     source: Optional[dict] = None  # image: {"type": "base64", "media_type", "data"} or {"type": "url", "url"}
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: Union[str, Items(Block, MAX_CONTENT_PARTS)]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictModel):
     type: Optional[Literal["custom"]] = None  # server tools (web search, bash, ...) are Anthropic's
     name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: dict
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class ThinkingConfig(_Strict):
+class ThinkingConfig(StrictModel):
     type: Literal["enabled", "disabled"]
     budget_tokens: Optional[int] = None
 
 
-class MessagesRequest(_Common):
+class MessagesRequest(RequestBody):
     MAX_TEMPERATURE: ClassVar[float] = 1.0  # Anthropic's API range
     max_tokens: int = Field(ge=1)  # required by the Messages API
     messages: Items(AnthropicMessage, MAX_MESSAGES, min_length=1)
@@ -270,186 +249,3 @@ def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
     return plan_tools(tools or None, choice.name if choice and choice.type == "tool"
                       else named[choice.type if choice else None], syntax,
                       single=bool(choice and choice.disable_parallel_tool_use), constrain_forced=True)
-
-
-# ---------------------------------------------------------------------------------------
-# Responses
-# ---------------------------------------------------------------------------------------
-
-
-def error_body(error: ApiError) -> dict:
-    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
-def error_response(error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
-
-
-def stop_reason(done: Done, calls: int) -> str:
-    if done.finish_reason == "length":
-        return "max_tokens"
-    if done.stop_string is not None:
-        return "stop_sequence"
-    return "tool_use" if calls else "end_turn"
-
-
-def usage(prompt_tokens: int, output_tokens: int, cached: int) -> dict:
-    # Anthropic counts cache reads apart from input: input + cache reads = the prompt.
-    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-
-
-def content_blocks(parts: list) -> list[dict]:
-    blocks: list[dict] = []
-    for part in parts:
-        if isinstance(part, Call):
-            blocks.append(tool_use(part))
-        elif blocks and blocks[-1]["type"] == "text":
-            blocks[-1]["text"] += part
-        else:
-            blocks.append({"type": "text", "text": part})
-    return blocks
-
-
-def thinking_block(thought: str) -> dict:
-    return {"type": "thinking", "thinking": thought, "signature": SIGNATURE}
-
-
-def tool_use(call: Call, input: Optional[dict] = None) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + call.id.split("_", 1)[1], "name": call.name,
-            "input": call.arguments if input is None else input}
-
-
-def event(kind: str, data: dict) -> bytes:
-    """One event of Anthropic's stream: a named SSE event whose data repeats the type."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
-
-
-# ---------------------------------------------------------------------------------------
-# Routes
-# ---------------------------------------------------------------------------------------
-
-
-def add_routes(app, *, options, syntax, think, parsed, check_request, output_grammar, chat_ids, submit,
-               collect, cancel, usage_counts, extra) -> None:
-    """Mount the Messages API on `app`; the callables are the OpenAI routes' own helpers
-    (`parsed(request, read)` -> `read(the raw body)`, off the event loop;
-    `chat_ids(messages, plan, queued)` -> (prompt ids, `ImagePrompt` or None), off the event loop, refused while
-    the queue is full if `queued`; `cancel(job)` stops a job;
-    `usage_counts(job, done)` -> (prompt, completion, cached) tokens; `extra(done)` -> the
-    `mlx_spec` statistics field; `think`: the model's `ThinkSyntax` or None;
-    `output_grammar(body, plan, template kwargs)` -> the compiled grammar the answer must
-    follow, or None)."""
-
-    async def prompt_of(request: Request, model: type, queued: bool) -> tuple:
-        def read(raw: bytes) -> tuple:
-            body = parse_body(raw, model)
-            check_request(body, queued)
-            body.refuse_unsupported()
-            plan = tool_plan(body, syntax)
-            kwargs = body.template_kwargs(think)
-            grammar = output_grammar(body, plan, kwargs) if queued else None
-            return (body, plan, *template_messages(body), kwargs, grammar)
-
-        body, plan, messages, prefill, kwargs, grammar = await parsed(request, read)
-        return body, plan, grammar, *await chat_ids(messages, plan, queued, continue_final=prefill,
-                                                    template_kwargs=kwargs)
-
-    @app.post(PATH + "/count_tokens")
-    async def count_tokens(request: Request):
-        try:
-            _, _, _, ids, _ = await prompt_of(request, CountRequest, queued=False)
-        except ApiError as error:
-            return error_response(error)
-        return {"input_tokens": len(ids)}
-
-    @app.post(PATH)
-    async def messages(request: Request):
-        try:
-            body, plan, grammar, ids, images = await prompt_of(request, MessagesRequest, queued=True)
-            job = submit(body, ids, "messages", thought_budget=body.thought_budget(), images=images,
-                         grammar=grammar)
-            mid = "msg_" + uuid.uuid4().hex[:24]
-            if body.stream:
-                return StreamingResponse(stream(job, mid, plan), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            pieces, done = await collect(job, request)
-        except ApiError as error:
-            return error_response(error)
-        splitter = CallSplitter(plan)
-        parts = splitter.feed("".join(p.text for p in pieces)) + splitter.finish()
-        counts = usage_counts(job, done)
-        thought = "".join(p.reasoning for p in pieces)
-        return {"id": mid, "type": "message", "role": "assistant", "model": options.model_name,
-                "content": [thinking_block(thought)] * bool(thought) + content_blocks(parts), "stop_reason": stop_reason(done, splitter.calls),
-                "stop_sequence": done.stop_string, "usage": usage(*counts),
-                "mlx_spec": extra(done)}
-
-    async def stream(job, mid: str, plan: ToolPlan):
-        splitter = CallSplitter(plan)
-        index, open_block = 0, None  # the kind of the block being streamed: "text", "thinking"
-
-        def close():
-            nonlocal index, open_block
-            if open_block == "thinking":  # Anthropic's stream signs a thought before its stop
-                yield event("content_block_delta", {"index": index, "delta": {
-                    "type": "signature_delta", "signature": SIGNATURE}})
-            if open_block is not None:
-                yield event("content_block_stop", {"index": index})
-                index, open_block = index + 1, None
-
-        def delta(kind: str, text: str):
-            nonlocal open_block
-            if open_block != kind:
-                yield from close()
-                start = {"type": "text", "text": ""} if kind == "text" else thinking_block("")
-                yield event("content_block_start", {"index": index, "content_block": start})
-                open_block = kind
-            yield event("content_block_delta", {"index": index, "delta": (
-                {"type": "text_delta", "text": text} if kind == "text"
-                else {"type": "thinking_delta", "thinking": text})})
-
-        try:
-            item = await job.events.get()
-            # After the first event the prompt's split into input and cache reads is known:
-            # it goes here, once, as in Anthropic's stream (message_delta adds output tokens).
-            if not isinstance(item, Failed):
-                yield event("message_start", {"message": {
-                    "id": mid, "type": "message", "role": "assistant", "model": options.model_name,
-                    "content": [], "stop_reason": None, "stop_sequence": None,
-                    "usage": usage(len(job.prompt_ids), 0, job.cached_tokens or 0)}})
-            while True:
-                if isinstance(item, Failed):
-                    kind = ERROR_TYPES.get(item.status, "api_error")
-                    yield event("error", {"error": {"type": kind, "message": item.message}})
-                    return
-                if isinstance(item, Piece) and item.reasoning:
-                    for out in delta("thinking", item.reasoning):
-                        yield out
-                parts = splitter.feed(item.text) if isinstance(item, Piece) else splitter.finish()
-                for part in parts:
-                    if isinstance(part, str):
-                        for out in delta("text", part):
-                            yield out
-                        continue
-                    for out in close():
-                        yield out
-                    yield event("content_block_start", {"index": index, "content_block": tool_use(part, {})})
-                    yield event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(part.arguments, ensure_ascii=False)}})
-                    yield event("content_block_stop", {"index": index})
-                    index += 1
-                if isinstance(item, Done):
-                    for out in close():
-                        yield out
-                    counts = usage_counts(job, item)
-                    yield event("message_delta", {
-                        "delta": {"stop_reason": stop_reason(item, splitter.calls),
-                                  "stop_sequence": item.stop_string},
-                        "usage": {"output_tokens": counts[1]}, "mlx_spec": extra(item)})
-                    yield event("message_stop", {})
-                    return
-                item = await job.events.get()
-        finally:
-            cancel(job)  # the client went away, or the answer is complete

@@ -1,0 +1,365 @@
+"""What every API's routes share, after vLLM's `OpenAIServing`: a `Serving` base class over
+one `ServingContext` (the options, the generation `worker`, the `ServedModel`'s tokenizer
+facts, the tokenizer and parsing threads), which each API subclasses with its routes
+(`serving_openai`, `serving_anthropic`; a Responses API would be one more).
+
+A request goes through the same steps in every API. Its body is parsed, checked and turned
+into template messages on the parsing thread (a 16 MiB body is up to a second of CPU work):
+`parsed`, with `validate` computing once, before any tokens, everything a generation needs
+from the body (`CheckedRequest`: the model's name, sampling values, stop strings,
+log-probs, keep-alive; then its tool plan and grammar). Its prompt is tokenized on the
+tokenizer thread (so a big prompt does not stall other clients, and before queueing, so
+errors such as a prompt over the context are answered at once): `chat_ids`. A full queue is
+a 503 with Retry-After, checked before tokenizing: a prompt being tokenized holds its place
+in the queue, and count_tokens' prompts wait for the tokenizer only while fewer than
+`queue_size` do, so a burst of big prompts cannot line up more tokenizer work than the
+queue takes (`TokenizerThread`). Then `submit` hands a `Job` to the worker, and the route
+relays its events (`collect` for a whole answer). A client that goes away cancels its job.
+Handlers run on the event loop and never touch MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional
+
+from fastapi import FastAPI, Request
+
+from mlx_spec.errors import UsageError
+from mlx_spec.grammar import Grammar, compile_grammar, llg_tokenizer
+from mlx_spec.models.fast_tokenizer import trims_first_space
+from mlx_spec.sampling import SamplingParams
+from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.images import content_texts, take_images
+from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
+from mlx_spec.server.logprobs import token_describer
+from mlx_spec.server.options import ServerOptions
+from mlx_spec.server.prompt import ChatPrompts
+from mlx_spec.server.request_base import RequestBody
+from mlx_spec.server.tools import ToolPlan, ToolSyntax, tool_syntax
+from mlx_spec.server.worker import Worker, keep_alive_seconds
+from mlx_spec.thinking import ThinkSyntax, opens_thought, think_syntax
+from mlx_spec.vision import ImageError, ImagePrompt, ImagePrompter
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # a streamed answer's
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the routes know of the served model, worked out once from its tokenizer. The
+    engine itself is not kept: a keep-alive unload must find its weights unreferenced."""
+
+    tokenizer: object  # mlx-lm's TokenizerWrapper (shared with the worker, never between requests)
+    eos_ids: object
+    vocab_size: int  # ids the detokenizer knows
+    longest_token: int  # bytes of the longest vocabulary entry (`Serving.check_length`)
+    tool_syntax: Optional[ToolSyntax]  # how it writes a call; None: it cannot
+    think: Optional[ThinkSyntax]  # its thought markers; None: it does not think
+    describe: Callable  # log-prob labels (`logprobs.token_describer`)
+    trims_first_space: bool  # the detokenizer drops the answer's first space
+    prompts: ChatPrompts
+    prompter: Optional[ImagePrompter]  # the processor needs no weights: it stays through an unload
+    drafter: str  # the drafter's name, "none" without one
+
+    @classmethod
+    def of(cls, engine, tokenizer, parse_special_in_text: bool) -> ServedModel:
+        vocab = tokenizer.get_vocab()
+        return cls(
+            tokenizer, engine.eos_ids, len(vocab),
+            # No token's text is longer than its vocabulary entry in UTF-8 (byte-level and
+            # SentencePiece entries spell a byte or space with one or more bytes).
+            max(len(piece.encode("utf-8")) for piece in vocab),
+            tool_syntax(tokenizer), think_syntax(tokenizer), token_describer(tokenizer, engine.eos_ids),
+            trims_first_space(tokenizer), ChatPrompts(tokenizer, parse_special=parse_special_in_text),
+            engine.vision.prompter if engine.vision is not None else None,
+            engine.drafter.name if engine.drafter is not None else "none")
+
+
+def busy(why: str, retry_after: int) -> ApiError:
+    return ApiError(503, f"the server is busy ({why}); retry later", type="server_error",
+                    code="server_busy", headers={"Retry-After": str(retry_after)})
+
+
+def refusal(error: Exception, queue_size: int) -> ApiError:
+    """The 503 for the worker's `Busy` or `ShuttingDown`."""
+    if isinstance(error, ShuttingDown):
+        return ApiError(503, SHUTTING_DOWN.message, type="server_error", code="shutting_down")
+    return busy(f"{queue_size} requests waiting", error.retry_after)
+
+
+class TokenizerThread:
+    """The one thread that tokenizes prompts (the tokenizer is not shared between request
+    threads, only with the worker), with its backlog kept bounded: the executor's own
+    queue has none."""
+
+    def __init__(self, worker: Worker, queue_size: int):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
+        self._worker, self._queue_size = worker, queue_size
+        # Prompts on or waiting for the thread, and how many of them are for the queue
+        # (changed on the event loop only).
+        self.now = self.queued = 0
+
+    async def run(self, function, *args, queued: bool = True):
+        """`function(*args)` on the thread, or a 503 first. A prompt for the queue (`queued`)
+        holds its place there from now on: refused if the queue, with the prompts tokenizing
+        for it, is full. Another (count_tokens') is refused once `queue_size` prompts are
+        tokenizing."""
+        if queued:
+            try:
+                self._worker.check_room(coming=self.queued)
+            except (Busy, ShuttingDown) as error:
+                raise refusal(error, self._queue_size) from None
+        elif self.now >= self._queue_size:
+            raise busy(f"{self.now} prompts being tokenized", retry_after=1)
+        self.now, self.queued = self.now + 1, self.queued + queued
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        finally:
+            self.now, self.queued = self.now - 1, self.queued - queued
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class ServingContext:
+    """What every API's serving object shares, built once by `create_app`; it starts and
+    stops with the app."""
+
+    options: ServerOptions
+    worker: Worker
+    model: ServedModel
+    tokenizing: TokenizerThread
+    parsing: ThreadPoolExecutor  # reads bodies (`Serving.parsed`)
+
+    @classmethod
+    def of(cls, engine, tokenizer, options: ServerOptions, load=None) -> ServingContext:
+        worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
+                        load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
+                        cache_disk=options.prompt_cache_disk, parallel=options.parallel)
+        # One parsing thread: parsing holds the GIL for most of its work, so more would not be
+        # faster, only hold more parsed bodies at once.
+        parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-parse")
+        return cls(options, worker, ServedModel.of(engine, tokenizer, options.parse_special_in_text),
+                   TokenizerThread(worker, options.queue_size), parsing)
+
+    def start(self) -> None:
+        self.worker.start()
+        # llguidance's view of the tokenizer takes seconds to build (Gemma's 262k ids): built
+        # now, on the parsing thread, rather than by the first structured request.
+        self.parsing.submit(llg_tokenizer, self.model.tokenizer, self.model.eos_ids)
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.tokenizing.shutdown()
+        self.parsing.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A generation request as `Serving.validate` checked it, before any tokens: what
+    `Serving.submit` needs from the body, each value computed once."""
+
+    body: RequestBody  # as sent (stream, stream_options, thinking, ...)
+    sampling: SamplingParams  # the request's values over the server's defaults
+    stops: tuple[str, ...]
+    logprobs: Optional[int]  # top alternatives per token; None: no log-probs
+    keep_alive: Optional[float]  # idle seconds after it before unloading; None: the server's
+    max_tokens: Optional[int]  # as asked; `completion_budget` fits it to the prompt
+    plan: ToolPlan = field(default_factory=ToolPlan)  # what its tools make of prompt and answer
+    grammar: Optional[Grammar] = None  # the compiled grammar its answer follows
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat request's messages as its chat template takes them, and how to render them
+    (`prompt.ChatPrompts.ids`)."""
+
+    messages: list[dict]
+    continue_final: bool = False  # the answer continues the final assistant message
+    generation_prompt: bool = True  # the prompt opens the model's turn
+    template_kwargs: dict = field(default_factory=dict)
+
+
+class Serving:
+    """The base of each API's serving object: the steps every route takes (read and check
+    the body, tokenize its prompt, queue its generation, collect its answer) over the shared
+    `ServingContext`. A subclass mounts its routes in `add_routes`; `error_bodies` maps the
+    paths (and what lies under them) whose errors take its API's shape, not OpenAI's."""
+
+    error_bodies: ClassVar[dict] = {}
+
+    def __init__(self, context: ServingContext):
+        self.options, self.worker, self.model = context.options, context.worker, context.model
+        self.tokenizing, self.parsing = context.tokenizing, context.parsing
+
+    def add_routes(self, app: FastAPI) -> None:
+        raise NotImplementedError
+
+    # -- the body (on the parsing thread) --------------------------------------------------
+
+    async def parsed(self, request: Request, read, *args):
+        """`read(the request's body, *args)` on the parsing thread: parsing, checks and
+        templating, none of which may hold the event loop."""
+        raw = await request.body()
+        return await asyncio.get_running_loop().run_in_executor(self.parsing, read, raw, *args)
+
+    def check_model(self, body: RequestBody) -> None:
+        if body.model != self.options.model_name and body.model not in self.options.aliases:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.options.model_name!r}", param="model", code="model_not_found")
+
+    def validate(self, body: RequestBody) -> CheckedRequest:
+        """The checks a generation needs that need no tokens, so a wrong request gets its 400
+        before any 503 and any tokenizing: the model's name, its sampling values, stop
+        strings, log-probs and keep-alive, in that order, kept for `submit`."""
+        self.check_model(body)
+        sampling = body.sampling(self.options.defaults)
+        stops = body.stops()
+        logprobs = body.logprob_count()
+        keep_alive = None
+        if body.keep_alive is not None:
+            try:
+                keep_alive = keep_alive_seconds(body.keep_alive)
+            except ValueError as error:
+                raise ApiError(400, f"keep_alive: {error}", param="keep_alive",
+                               code="invalid_value") from None
+        return CheckedRequest(body, sampling, stops, logprobs, keep_alive, body.requested_tokens())
+
+    def output_grammar(self, body: RequestBody, plan: ToolPlan = ToolPlan(),
+                       template_kwargs: Optional[dict] = None) -> Optional[Grammar]:
+        """The compiled grammar the answer must follow: a forced strict call's
+        (`tools.forced_call_grammar`), else the body's output format, else None. One that
+        cannot compile is a 400 naming the feature, and so is a grammar with thinking on
+        (`template_kwargs`' enable_thinking): it would hold from the first token, so the
+        thought would be forced into the answer's shape or not be written."""
+        if plan.grammar is not None:
+            kind, source, param = "lark", plan.grammar, "tools"
+        else:
+            wanted = body.output_format()
+            if wanted is None:
+                return None
+            (kind, source), param = wanted, ("response_format" if hasattr(body, "response_format")
+                                             else "output_config.format")
+        if (template_kwargs or {}).get("enable_thinking"):
+            raise ApiError(400, f"{param}: structured output cannot be combined with thinking yet (the "
+                                "grammar would hold from the first token, the thought's); turn thinking off",
+                           param=param, code="thinking_with_structured_output")
+        try:
+            return compile_grammar(self.model.tokenizer, kind, source, self.model.eos_ids)
+        except UsageError as error:
+            raise ApiError(400, f"{param}: {error}", param=param, code="invalid_value") from None
+
+    # -- the prompt (on the tokenizer thread) ---------------------------------------------
+
+    async def chat_ids(self, conversation: Conversation, plan: ToolPlan,
+                       queued: bool = True) -> tuple[list[int], Optional[ImagePrompt]]:
+        """The conversation's prompt ids (`ChatPrompts.ids`) and, if it has images, its
+        `ImagePrompt` (whose ids they are), made off the event loop once its text could fit
+        the context (and, `queued`, once the queue has room: `TokenizerThread.run`)."""
+        self.check_length(sum(len(text) for m in conversation.messages
+                              for text in content_texts(m["content"])), "messages")
+        return await self.tokenizing.run(self._chat_prompt, conversation, plan, queued=queued)
+
+    def _chat_prompt(self, conversation: Conversation, plan: ToolPlan):
+        messages, images = take_images(conversation.messages, self.model.prompter,
+                                       self.options.allow_image_urls, self.options.allow_image_files)
+        ids = self.model.prompts.ids(messages, plan, conversation.continue_final,
+                                     conversation.generation_prompt, conversation.template_kwargs)
+        if not images:
+            return ids, None
+        try:
+            image_prompt = self.model.prompter.prompt(ids, images)
+        except ImageError as error:
+            raise ApiError(400, f"messages: {error}", param="messages") from None
+        return image_prompt.ids, image_prompt
+
+    def check_length(self, characters: int, param: str) -> None:
+        """Refuse, before templating or tokenizing it, text that cannot fit the context:
+        it needs at least characters / longest_token tokens."""
+        at_least = -(-characters // self.model.longest_token)
+        if at_least >= self.options.context_length:
+            raise ApiError(400, f"this model's context is {self.options.context_length} tokens, but "
+                                f"the request's text alone needs at least {at_least}",
+                           param=param, code="context_length_exceeded")
+
+    # -- the generation --------------------------------------------------------------------
+
+    def submit(self, request: CheckedRequest, prompt_ids: list[int], param: str,
+               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None) -> Job:
+        """Queue the generation `request` asks for, once its prompt fits with its answer; a
+        chat's (`param` "messages") thoughts are split from its answer (`thinking`)."""
+        max_tokens = completion_budget(len(prompt_ids), request.max_tokens, self.options, param)
+        chat, think = param == "messages", self.model.think
+        job = Job(prompt_ids, request.sampling, max_tokens, request.stops, asyncio.get_running_loop(),
+                  logprobs=request.logprobs, think=think if chat else None,
+                  thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
+                  thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
+                  grammar=request.grammar)
+        try:
+            self.worker.submit(job)
+        except (Busy, ShuttingDown) as error:
+            raise refusal(error, self.options.queue_size) from None
+        return job
+
+    async def collect(self, job: Job, request: Request) -> tuple[list[Piece], Done]:
+        """A non-streamed answer's pieces and its `Done` (a `Failed` is raised). Events may
+        come every few milliseconds, so the client is checked by the clock, not only when
+        the queue is quiet; one that has gone away cancels the job."""
+        pieces, checked = [], time.monotonic()
+        try:
+            while True:
+                if time.monotonic() - checked > DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        raise ApiError(499, "client closed the request")
+                try:
+                    event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(event, Piece):
+                    pieces.append(event)
+                elif isinstance(event, Failed):
+                    raise ApiError(event.status, event.message,
+                                   type="server_error" if event.status >= 500 else "invalid_request_error")
+                else:
+                    return pieces, event
+        finally:
+            self.worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
+
+    def extra(self, done: Done) -> dict:
+        """An answer's extra `mlx_spec` field: the drafter, γ and `statistics`."""
+        return {"drafter": self.model.drafter, "gamma": str(self.worker.gamma), **statistics(done)}
+
+
+def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,
+                      param: str) -> int:
+    """Tokens the answer may have: the request's (or the server's default), within context."""
+    room = options.context_length - prompt_tokens
+    if prompt_tokens == 0:
+        raise ApiError(400, "the prompt is empty", param=param)
+    if room < 1 or (requested is not None and requested > room):
+        asked = f" plus {requested} completion tokens" if requested is not None else ""
+        raise ApiError(400, f"this model's context is {options.context_length} tokens, but the "
+                            f"request needs {prompt_tokens} prompt tokens{asked}",
+                       param=param, code="context_length_exceeded")
+    return min(requested or options.max_tokens, room)
+
+
+def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of a finished job."""
+    return len(job.prompt_ids), done.completion_tokens, cached_count(job, done.prefilled_target)
+
+
+def statistics(done: Done) -> dict:
+    """The speculative statistics in the response's extra `mlx_spec` field, acceptance of
+    thought and answer apart included (`thinking.PhaseAcceptance`)."""
+    loaded = {} if done.load_seconds is None else {"load_seconds": round(done.load_seconds, 3)}
+    return {**done.stats.as_dict(), "prefill_tokens_target": done.prefilled_target,
+            **done.phases.as_dict(), "loaded": done.load_seconds is not None, **loaded,
+            "batch_size": done.batch_size}
