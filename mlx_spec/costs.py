@@ -102,8 +102,6 @@ def _forward_timer(seq: SequenceCache, width: int) -> Callable[[], None]:
 def _assistant_timer(assistant, target, target_seq: SequenceCache) -> Callable[[], None]:
     """One MTP draft step as the drafter takes it: the target's K/V gathered from
     `target_seq`, the embedding, the assistant's layers and head."""
-    from mlx_spec.drafters.mtp import MtpDrafter
-
     drafter = MtpDrafter(assistant, target)
     drafter.state = target_seq
     drafter.h = mx.zeros_like(drafter.embed(mx.array([[10]])))  # any h costs the same

@@ -86,8 +86,6 @@ class World:
         """The engine's `agree` hook: rank 0's (n, token) on every rank, in one all-reduce
         before the round's sync. Only rank 0 holds q when it alone drafts, and nothing
         promises that other backends or machines compute bit-identical p."""
-        from mlx_spec.verify import Verdict
-
         packed = self.broadcast(mx.stack([verdict.n.astype(mx.int32), verdict.token.astype(mx.int32)]))
         return Verdict(packed[0], packed[1])
 
