@@ -19,8 +19,9 @@ least one), checked before each forward as mlx-lm's `maybe_quantize_kv_cache` ch
 one: the same switch points, so a prompt's first prefill chunk is full precision even with
 start 0. The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them
 through `mx.quantized_matmul`; they hand it their K/V as `PackedKV`, for which the module
-global mlx-lm's attention calls is routed to `quantized_attention` (the same result, without
-copying the packed arrays per query head; anything else still runs mlx-lm's own).
+global mlx-lm's attention calls, routed by `mlx_spec.runtime`, runs `quantized_attention` (the
+same result, without copying the packed arrays per query head; anything else still runs
+mlx-lm's own).
 Sliding-window layers quantize positions one by one (a group lies along head_dim), so
 trimming the packed arrays is as exact as trimming plain ones. Global layers keep their keys
 by channel (`ChannelQuantizedKVCache`: groups of positions, quantized once settled, the rest
@@ -537,18 +538,19 @@ def channel_attention(queries, keys: ChannelKeys, q_values, scale: float, mask, 
     return _weighted_values(scores.reshape(B, n_kv_heads, n_repeats, L, -1), q_values, mask, group_size, bits)
 
 
-def _dispatch_quantized_attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
-    # mlx-lm's attention calls this module global for every quantized cache: ours take the
-    # folded path, anything else (mlx-lm's own QuantizedKVCache) runs mlx-lm's function.
+def dispatch_quantized_attention(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+    """What mlx-lm's attention calls for every quantized cache once `mlx_spec.runtime` has
+    routed its module global here: our layers' K/V take our kernels, anything else (mlx-lm's
+    own QuantizedKVCache) runs mlx-lm's function."""
     attention = (channel_attention if isinstance(q_keys, ChannelKeys) else
                  quantized_attention if isinstance(q_keys, PackedKV) else _mlx_lm_quantized_attention)
     return attention(queries, q_keys, q_values, scale, mask, group_size, bits)
 
 
+# mlx-lm's own function, also when this module is imported again after the routing
 _mlx_lm_quantized_attention = getattr(mlx_lm_base.quantized_scaled_dot_product_attention, "mlx_lm",
-                                      mlx_lm_base.quantized_scaled_dot_product_attention)  # once on a reload
-_dispatch_quantized_attention.mlx_lm = _mlx_lm_quantized_attention
-mlx_lm_base.quantized_scaled_dot_product_attention = _dispatch_quantized_attention
+                                      mlx_lm_base.quantized_scaled_dot_product_attention)
+dispatch_quantized_attention.mlx_lm = _mlx_lm_quantized_attention
 
 
 @dataclass(frozen=True)
