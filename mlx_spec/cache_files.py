@@ -29,9 +29,11 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models import cache as theirs
 
-from mlx_spec import cache as ours
-from mlx_spec.cache import PromptCache, SequenceCache, WindowKVCache, make_cache
+from mlx_spec.cache.layers import LAYER_CLASSES, make_cache
+from mlx_spec.cache.sequence import PromptCache, SequenceCache
+from mlx_spec.cache.window_layers import WindowKVCache
 
 FORMAT = "mlx-spec/prompt-cache/1"
 SAMPLES = 64  # elements per weight array in a fingerprint
@@ -237,7 +239,7 @@ def read_safetensors(path: Path) -> tuple[dict, dict]:
 
 def _layer_state(layer) -> tuple:
     state = layer.state
-    if isinstance(layer, ours.KVCache) and layer.keys is not None:
+    if isinstance(layer, theirs.KVCache) and layer.keys is not None:
         # mlx-lm's KVCache state is its whole buffer; only `offset` positions are used
         state = (layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset)
     return tuple(state)
@@ -269,9 +271,7 @@ def sequence_arrays(seq: SequenceCache, prefix: str, arrays: dict) -> dict:
 
 
 def _cache_class(name: str):
-    from mlx_lm.models import cache as theirs
-
-    cls = getattr(ours, name, None) or getattr(theirs, name, None)
+    cls = LAYER_CLASSES.get(name) or getattr(theirs, name, None)
     if not isinstance(cls, type) or not hasattr(cls, "from_state"):
         raise CacheFileError(f"it holds a cache layer of unknown type {name!r}")
     return cls

@@ -41,7 +41,8 @@ from typing import Callable, Iterable, Iterator, Optional
 import mlx.core as mx
 
 from mlx_spec.batch import PREFILLING, RAN_ALONE, TargetPass
-from mlx_spec.cache import KVQuantization, PromptCache
+from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.cache.sequence import PromptCache
 from mlx_spec.drafters import Draft, Drafter, draft_steps
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.grammar import Matcher, constrain

@@ -63,6 +63,6 @@ def route_quantized_attention() -> None:
     # Imported here, not above: mlx.core (which it loads) must come after blas.load().
     import mlx_lm.models.base as mlx_lm_base
 
-    from mlx_spec.cache import dispatch_quantized_attention
+    from mlx_spec.cache.attention import dispatch_quantized_attention
 
     mlx_lm_base.quantized_scaled_dot_product_attention = dispatch_quantized_attention

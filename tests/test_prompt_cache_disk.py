@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm import generate, load
 
-from mlx_spec.cache import KVQuantization
+from mlx_spec.cache.layers import KVQuantization
 from mlx_spec.cache_files import CacheFileError, cache_key, load_prompt_cache, save_prompt_cache
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.engine import Engine

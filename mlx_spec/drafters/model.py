@@ -7,7 +7,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_spec.batch import DraftPass, run_alone
-from mlx_spec.cache import common_prefix_length
+from mlx_spec.cache.sequence import common_prefix_length
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.grammar import constrain
 from mlx_spec.sampling import draw

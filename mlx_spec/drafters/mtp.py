@@ -37,7 +37,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_spec.batch import Pass, pad_left, run_alone
-from mlx_spec.cache import kv_slots
+from mlx_spec.cache.layer_base import kv_slots
 from mlx_spec.drafters import Draft, likeliest, sibling_leaves, with_leaves
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs
 
-from mlx_spec.cache import QuantizedKVReader
+from mlx_spec.cache.layers import QuantizedKVReader
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional
 
-from mlx_spec.cache import PromptCache, common_prefix_length
+from mlx_spec.cache.sequence import PromptCache, common_prefix_length
 
 FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 

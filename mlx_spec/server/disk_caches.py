@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from mlx_spec.cache import PromptCache, common_prefix_length
+from mlx_spec.cache.sequence import PromptCache, common_prefix_length
 from mlx_spec.cache_files import (
     CacheFileError, key_id, load_prompt_cache, save_prompt_cache, write_text_atomically,
 )
