@@ -2,6 +2,8 @@
 
 Import a name from the module that defines it; each module imports only modules below it:
 
+    mlx_lm_files   prompt caches in mlx-lm's file layout (`generate --prompt-cache FILE`)
+    files          prompt caches in our files: cache_key, save_prompt_cache, load_prompt_cache
     sequence       SequenceCache (one model's cache and the ids it holds: prefill, forward,
                    settle, rollback, fork), PromptCache (both models'), common_prefix_length
     forward        forward_model, logits_and_hidden, final_hidden; feeding a draft tree

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from mlx_spec.cache.sequence import PromptCache, common_prefix_length
-from mlx_spec.cache_files import (
+from mlx_spec.cache.files import (
     CacheFileError, key_id, load_prompt_cache, save_prompt_cache, write_text_atomically,
 )
 

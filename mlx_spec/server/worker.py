@@ -338,7 +338,7 @@ class Worker:
     def _open_disk(self) -> None:
         if self.cache_dir is None:
             return
-        from mlx_spec.cache_files import cache_key
+        from mlx_spec.cache.files import cache_key
         from mlx_spec.server.disk_caches import DiskCaches
 
         try:

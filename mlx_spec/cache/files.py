@@ -34,6 +34,7 @@ from mlx_lm.models import cache as theirs
 from mlx_spec.cache.layers import LAYER_CLASSES, make_cache
 from mlx_spec.cache.sequence import PromptCache, SequenceCache
 from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.errors import UsageError
 
 FORMAT = "mlx-spec/prompt-cache/1"
 SAMPLES = 64  # elements per weight array in a fingerprint
@@ -86,7 +87,7 @@ def _windows(layers: list) -> list:
 
 def model_key(model, slack: int, kv=None) -> dict:
     """What a model's cache file must match: weights, dtype, K/V quantization (`kv`, a
-    `cache.KVQuantization` or None), windows, slack."""
+    `layers.KVQuantization` or None), windows, slack."""
     return {"weights": model_fingerprint(model), "dtype": _dtype(model),
             "kv_bits": kv and kv.bits, "kv_group_size": kv and kv.group_size, "kv_start": kv and kv.start,
             "windows": _windows(make_cache(model, slack)), "slack": slack}
@@ -95,7 +96,7 @@ def model_key(model, slack: int, kv=None) -> dict:
 def cache_key(engine, tokenizer) -> dict:
     """The key of `engine`'s prompt caches: the target's `model_key` and the tokenizer's
     fingerprint; "draft" is the draft model's `model_key` (None without one)."""
-    from mlx_spec.drafters.model import ModelDrafter
+    from mlx_spec.drafters.model import ModelDrafter  # here: the drafters sit above the cache package
 
     slack = engine.max_gamma + 1
     draft = engine.drafter.model if isinstance(engine.drafter, ModelDrafter) else None
@@ -131,8 +132,6 @@ def _mismatch(found: dict, wanted: dict) -> Optional[str]:
 def writable_folder(folder, flag: str) -> Path:
     """`folder`, created if missing; a one-line `UsageError` naming `flag` if it cannot
     hold files."""
-    from mlx_spec.errors import UsageError
-
     path = Path(folder).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
