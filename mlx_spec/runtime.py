@@ -47,13 +47,13 @@ Changed by one command while it runs: `distributed.follow_quietly` sends ranks o
 
 from __future__ import annotations
 
-from mlx_spec import blas
 from mlx_spec._mlx_lm import defer_package_init
+from mlx_spec.blas import load as load_blas
 
 
 def install() -> None:
     """Make the process-wide changes 1-3 above; calling it again changes nothing."""
-    blas.load()  # first: mlx.core must not be loaded yet, or the bundled BLAS wins
+    load_blas()  # first: mlx.core must not be loaded yet, or the bundled BLAS wins
     defer_package_init()
     route_quantized_attention()
 
