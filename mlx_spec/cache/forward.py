@@ -19,6 +19,11 @@ from mlx_spec.cache.window_layers import WindowKVCache
 from mlx_spec.tree import TreeShape
 
 
+def text_model(model):
+    """The text model: a multimodal wrapper's `language_model`, else `model` itself."""
+    return getattr(model, "language_model", model)
+
+
 class _PositionedRoPE(nn.Module):
     """An attention layer's own RoPE, applied at one given position per row (mlx-lm's
     attention passes the cache offset, a position for the first row only). Rows become
@@ -35,8 +40,7 @@ class _PositionedRoPE(nn.Module):
 
 
 def attention_layers(model) -> list:
-    lm = getattr(model, "language_model", model)
-    return [getattr(layer, "self_attn", None) for layer in lm.layers]
+    return [getattr(layer, "self_attn", None) for layer in text_model(model).layers]
 
 
 def tree_capable(model, cache: list) -> bool:
@@ -94,15 +98,14 @@ def final_hidden(model, inputs: mx.array, cache, **embedded) -> mx.array:
     """The decoder's final (post-norm) hidden states, without the LM head: mlx-lm's
     Gemma-family models are a decoder `model.model` ending in its final norm. `embedded`:
     `input_embeddings` for the rows (an image prompt's, `mlx_spec.vision`)."""
-    lm = getattr(model, "language_model", model)  # multimodal wrappers hold the text model
-    return lm.model(inputs, cache=cache, **embedded)
+    return text_model(model).model(inputs, cache=cache, **embedded)
 
 
 def logits_and_hidden(model, inputs: mx.array, cache, **embedded) -> tuple[mx.array, mx.array]:
     """One forward that also returns the final (post-norm) hidden states, for drafters that
     read them: the decoder (`final_hidden`), then a tied embedding or an `lm_head`, then an
     optional logit soft-cap."""
-    lm = getattr(model, "language_model", model)
+    lm = text_model(model)
     hidden = final_hidden(model, inputs, cache, **embedded)
     if getattr(lm, "tie_word_embeddings", not hasattr(lm, "lm_head")):
         logits = lm.model.embed_tokens.as_linear(hidden)

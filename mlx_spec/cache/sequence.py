@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlx_spec import blas
-from mlx_spec.cache.forward import feeding_tree, forward_model, images_opened, tree_capable
+from mlx_spec.cache.forward import feeding_tree, forward_model, images_opened, text_model, tree_capable
 from mlx_spec.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
 from mlx_spec.cache.layer_base import buffer_parts
 from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
@@ -174,7 +174,7 @@ class SequenceCache:
         tokens = self.fed_ids(tokens)
         cache = self.cache
         if self.quantized:  # Gemma 4's KV-shared layers (no cache of their own) read quantized K/V
-            shared = len(getattr(self.model, "language_model", self.model).layers) - len(cache)
+            shared = len(text_model(self.model).layers) - len(cache)
             cache = cache + [QuantizedKVReader.of(cache[0])] * shared
         try:
             return forward_model(self.model, tokens, cache, hidden, head, **embedded)
