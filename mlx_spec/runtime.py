@@ -5,11 +5,12 @@ they are in place before any `import mlx_spec...` returns.
 
 1. An optimised BLAS, loaded with RTLD_GLOBAL before `mlx.core` (`mlx_spec.blas.load`):
    `ctypes.CDLL(libmkl_rt | libopenblas, RTLD_GLOBAL)` wins the symbol lookup of MLX's
-   `libmlx.so`, and the library's thread count is set to half the cores. Why: the `mlx[cpu]`
-   Linux wheel bundles the netlib reference BLAS, whose naive `cblas_sgemm` makes a verify
-   of k rows cost about k single steps; under MKL the embedded 270M decodes 2.45x faster
-   and n-gram `auto` 1.90x its plain decoding, against 1.05x under the reference BLAS
-   (`bench/blas.py`, docs/performance.md). Nothing is loaded on macOS or beside CUDA.
+   `libmlx.so`, and the library's thread count is set to half the cores (unless the user set
+   one). Why: the `mlx[cpu]` Linux wheel bundles the netlib reference BLAS, whose naive
+   `cblas_sgemm` makes a verify of k rows cost about k single steps; under MKL the embedded
+   270M decodes 2.45x faster and n-gram `auto` 1.90x its plain decoding, against 1.05x
+   under the reference BLAS (`bench/blas.py`, docs/performance.md). Nothing is loaded on
+   macOS or beside CUDA.
 2. `mlx_lm`'s package `__init__` deferred (`mlx_spec._mlx_lm.defer_package_init`): a module
    object in `sys.modules["mlx_lm"]` and a finder first on `sys.meta_path`, which run the
    real `__init__` the first time anything but mlx-lm's model, kernel and version modules
@@ -28,10 +29,10 @@ they are in place before any `import mlx_spec...` returns.
    docs/kv-cache.md. Installed here, it is in place from `import mlx_spec` on, before any
    cache of ours can reach mlx-lm's attention.
 
-Settings kept in module globals where they are read (set at run time, not here):
+Settings kept in module globals where they are read, and set there:
 
 - `blas._setter`, `blas._narrow`, `blas._wide`: the BLAS's set-threads call and the two
-  counts, kept by `blas.load` unless the user fixed a count; `blas.threads_for` widens a
+  counts, kept by `blas.load` (change 1) unless the user fixed a count; `blas.threads_for` widens a
   forward of `blas.WIDE_ROWS` rows or more to every free core (4 clients' aggregate tok/s
   1.18x, `bench/wide_rows.py`). `blas._load` / `blas._others`: the last reading of other
   processes' CPU use (`blas.free_cores`). `blas._state`: what `load` did.
