@@ -27,7 +27,7 @@ from pairs import PAIRS, build  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from mlx_spec.passes import run_alone, run_passes  # noqa: E402
-from mlx_spec.cache import PromptCache  # noqa: E402
+from mlx_spec.cache.sequence import PromptCache  # noqa: E402
 from mlx_spec.sampling import LogitProcessor, SamplingParams  # noqa: E402
 
 

@@ -35,13 +35,14 @@ from common import OtherLoad, median, write_results  # noqa: E402  (imports mlx_
 
 import mlx.core as mx  # noqa: E402
 
-import mlx_spec.cache as cache_module  # noqa: E402
-from mlx_spec.cache import (KVQuantization, SequenceCache, WindowKVCache, channel_attention,  # noqa: E402
-                            quantize_by_channel, quantized_attention)
-from mlx_spec.cache import ChannelKeys  # noqa: E402
+from mlx_spec.cache.attention import channel_attention, quantized_attention  # noqa: E402
+# mlx-lm's own quantized attention (mlx_spec.runtime routes mlx-lm's module global to ours)
+from mlx_spec.cache.attention import mlx_lm_quantized_attention as quantized_scaled_dot_product_attention  # noqa: E402
+from mlx_spec.cache.global_layers import ChannelKeys, quantize_by_channel  # noqa: E402
+from mlx_spec.cache.layers import KVQuantization  # noqa: E402
+from mlx_spec.cache.sequence import SequenceCache  # noqa: E402
+from mlx_spec.cache.window_layers import WindowKVCache  # noqa: E402
 
-# mlx-lm's own quantized attention (mlx_spec.cache routes mlx-lm's module global to ours)
-quantized_scaled_dot_product_attention = cache_module._mlx_lm_quantized_attention
 SLACK = 8
 GROUP = 64
 # What our global layers store: K^T quantized along positions, groups of GROUP positions per

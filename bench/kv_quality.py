@@ -37,7 +37,8 @@ from common import RESULTS, OtherLoad, median, write_results  # noqa: E402  (imp
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_spec.cache import KVQuantization, PromptCache, SequenceCache  # noqa: E402
+from mlx_spec.cache.layers import KVQuantization  # noqa: E402
+from mlx_spec.cache.sequence import PromptCache, SequenceCache  # noqa: E402
 from mlx_spec.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).parent.parent

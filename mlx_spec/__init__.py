@@ -14,14 +14,11 @@ Layers: `Engine.rounds` (token ids) → `stream_generate` (text) → `generate` 
 
 from importlib import import_module
 
-from mlx_spec import blas as _blas
+from mlx_spec import runtime as _runtime
 
-_blas.load()  # before anything imports mlx.core: an optimised BLAS must win the symbol lookup
-
-from mlx_spec._mlx_lm import defer_package_init
-
-# Importing mlx-lm's model classes must not cost its transformers stack (`_mlx_lm`).
-defer_package_init()
+# Before anything else imports mlx.core or mlx-lm: the BLAS, mlx-lm's deferred __init__ and
+# its quantized attention routed through ours (each listed and justified in `runtime`).
+_runtime.install()
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,8 @@ OMP_NUM_THREADS) where one is set.
 
 PyPI's `scipy-openblas32` cannot serve: it prefixes its symbols (`scipy_cblas_sgemm`).
 Nothing is loaded on macOS (MLX uses Accelerate) or beside a CUDA build of MLX.
-`mlx_spec/__init__.py` calls `load()`, so any `import mlx_spec...` comes first.
+`mlx_spec.runtime.install()` calls `load()` from `mlx_spec/__init__.py`, so any `import mlx_spec...`
+comes first.
 """
 
 from __future__ import annotations

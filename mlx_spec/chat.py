@@ -43,9 +43,9 @@ class ChatSession:
 
     def save(self, path, key: dict) -> int:
         """Write the conversation (messages and ids) and both caches to `path` atomically
-        (`cache_files.save_prompt_cache`; `key` is `cache_files.cache_key`'s). Raises
+        (`cache.files.save_prompt_cache`; `key` is `cache.files.cache_key`'s). Raises
         OSError when the write fails; returns the bytes written."""
-        from mlx_spec.cache_files import save_prompt_cache
+        from mlx_spec.cache.files import save_prompt_cache
 
         if self.images:  # the images themselves are not in the file, only their hashes
             raise MlxSpecError("a chat with images cannot be saved yet")
@@ -55,9 +55,9 @@ class ChatSession:
 
     def resume(self, path, key: dict) -> None:
         """Continue the conversation saved at `path`: its messages, ids and caches, so the
-        next turn prefills only its own tokens. Raises `cache_files.CacheFileError` (one
+        next turn prefills only its own tokens. Raises `cache.files.CacheFileError` (one
         line) for a file that does not fit this engine and tokenizer."""
-        from mlx_spec.cache_files import CacheFileError, load_prompt_cache
+        from mlx_spec.cache.files import CacheFileError, load_prompt_cache
 
         cache, extra = load_prompt_cache(path, self.engine, key)
         try:

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_spec import blas
-from mlx_spec.cache import SequenceCache
+from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.cost_model import CostCurve, non_decreasing
 from mlx_spec.distributed import world as this_world
 from mlx_spec.models import gemma4_assistant

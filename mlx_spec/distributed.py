@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from mlx_spec.cache.forward import text_model
 from mlx_spec.cost_model import non_decreasing
 from mlx_spec.errors import MlxSpecError
 
@@ -280,8 +281,7 @@ def _chain_time(w: World, x: mx.array, chain: int = 16, repeats: int = 5) -> flo
 def comm_profile(w: World, model, max_width: int) -> CommProfile:
     """Count and time the target's all-reduces; every rank gets rank 0's timings."""
 
-    text = getattr(model, "language_model", model)
-    hidden = text.args.hidden_size
+    hidden = text_model(model).args.hidden_size
     dtype = next(v.dtype for _, v in _float_params(model))
     latency = [_chain_time(w, mx.ones((1, width, hidden), dtype)) for width in range(1, max_width + 1)]
     broadcast = _chain_time(w, mx.zeros((8,), mx.int32))

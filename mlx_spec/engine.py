@@ -36,7 +36,8 @@ from typing import Callable, Iterable, Iterator, Optional
 import mlx.core as mx
 
 from mlx_spec.batch import PREFILLING, RAN_ALONE
-from mlx_spec.cache import KVQuantization, PromptCache
+from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.cache.sequence import PromptCache
 from mlx_spec.constraint import Constraint
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import MlxSpecError

@@ -30,7 +30,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec import blas
-from mlx_spec.cache import SequenceCache, WindowKVCache, forward_model, ropes_replaced
+from mlx_spec.cache.forward import forward_model, ropes_replaced
+from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.cache.window_layers import WindowKVCache
 from mlx_spec.steps import drive
 from mlx_spec.tree import TreeShape
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional, Union
 
-from mlx_spec.cache import KVQuantization, attention_layers
+from mlx_spec.cache.forward import attention_layers
+from mlx_spec.cache.layers import KVQuantization
 from mlx_spec.costs import BATCH_WIDTH, load_or_measure
 from mlx_spec.drafters import DRAFTER_NAMES, NO_DRAFTER, drafter_class
 from mlx_spec.engine import Engine

@@ -14,7 +14,8 @@ import mlx_spec.verify as verify_module
 from conftest import greedy_reference, recorded_verify_passes
 from mlx_spec.batch import Batch
 from mlx_spec.passes import TargetPass, run_passes
-from mlx_spec.cache import KVQuantization, SequenceCache
+from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.cost_model import CostCurve
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine

@@ -142,7 +142,7 @@ def test_prefill_chunks_and_batched_forwards_are_evaluated_on_the_wide_threads(t
     """Where a wide forward is evaluated, the BLAS runs on `wide_threads`; a decode step
     keeps the default (the switch is recorded, whatever this machine's BLAS)."""
     from mlx_spec.passes import ModelPass, run_passes
-    from mlx_spec.cache import SequenceCache
+    from mlx_spec.cache.sequence import SequenceCache
 
     calls = []
     monkeypatch.setattr(blas, "_setter", calls.append)

@@ -18,8 +18,12 @@ from mlx_lm.generate import generate_step
 from cli_support import assert_usage_error, invoke, invoke_json
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx.utils import tree_flatten
-from mlx_spec.cache import (ChannelKeys, ChannelQuantizedKVCache, KVQuantization, PackedKV, QuantizedKVReader, QuantizedWindowKVCache,
-                            SequenceCache, _fork_layer, make_cache, quantized_attention)
+from mlx_spec.cache.attention import quantized_attention
+from mlx_spec.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache
+from mlx_spec.cache.layer_base import PackedKV
+from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
+from mlx_spec.cache.sequence import SequenceCache, _fork_layer
+from mlx_spec.cache.window_layers import QuantizedWindowKVCache
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.engine import Engine

@@ -8,7 +8,7 @@ import pytest
 from conftest import greedy_reference
 import mlx.core as mx
 
-from mlx_spec.cache import SequenceCache
+from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.cost_model import CostCurve
 from mlx_spec.costs import _fill_context, measure_costs
 from mlx_spec.drafters import Drafter, ModelDrafter

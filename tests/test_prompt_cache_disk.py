@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import generate, load
 
-from mlx_spec.cache import KVQuantization
-from mlx_spec.cache_files import CacheFileError, cache_key, load_prompt_cache, save_prompt_cache
+from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.cache.files import CacheFileError, cache_key, load_prompt_cache, save_prompt_cache
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
@@ -236,7 +236,7 @@ WRITER = textwrap.dedent("""
     import mlx_spec
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_spec.cache_files import cache_key
+    from mlx_spec.cache.files import cache_key
     from mlx_spec.drafters.model import ModelDrafter
     from mlx_spec.engine import Engine
     from mlx_spec.sampling import SamplingParams

@@ -11,7 +11,7 @@ import pytest
 
 import mlx_spec.verify as verify_module
 from conftest import greedy_reference
-from mlx_spec.cache import SequenceCache
+from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.cost_model import CostCurve
 from mlx_spec.drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from cli_support import assert_usage_error, invoke, invoke_json
-from mlx_spec.cache import PromptCache
+from mlx_spec.cache.sequence import PromptCache
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
 from mlx_spec.engine import Engine

@@ -22,7 +22,7 @@ from typing import Annotated, Optional
 import typer
 
 from mlx_spec import costs
-from mlx_spec.cache_files import CacheFileError, cache_key, writable_folder
+from mlx_spec.cache.files import CacheFileError, cache_key, writable_folder
 from mlx_spec.chat import ChatSession
 from mlx_spec.cli import app
 from mlx_spec.cli.common import (

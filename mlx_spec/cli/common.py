@@ -310,7 +310,7 @@ def kv_quantization(bits: Optional[int], group_size: Optional[int], start: Optio
                     draft_bits: Optional[int]):
     """(target's, draft's) `KVQuantization` or None from --kv-bits, --kv-group-size,
     --kv-start and --draft-kv-bits; a `UsageError` for a value that cannot work."""
-    from mlx_spec.cache import KVQuantization
+    from mlx_spec.cache.layers import KVQuantization
     from mlx_spec.models.loader import GROUP_SIZES
 
     for value, flag in ((bits, "--kv-bits"), (draft_bits, "--draft-kv-bits")):

@@ -176,9 +176,9 @@ def cached_prompt(path: Path, engine, setup, text: str, chat: bool, template_kwa
     --prompt-cache FILE: FILE's cache and the prompt after it, or the prompt cached into
     FILE first. A file mlx-lm made does not say the ids it holds: the draft model cannot
     prefill its own cache from them, so that answer is drafted without it."""
-    from mlx_spec.cache_files import CacheFileError, cache_key
+    from mlx_spec.cache.files import CacheFileError, cache_key
     from mlx_spec.drafters.model import ModelDrafter
-    from mlx_spec.mlx_lm_cache_files import (
+    from mlx_spec.cache.mlx_lm_files import (
         continuation_ids, load_mlx_lm_cache, open_prompt_ids, save_mlx_lm_cache,
     )
 

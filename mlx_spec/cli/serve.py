@@ -181,7 +181,7 @@ def serve(
     except ValueError as error:
         raise UsageError(f"--keep-alive: {error}") from None
     if prompt_cache_dir is not None:
-        from mlx_spec.cache_files import writable_folder
+        from mlx_spec.cache.files import writable_folder
 
         writable_folder(prompt_cache_dir, "--prompt-cache-dir")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast

@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache import common_prefix_length
+from mlx_spec.cache.sequence import common_prefix_length
 from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.broadcast import BroadcastDrafter
 from mlx_spec.drafters.siblings import sibling_leaves, with_leaves

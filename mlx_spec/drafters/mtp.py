@@ -36,7 +36,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache import kv_slots
+from mlx_spec.cache.layer_base import kv_slots
 from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
 from mlx_spec.errors import MlxSpecError, UsageError

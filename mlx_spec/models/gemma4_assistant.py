@@ -25,7 +25,8 @@ import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs
 
-from mlx_spec.cache import QuantizedKVReader
+from mlx_spec.cache.forward import text_model
+from mlx_spec.cache.layers import QuantizedKVReader
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 
@@ -195,8 +196,7 @@ def last_kv_layers(args: gemma4_text.ModelArgs) -> dict[str, int]:
 def target_text_model(target) -> Optional[nn.Module]:
     """The inner `gemma4_text` model of a Gemma 4 target (text-only or multimodal build),
     or None for other architectures."""
-    language_model = getattr(target, "language_model", target)
-    inner = getattr(language_model, "model", None)
+    inner = getattr(text_model(target), "model", None)
     if isinstance(inner, gemma4_text.Gemma4TextModel):
         return inner
     return None

@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
+from mlx_spec.cache.forward import text_model
 from mlx_spec.errors import MlxSpecError
 
 SHARDABLE = ("gemma3_text", "gemma3", "gemma4_text", "gemma4")
@@ -103,7 +104,7 @@ def _check_layer(i: int, attn, mlp, N: int, head_dim: int) -> None:
 
 def _attention_layers(model):
     """(text model, its layers) for any of the supported wrappers."""
-    text = getattr(model, "language_model", model)
+    text = text_model(model)
     return text, text.model.layers
 
 

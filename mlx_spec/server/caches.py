@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache import PromptCache, common_prefix_length
+from mlx_spec.cache.sequence import PromptCache, common_prefix_length
 
 FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 

@@ -6,7 +6,7 @@ Lookup reads one small index, never the cache files: each entry lists chained ha
 its ids in blocks of `BLOCK` tokens and a hash of all of them, so the entry sharing the
 longest prefix with a prompt is found from the prompt's own hashes; only that file is read.
 The index is changed under an exclusive `flock` on `.lock` and replaced atomically; cache
-files are written beside it atomically (`cache_files.write_safetensors`) before the index
+files are written beside it atomically (`cache.files.write_safetensors`) before the index
 names them, so two processes sharing the folder never see half a file or a lost entry.
 The folder's files stay within a byte budget, least recently used out first. A file that
 cannot be used (damaged, or made by another model) is skipped with a warning and deleted,
@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from mlx_spec.cache import PromptCache, common_prefix_length
-from mlx_spec.cache_files import (
+from mlx_spec.cache.sequence import PromptCache, common_prefix_length
+from mlx_spec.cache.files import (
     CacheFileError, key_id, load_prompt_cache, save_prompt_cache, write_text_atomically,
 )
 
@@ -49,7 +49,7 @@ def block_hashes(ids: list[int]) -> list[str]:
 
 
 class DiskCaches:
-    """A folder of cached conversations for one model (`key`: `cache_files.cache_key`),
+    """A folder of cached conversations for one model (`key`: `cache.files.cache_key`),
     at most `budget` bytes of cache files (other models' files in the folder count too)."""
 
     def __init__(self, folder, budget: int, key: dict):

@@ -49,7 +49,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlx_spec.batch import Batch
-from mlx_spec.cache_files import cache_key
+from mlx_spec.cache.files import cache_key
 from mlx_spec.engine import Request, in_company
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import BatchShare

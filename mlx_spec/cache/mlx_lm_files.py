@@ -4,7 +4,7 @@ read and written for `generate --prompt-cache FILE`.
 mlx-lm's layout (`mlx_lm.models.cache.save_prompt_cache`) is one model's per-layer cache
 states as arrays "layer.item", and metadata `[user metadata, class names, scalars]`
 flattened. It holds no token ids: the prompt given with the file continues whatever the
-cache holds. Our files add the ids, the key (`cache_files.cache_key`) and a digest under the
+cache holds. Our files add the ids, the key (`files.cache_key`) and a digest under the
 user metadata key "mlx_spec", which mlx-lm ignores; a file without them (made by mlx-lm)
 is checked as far as it can be: its layers' kinds, windows and shapes against this model's,
 and the model it names.
@@ -22,10 +22,13 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache
 
-from mlx_spec.cache import PromptCache, SequenceCache, TreeKVCache, WindowKVCache, make_cache
-from mlx_spec.cache_files import CacheFileError, _digest, _mismatch, write_safetensors
+from mlx_spec.cache.files import CacheFileError, _digest, _mismatch, write_safetensors
+from mlx_spec.cache.global_layers import TreeKVCache
+from mlx_spec.cache.layers import make_cache
+from mlx_spec.cache.sequence import PromptCache, SequenceCache
+from mlx_spec.cache.window_layers import WindowKVCache
 
 PLACEHOLDER = -1  # the id of a cached position whose id a file made by mlx-lm does not say
 
@@ -78,8 +81,6 @@ def load_mlx_lm_cache(path: Path, engine, key: dict, model_names: tuple) -> tupl
     file made by mlx-lm, which does not say them). `model_names`: what the target may be
     called in such a file (as given, its folder). Raises CacheFileError (one line) for a
     file that cannot be read or does not fit this model."""
-    from mlx_lm.models.cache import load_prompt_cache
-
     try:
         layers, user = load_prompt_cache(str(path), return_metadata=True)
     except FileNotFoundError:

@@ -29,9 +29,12 @@ from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models import cache as theirs
 
-from mlx_spec import cache as ours
-from mlx_spec.cache import PromptCache, SequenceCache, WindowKVCache, make_cache
+from mlx_spec.cache.layers import LAYER_CLASSES, make_cache
+from mlx_spec.cache.sequence import PromptCache, SequenceCache
+from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.errors import UsageError
 
 FORMAT = "mlx-spec/prompt-cache/1"
 SAMPLES = 64  # elements per weight array in a fingerprint
@@ -84,7 +87,7 @@ def _windows(layers: list) -> list:
 
 def model_key(model, slack: int, kv=None) -> dict:
     """What a model's cache file must match: weights, dtype, K/V quantization (`kv`, a
-    `cache.KVQuantization` or None), windows, slack."""
+    `layers.KVQuantization` or None), windows, slack."""
     return {"weights": model_fingerprint(model), "dtype": _dtype(model),
             "kv_bits": kv and kv.bits, "kv_group_size": kv and kv.group_size, "kv_start": kv and kv.start,
             "windows": _windows(make_cache(model, slack)), "slack": slack}
@@ -93,10 +96,9 @@ def model_key(model, slack: int, kv=None) -> dict:
 def cache_key(engine, tokenizer) -> dict:
     """The key of `engine`'s prompt caches: the target's `model_key` and the tokenizer's
     fingerprint; "draft" is the draft model's `model_key` (None without one)."""
-    from mlx_spec.drafters.model import ModelDrafter
-
     slack = engine.max_gamma + 1
-    draft = engine.drafter.model if isinstance(engine.drafter, ModelDrafter) else None
+    # only a drafter that keeps a cache of its own model has a draft cache to key
+    draft = engine.drafter.model if engine.drafter is not None and engine.drafter.own_cache else None
     return {"format": FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer),
             "target": model_key(engine.target, slack, engine.kv),
             "draft": model_key(draft, slack, engine.draft_kv) if draft is not None else None}
@@ -129,8 +131,6 @@ def _mismatch(found: dict, wanted: dict) -> Optional[str]:
 def writable_folder(folder, flag: str) -> Path:
     """`folder`, created if missing; a one-line `UsageError` naming `flag` if it cannot
     hold files."""
-    from mlx_spec.errors import UsageError
-
     path = Path(folder).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,7 @@ def read_safetensors(path: Path) -> tuple[dict, dict]:
 
 def _layer_state(layer) -> tuple:
     state = layer.state
-    if isinstance(layer, ours.KVCache) and layer.keys is not None:
+    if isinstance(layer, theirs.KVCache) and layer.keys is not None:
         # mlx-lm's KVCache state is its whole buffer; only `offset` positions are used
         state = (layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :], layer.offset)
     return tuple(state)
@@ -269,9 +269,7 @@ def sequence_arrays(seq: SequenceCache, prefix: str, arrays: dict) -> dict:
 
 
 def _cache_class(name: str):
-    from mlx_lm.models import cache as theirs
-
-    cls = getattr(ours, name, None) or getattr(theirs, name, None)
+    cls = LAYER_CLASSES.get(name) or getattr(theirs, name, None)
     if not isinstance(cls, type) or not hasattr(cls, "from_state"):
         raise CacheFileError(f"it holds a cache layer of unknown type {name!r}")
     return cls
@@ -349,7 +347,7 @@ def load_prompt_cache(path: Path, engine, key: dict) -> tuple[PromptCache, Optio
     try:
         cache = engine.make_prompt_cache()
         cache.target = restore_sequence(engine.target, cache.slack, arrays, "target", info["target"], engine.kv)
-        draft_model = getattr(engine.drafter, "model", None)
+        draft_model = None if engine.drafter is None else engine.drafter.model
         if info.get("draft") and key.get("draft") is not None and info["key"].get("draft") == key["draft"]:
             cache.draft = restore_sequence(draft_model, cache.slack, arrays, "draft", info["draft"],
                                            engine.draft_kv)
