@@ -24,6 +24,7 @@ from mlx_spec import blas
 from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.cost_model import CostCurve, non_decreasing
 from mlx_spec.distributed import world as this_world
+from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.models import gemma4_assistant
 
 STALE_AFTER_DAYS = 30

@@ -38,6 +38,7 @@ import mlx.core as mx
 from mlx_spec.cache.forward import text_model
 from mlx_spec.cost_model import non_decreasing
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.verify import Verdict
 
 LAUNCH_ENV = ("MLX_RANK", "MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES",
               "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MLX_WORLD_SIZE")

@@ -122,7 +122,7 @@ def test_json_schema_and_identity(models):
 def test_injected_mismatch_fails_loudly(models, monkeypatch):
     """A verifier that corrupts the target's token whenever something was drafted: every
     γ > 0 output diverges from the baseline and the command must say so and exit 1."""
-    import mlx_spec.engine as engine
+    import mlx_spec.verify as engine  # the verify functions the engine calls
 
     real = engine.verify_greedy
 
@@ -241,7 +241,7 @@ def test_a_difference_at_a_near_tie_is_reported_apart_from_a_mismatch(tiny_dirs,
     import mlx.core as mx
     from mlx_lm import load
 
-    import mlx_spec.engine as engine
+    import mlx_spec.verify as engine  # the verify functions the engine calls
     from conftest import greedy_reference
     from mlx_spec.testing.tiny import save_tiny_model
 
@@ -337,7 +337,7 @@ def test_clients_table_and_a_corrupted_batch_fails_loudly(models, monkeypatch):
     assert result.exit_code == 0, (result.stdout, result.stderr)
     for needle in ("2 clients at once", "aggregate tok/s", "per request tok/s", "TTFT s", "α̂", "✓"):
         assert needle in result.stdout, needle
-    import mlx_spec.engine as engine
+    import mlx_spec.verify as engine  # the verify functions the engine calls
 
     real = engine.verify_greedy
 

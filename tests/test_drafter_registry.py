@@ -7,7 +7,7 @@ greedy decoding's (mlx-lm's `generate_step`), at a γ where some drafts are acce
 import mlx.core as mx
 import pytest
 
-from cli_support import assert_one_line_error, invoke, invoke_json
+from cli_support import assert_usage_error, invoke, invoke_json
 from conftest import greedy_reference
 from mlx_spec.drafters import DRAFTERS, Draft, Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from mlx_spec.models import load_pair
@@ -68,4 +68,5 @@ def test_the_cli_takes_a_registered_drafter_by_name(registered, tiny_dirs, priva
 
 def test_an_unregistered_name_is_one_line_naming_the_registered_ones(tiny_dirs):
     result = invoke(["generate", PROMPT, "--model", tiny_dirs[0], "--drafter", "repeat", "--raw"])
-    assert_one_line_error(result, "unknown drafter 'repeat'", "model, mtp, ngram, none")
+    assert_usage_error(result, "unknown drafter 'repeat'", "model, mtp, ngram, none")
+

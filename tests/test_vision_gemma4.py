@@ -195,8 +195,8 @@ def test_a_chats_second_image_turn(pair):
     loaded = pair[2]
     engine = engine_for(loaded, "mtp")
     prompts = []  # the ImagePrompt of each turn, as the engine is given it
-    rounds = engine.rounds
-    engine.rounds = lambda ids, *args, **kwargs: prompts.append(kwargs["images"]) or rounds(ids, *args, **kwargs)
+    run = engine.run
+    engine.run = lambda request, **kwargs: prompts.append(request.images) or run(request, **kwargs)
     session = ChatSession(engine, loaded.target.tokenizer)
 
     def turn(images):

@@ -13,6 +13,7 @@ import typer
 
 from mlx_spec import distributed
 from mlx_spec.distributed import world
+from mlx_spec.drafters import DRAFTER_NAMES, DRAFTERS, NO_DRAFTER
 from mlx_spec.errors import UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
@@ -39,10 +40,9 @@ DraftOpt = Annotated[Optional[str], typer.Option(
     help="Draft model q (same tokenizer as the target), in any form --model takes; "
          "ollama:NAME#draft is an Ollama model's own draft layer. Overrides the preset's draft.")]
 DrafterOpt = Annotated[Optional[str], typer.Option(
-    "--drafter", rich_help_panel=MODELS, metavar="model|mtp|ngram|none",
-    help="Who drafts: 'model' (the draft model), 'mtp' (a Gemma 4 MTP assistant as the draft "
-         "model, drafting from the target's own states), 'ngram' (prompt lookup, no model) or "
-         "'none' (plain decoding). Default: the preset's, else mtp when the draft is an "
+    "--drafter", rich_help_panel=MODELS, metavar="|".join(DRAFTER_NAMES),
+    help="Who drafts: " + ", ".join(f"'{name}' ({cls.summary})" for name, cls in DRAFTERS.items())
+         + f" or '{NO_DRAFTER}' (plain decoding). Default: the preset's, else mtp when the draft is an "
          "assistant checkpoint, model for another draft, else ngram.")]
 PresetOpt = Annotated[Optional[str], typer.Option(
     "--preset", rich_help_panel=MODELS, metavar="NAME",

@@ -13,7 +13,7 @@ engine uses declared here, so it never has to probe a drafter:
                                                       drafter rolls back the rest of its state
   fork()                                              a drafter of its own for another request
 
-Capabilities, as class attributes:
+Capabilities, as class attributes (besides `name`, what --drafter takes, and `summary`):
   needs_draft_model  it drafts with the pair's draft model (so one is loaded for it)
   passes_per_token   draft model forwards per proposed token (0: model-free)
   model              the draft model whose forwards the cost curve times; None: model-free
@@ -63,6 +63,7 @@ class Drafter:
     sets its per-request state, which `fork` starts afresh."""
 
     name: str = "drafter"
+    summary: str = ""  # what drafts, for --drafter's help
     needs_draft_model: bool = False
     passes_per_token: int = 0
     model = None

@@ -32,6 +32,7 @@ class ModelDrafter(Drafter):
     """
 
     name = "model"
+    summary = "the draft model"
     needs_draft_model = True
     passes_per_token = 1
     own_cache = True

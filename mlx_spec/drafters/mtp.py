@@ -160,6 +160,7 @@ class MtpDrafter(Drafter):
     """
 
     name = "mtp"
+    summary = "a Gemma 4 MTP assistant as the draft model, drafting from the target's own states"
     needs_draft_model = True  # the assistant checkpoint
     passes_per_token = 1  # assistant forwards per drafted token
     wants_hidden = True  # the engine hands over the target's final hidden states

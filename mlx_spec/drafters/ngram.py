@@ -20,6 +20,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    summary = "prompt lookup, no model"
     can_branch = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
