@@ -26,6 +26,7 @@ from mlx_spec.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
 from mlx_spec.cache.layer_base import buffer_parts
 from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
 from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.steps import drive
 from mlx_spec.tree import TreeShape
 
 MAX_ROOM = 1 << 30  # no limit on a verify pass's draft tokens
@@ -244,12 +245,7 @@ class SequenceCache:
         inputs: inputs(begin, end) returns more inputs for the forward of rows begin..end of
         `ids`, by row over the whole of `keys` (an image prompt's input embeddings), or {}
         when those rows need none; called once, when there is anything to feed."""
-        chunks = self.prefill_chunks(ids, chunk_size, progress, hidden, keys, inputs)
-        while True:
-            try:
-                next(chunks)
-            except StopIteration as done:
-                return done.value
+        return drive(self.prefill_chunks(ids, chunk_size, progress, hidden, keys, inputs))
 
     def prefill_chunks(self, ids: list[int], chunk_size: int = 512,
                        progress: Optional[Callable[[int, int], None]] = None, hidden: bool = False,
