@@ -109,10 +109,15 @@ class OutputItems:
 
     def finish(self, status: str) -> list[dict]:
         """Close the open item (`status`: its status, "completed" or "incomplete")."""
+        events = []
         if self._pending_logprobs and self._open is not None and self._open["type"] == "message":
+            # the tokens that ended the text (an EOS): an empty delta carries them
             scored, self._pending_logprobs = self._pending_logprobs, []
             self._open["content"][0]["logprobs"] += scored
-        return self._close(status)
+            events.append(self.event("response.output_text.delta", item_id=self._open["id"],
+                                     output_index=len(self.output) - 1, content_index=0, delta="",
+                                     logprobs=scored))
+        return events + self._close(status)
 
     def _ensure(self, kind: str) -> list[dict]:
         """Events opening an item of `kind` (and closing another), or none if one is open."""
@@ -131,7 +136,7 @@ class OutputItems:
         index = len(self.output) - 1
         events.append(self.event("response.output_item.added", output_index=index, item=_copy(item)))
         events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                 content_index=0, part=dict(part)))
+                                 content_index=0, part=_copy(part)))
         item["content"].append(part)
         self._open = item
         return events

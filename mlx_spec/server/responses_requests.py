@@ -115,7 +115,7 @@ class ResponsesRequest(RequestBody):
     input: Union[str, Items(InputItem, MAX_MESSAGES), None] = None
     instructions: Optional[str] = None
     tools: Optional[Items(ToolSpec, MAX_TOOLS)] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
+    tool_choice: Union[str, NamedChoice, None] = None  # a string's value: checked in `tool_plan`
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
     reasoning: Optional[ReasoningConfig] = None
@@ -355,6 +355,9 @@ def tool_plan(body: ResponsesRequest, syntax: Optional[ToolSyntax]) -> tuple[Too
                                 f"\"name\": ...}} are supported, not type {choice.type!r}",
                            param="tool_choice", code="unsupported_value")
         choice = choice.name
+    elif choice not in (None, "none", "auto", "required"):
+        raise ApiError(400, f"tool_choice: must be 'none', 'auto', 'required' or a function, not {choice!r}",
+                       param="tool_choice", code="invalid_value")
     try:
         plan = plan_tools(tools or None, choice, syntax, single=body.parallel_tool_calls is False)
     except ApiError as error:  # its paths are chat completions' (tools[i].function.strict)
