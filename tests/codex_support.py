@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from scripted_model import ScriptedModel
+from scripted_model import END_OF_TURN_ID, TURN_ID, ScriptedModel
 
 RECORDED = Path(__file__).parent / "data" / "codex"
 COMMAND = "echo hello"
@@ -35,7 +35,11 @@ class AgentModel(ScriptedModel):
 
     def answer(self, history: list[int]) -> list[int]:
         self.script = self._encode(FINAL if self._answered in history else CALL)
-        return super().answer(history)
+        # Only the latest turn decides what comes next (`ScriptedModel.answer` starts over at
+        # each <|turn>): read from there, not the whole 40k-token prompt at every forward.
+        # Rows before it are prompt positions, whose logits nothing reads.
+        start = len(history) - 1 - history[::-1].index(TURN_ID) if TURN_ID in history else 0
+        return [END_OF_TURN_ID] * start + super().answer(history[start:])
 
 
 def recorded(name: str) -> dict:

@@ -462,6 +462,7 @@ def test_codex_requests_replayed(agent):
     first = recorded("turn1.json")
     assert first["stream"] and {t["type"] for t in first["tools"]} == {"function", "namespace", "web_search"}
     events = stream_events(agent.post({**first, "model": MODEL}))
+    first_prompt = events[-1]["response"]["usage"]["input_tokens"]
     [call] = events[-1]["response"]["output"]
     assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call", "exec_command",
                                                                             {"cmd": COMMAND})
@@ -469,6 +470,8 @@ def test_codex_requests_replayed(agent):
     assert [item["type"] for item in second["input"][-2:]] == ["function_call", "function_call_output"]
     events = stream_events(agent.post({**second, "model": MODEL}))
     assert events[-1]["type"] == "response.completed"
+    # the whole conversation comes each turn: the first turn's prompt is read from the cache
+    assert events[-1]["response"]["usage"]["input_tokens_details"]["cached_tokens"] >= first_prompt - 1
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == FINAL
     assert "<|tool_response>response:exec_command" in agent.tokenizer.decode(agent.model.seen)
     # through the SDK too, whole
