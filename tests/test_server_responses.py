@@ -7,9 +7,9 @@ completions (its prompt, answer, calls, log-probs and usage must be the Response
 the events of a stream added up by hand and by the SDK's accumulator (they must give the
 final response), and the requests Codex CLI 0.171 sent (tests/data/codex/) replayed. Most
 tests use `scripted_model.ScriptedModel` (its greedy answer is a script, so a call is certain
-to come) with a Gemma-4-shaped template; greedy equality is also checked on a tiny
-random-weight Gemma 4 drafted by a close copy (γ = 2), with Google's own template where
-tests/data/templates/ holds it.
+to come); greedy equality is also checked on a tiny random-weight Gemma 4 drafted by a close
+copy (γ = 2). Each runs on our Gemma-4-shaped tool template and on Google's own Gemma 4
+template where tests/data/templates/ holds it (its README.md says where it comes from).
 """
 
 import json
@@ -27,7 +27,8 @@ from codex_support import CALL as CODEX_CALL, COMMAND, FINAL, AgentModel, codex_
 from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
 from mlx_spec.server.responses_store import ResponseStore
-from scripted_model import EOS_ID, END_OF_TURN_ID, TOOL_TEMPLATE, InProcessServer, ScriptedModel, save_tokenizer
+from scripted_model import (EOS_ID, END_OF_TURN_ID, GOOGLE_SPECIAL_TOKENS, TOOL_TEMPLATE, InProcessServer, ScriptedModel,
+                            save_tokenizer)
 from server_support import assert_openai_error
 
 MODEL = "scripted"
@@ -68,14 +69,20 @@ class Served:
         return httpx.post(self.base + "/responses", json=body, timeout=120, **kwargs)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("scripted")), eos_token_ids=[EOS_ID, END_OF_TURN_ID])
+def gemma4_templates() -> dict:
+    """Our Gemma-4-shaped tool template, and Google's own where tests/data/templates/ has it
+    (see its README.md)."""
+    out = {"tool-template": TOOL_TEMPLATE}
+    if (TEMPLATES / "gemma4.jinja").exists():
+        out["google"] = (TEMPLATES / "gemma4.jinja").read_text()
+    return out
 
 
-@pytest.fixture(scope="module")
-def served(tokenizer):
-    served = Served(tokenizer, ScriptedModel())
+@pytest.fixture(scope="module", params=list(gemma4_templates()))
+def served(request, tmp_path_factory):
+    path = save_tokenizer(tmp_path_factory.mktemp(request.param), gemma4_templates()[request.param],
+                          GOOGLE_SPECIAL_TOKENS)
+    served = Served(load_tokenizer(path, eos_token_ids=[EOS_ID, END_OF_TURN_ID]), ScriptedModel())
     yield served
     served.server.stop()
 
@@ -308,10 +315,12 @@ def test_logprobs_are_chat_completions_logprobs(served):
     assert added_up(events)[0]["content"][0]["logprobs"] == ours
 
 
-def test_thoughts_are_reasoning_items(tmp_path):
-    """Gemma 4's thought channel (`thinking_support`'s model and template): a reasoning item
-    before the message, streamed as reasoning_text deltas; reasoning.effort "none" turns it off."""
-    tokenizer = thinking_support.tokenizer_for(tmp_path, thinking_support.THINKING_TEMPLATE)
+@pytest.mark.parametrize("template", list(thinking_support.TEMPLATES))
+def test_thoughts_are_reasoning_items(tmp_path, template):
+    """Gemma 4's thought channel (`thinking_support`'s model, its template and Google's): a
+    reasoning item before the message, streamed as reasoning_text deltas; reasoning.effort
+    "none" turns it off."""
+    tokenizer = thinking_support.tokenizer_for(tmp_path, thinking_support.TEMPLATES[template])
     served = Served(tokenizer, None, engine=thinking_support.thinking_engine(tokenizer))
     try:
         kwargs = dict(input=thinking_support.ASK, reasoning={"effort": "high", "summary": "auto"},
@@ -449,8 +458,11 @@ def test_anthropic_grammar_errors_name_output_config_format(served):
 # -- Codex CLI ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def agent(tokenizer):
+@pytest.fixture(scope="module", params=list(gemma4_templates()))
+def agent(request, tmp_path_factory):
+    path = save_tokenizer(tmp_path_factory.mktemp("agent-" + request.param), gemma4_templates()[request.param],
+                          GOOGLE_SPECIAL_TOKENS)
+    tokenizer = load_tokenizer(path, eos_token_ids=[EOS_ID, END_OF_TURN_ID])
     served = Served(tokenizer, AgentModel(tokenizer), context=CONTEXT)
     yield served
     served.server.stop()
@@ -506,13 +518,6 @@ def test_codex_exec_runs_a_command_and_answers(agent, tmp_path):
 
 
 # -- greedy answers on a drafted Gemma 4 -----------------------------------------------------
-
-
-def gemma4_templates() -> dict:
-    out = {"tool-template": TOOL_TEMPLATE}
-    if (TEMPLATES / "gemma4.jinja").exists():  # Google's; see tests/data/templates/README.md
-        out["google"] = (TEMPLATES / "gemma4.jinja").read_text()
-    return out
 
 
 @pytest.fixture(scope="module", params=list(gemma4_templates()))
