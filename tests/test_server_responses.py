@@ -1,19 +1,18 @@
 """OpenAI's Responses API (`/v1/responses`, issue 42 item 1) through the official `openai`
-client (`responses.create`, `.stream`, `.parse`), raw HTTP where the bytes matter, and Codex
-CLI's own requests.
+client (`responses.create`, `.stream`, `.parse`) and raw HTTP where the bytes matter (Codex
+CLI's own requests: test_server_codex.py).
 
 The references are independent of the new route: the same conversation sent to chat
 completions (its prompt, answer, calls, log-probs and usage must be the Responses answer's),
-the events of a stream added up by hand and by the SDK's accumulator (they must give the
-final response), and the requests Codex CLI 0.171 sent (tests/data/codex/) replayed. Most
-tests use `scripted_model.ScriptedModel` (its greedy answer is a script, so a call is certain
-to come); greedy equality is also checked on a tiny random-weight Gemma 4 drafted by a close
-copy (γ = 2). Each runs on our Gemma-4-shaped tool template and on Google's own Gemma 4
-template where tests/data/templates/ holds it (its README.md says where it comes from).
+and the events of a stream added up by hand and by the SDK's accumulator (they must give the
+final response). Most tests use `scripted_model.ScriptedModel` (its greedy answer is a
+script, so a call is certain to come); greedy equality is also checked on a tiny
+random-weight Gemma 4 drafted by a close copy (γ = 2). Each runs on our Gemma-4-shaped tool
+template and on Google's own Gemma 4 template where tests/data/templates/ holds it (its
+README.md says where it comes from).
 """
 
 import json
-from pathlib import Path
 
 import anthropic
 import httpx
@@ -23,16 +22,13 @@ from mlx_lm.utils import load_tokenizer
 from pydantic import BaseModel
 
 import thinking_support
-from codex_support import CALL as CODEX_CALL, COMMAND, FINAL, AgentModel, codex_binary, codex_exec, recorded
-from mlx_spec.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
 from mlx_spec.server.responses_store import ResponseStore
-from scripted_model import (EOS_ID, END_OF_TURN_ID, GOOGLE_SPECIAL_TOKENS, TOOL_TEMPLATE, InProcessServer, ScriptedModel,
-                            save_tokenizer)
+from responses_support import (MODEL, Served, added_up, chat_tool, final_of, gemma4_templates, template_tokenizer,
+                               without_ids)
+from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
 from server_support import assert_openai_error
 
-MODEL = "scripted"
-CONTEXT = 200_000  # a Codex request is ~40 kB: a token per byte for the byte-level tokenizer
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
               "required": ["city"]}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -41,48 +37,11 @@ TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object",
 PARIS = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
 NOON = "<|tool_call>call:get_time{}<tool_call|>"
 ASK = "Weather in Paris?"
-TEMPLATES = Path(__file__).parent / "data" / "templates"
-
-
-def chat_tool(tool: dict) -> dict:
-    """A Responses function tool in chat completions' shape."""
-    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-
-
-class Served:
-    def __init__(self, tokenizer, model, engine=None, context: int = 4096):
-        engine = engine or Engine(model, None, eos_ids=[EOS_ID, END_OF_TURN_ID], context_length=context)
-        self.tokenizer, self.model = tokenizer, engine.target
-        self.server = InProcessServer(create_app(engine, tokenizer, ServerOptions(
-            model_name=MODEL, gamma="0", context_length=context)))
-        self.base = self.server.base
-        self.client = self.server.client()
-
-    def say(self, text: str) -> None:
-        self.model.script = list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def prompt(self, prompt_tokens: int) -> list[int]:
-        """The prompt the model saw in the latest request."""
-        return self.model.seen[:prompt_tokens]
-
-    def post(self, body: dict, **kwargs) -> httpx.Response:
-        return httpx.post(self.base + "/responses", json=body, timeout=120, **kwargs)
-
-
-def gemma4_templates() -> dict:
-    """Our Gemma-4-shaped tool template, and Google's own where tests/data/templates/ has it
-    (see its README.md)."""
-    out = {"tool-template": TOOL_TEMPLATE}
-    if (TEMPLATES / "gemma4.jinja").exists():
-        out["google"] = (TEMPLATES / "gemma4.jinja").read_text()
-    return out
 
 
 @pytest.fixture(scope="module", params=list(gemma4_templates()))
 def served(request, tmp_path_factory):
-    path = save_tokenizer(tmp_path_factory.mktemp(request.param), gemma4_templates()[request.param],
-                          GOOGLE_SPECIAL_TOKENS)
-    served = Served(load_tokenizer(path, eos_token_ids=[EOS_ID, END_OF_TURN_ID]), ScriptedModel())
+    served = Served(template_tokenizer(tmp_path_factory.mktemp(request.param), request.param), ScriptedModel())
     yield served
     served.server.stop()
 
@@ -95,42 +54,6 @@ def as_chat(served: Served, messages: list, **kwargs):
 
 def events_of(served: Served, **kwargs) -> list:
     return list(served.client.responses.create(model=MODEL, stream=True, **kwargs))
-
-
-def final_of(events: list):
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
-    assert events[0].response.status == "in_progress" and events[0].response.output == []
-    assert events[-1].type in ("response.completed", "response.incomplete")
-    return events[-1].response
-
-
-def added_up(events: list) -> list[dict]:
-    """The output items the events describe, built from additions and deltas alone."""
-    items: dict[int, dict] = {}
-    for e in events:
-        if e.type == "response.output_item.added":
-            assert e.output_index == len(items)
-            items[e.output_index] = e.item.model_dump(exclude_none=True)
-        elif e.type == "response.content_part.added":
-            items[e.output_index]["content"].append(e.part.model_dump(exclude_none=True))
-        elif e.type == "response.output_text.delta":
-            part = items[e.output_index]["content"][e.content_index]
-            part["text"] += e.delta
-            part["logprobs"] = part.get("logprobs", []) + [lp.model_dump(exclude_none=True) for lp in e.logprobs]
-        elif e.type == "response.reasoning_text.delta":
-            items[e.output_index]["content"][e.content_index]["text"] += e.delta
-        elif e.type == "response.function_call_arguments.delta":
-            items[e.output_index]["arguments"] += e.delta
-        elif e.type == "response.output_item.done":
-            items[e.output_index]["status"] = e.item.status
-            assert items[e.output_index] == e.item.model_dump(exclude_none=True)
-    return [items[i] for i in sorted(items)]
-
-
-def without_ids(output) -> list[dict]:
-    items = [item if isinstance(item, dict) else item.model_dump(exclude_none=True) for item in output]
-    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
 
 
 # -- answers as chat completions gives them --------------------------------------------------
@@ -266,7 +189,8 @@ def test_a_named_tool_choice_forces_that_call(served):
     chat, chat_prompt = as_chat(served, [{"role": "user", "content": ASK}], tools=[chat_tool(WEATHER), chat_tool(TIME)],
                                 tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert served.prompt(response.usage.input_tokens) == chat_prompt
-    assert [(c.name, json.loads(c.arguments)) for c in response.output] == [("get_weather", {"city": "Paris", "days": 3})]
+    calls = [(c.name, json.loads(c.arguments)) for c in response.output]
+    assert calls == [("get_weather", {"city": "Paris", "days": 3})]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -432,6 +356,36 @@ def test_bad_values_are_refused_naming_the_parameter(served, fields, param):
     assert error["param"] == param, error
 
 
+class FailingModel(ScriptedModel):
+    """Raises at its `after`-th one-token forward: the worker fails the job (a 500)."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.after, self.steps = after, 0
+
+    def __call__(self, inputs, cache=None):
+        self.steps += inputs.shape[1] == 1
+        if self.steps >= self.after:
+            raise RuntimeError("the model broke")
+        return super().__call__(inputs, cache)
+
+
+def test_a_generation_that_fails_ends_with_response_failed(tmp_path):
+    tokenizer = template_tokenizer(tmp_path, "tool-template")
+    served = Served(tokenizer, FailingModel(after=4))
+    try:
+        served.say("one two three four five")
+        events = events_of(served, input="Count")
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert "response.output_text.delta" in [e.type for e in events]
+        failed = events[-1]
+        assert failed.type == "response.failed" and failed.response.status == "failed"
+        assert failed.response.error.code == "server_error" and "internal error" in failed.response.error.message
+        assert_openai_error(served.post({"model": MODEL, "input": "Count"}), 500, "internal error")
+    finally:
+        served.server.stop()
+
+
 def test_tools_on_a_template_without_a_call_format_are_refused(tmp_path):
     tokenizer = load_tokenizer(save_tokenizer(tmp_path, thinking_support.THINKING_TEMPLATE),
                                eos_token_ids=[EOS_ID, END_OF_TURN_ID])
@@ -453,68 +407,6 @@ def test_anthropic_grammar_errors_name_output_config_format(served):
                                extra_body={"output_config": {"format": {"type": "json_schema",
                                                                         "schema": {"type": "nonsense"}}}})
     assert refused.value.body["error"]["message"].startswith("output_config.format: ")
-
-
-# -- Codex CLI ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", params=list(gemma4_templates()))
-def agent(request, tmp_path_factory):
-    path = save_tokenizer(tmp_path_factory.mktemp("agent-" + request.param), gemma4_templates()[request.param],
-                          GOOGLE_SPECIAL_TOKENS)
-    tokenizer = load_tokenizer(path, eos_token_ids=[EOS_ID, END_OF_TURN_ID])
-    served = Served(tokenizer, AgentModel(tokenizer), context=CONTEXT)
-    yield served
-    served.server.stop()
-
-
-def test_codex_requests_replayed(agent):
-    """Codex's two requests of `codex exec "say hello by running echo"` (its tools, developer
-    messages, namespace and web_search tools, a function call and its output), replayed raw."""
-    first = recorded("turn1.json")
-    assert first["stream"] and {t["type"] for t in first["tools"]} == {"function", "namespace", "web_search"}
-    events = stream_events(agent.post({**first, "model": MODEL}))
-    first_prompt = events[-1]["response"]["usage"]["input_tokens"]
-    [call] = events[-1]["response"]["output"]
-    assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call", "exec_command",
-                                                                            {"cmd": COMMAND})
-    second = recorded("turn2.json")
-    assert [item["type"] for item in second["input"][-2:]] == ["function_call", "function_call_output"]
-    events = stream_events(agent.post({**second, "model": MODEL}))
-    assert events[-1]["type"] == "response.completed"
-    # the whole conversation comes each turn: the first turn's prompt is read from the cache
-    assert events[-1]["response"]["usage"]["input_tokens_details"]["cached_tokens"] >= first_prompt - 1
-    assert events[-1]["response"]["output"][0]["content"][0]["text"] == FINAL
-    assert "<|tool_response>response:exec_command" in agent.tokenizer.decode(agent.model.seen)
-    # through the SDK too, whole
-    body = {k: v for k, v in second.items() if k not in ("model", "stream")}
-    assert agent.client.responses.create(model=MODEL, **body).output_text == FINAL
-
-
-def stream_events(response: httpx.Response) -> list[dict]:
-    """The SSE events of a streamed answer: each an `event:` line naming its data's type."""
-    assert response.status_code == 200, response.text
-    events = []
-    for block in response.text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {event['type']}"
-        events.append(event)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    return events
-
-
-@pytest.mark.slow
-def test_codex_exec_runs_a_command_and_answers(agent, tmp_path):
-    """The real Codex CLI (`npm install -g @openai/codex`; or MLX_SPEC_CODEX=path) against
-    `serve`: it runs the command the model calls for and prints the model's final answer."""
-    binary = codex_binary()
-    if binary is None:
-        pytest.skip("codex is not installed (npm install -g @openai/codex)")
-    done = codex_exec(binary, agent.base, MODEL, "say hello by running echo", tmp_path / "home", tmp_path / "work")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == FINAL
-    assert COMMAND in done.stderr and "succeeded" in done.stderr
 
 
 # -- greedy answers on a drafted Gemma 4 -----------------------------------------------------
@@ -545,7 +437,8 @@ CHAT_HISTORY = [{"role": "system", "content": "You help."}, {"role": "user", "co
                     "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]
 RESPONSES_HISTORY = [{"role": "developer", "content": "You help."}, {"role": "user", "content": ASK},
-                     {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                     {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                      "arguments": '{"city": "Paris"}'},
                      {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}]
 SCHEMA = Weather.model_json_schema() | {"additionalProperties": False}
 CASES = {  # name: (Responses fields, the chat completions request's)

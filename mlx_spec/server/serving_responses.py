@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from mlx_spec.server.api_error import ApiError
-from mlx_spec.server.jobs import Done, Failed, Job, Piece
+from mlx_spec.server.jobs import Done, Failed, Job
 from mlx_spec.server.logprobs import AnswerBytes, logprobs_object
 from mlx_spec.server.request_base import parse_body
 from mlx_spec.server.responses_output import OutputItems, new_id, response_object, sse, usage
