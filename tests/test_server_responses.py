@@ -331,6 +331,8 @@ BAD = [  # (body fields over {"model", "input": "hi"}, the param named)
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
     ({"tools": [{**WEATHER, "strict": True}]}, "tools[0].strict"),
+    ({"tools": [{"type": "web_search"}, {"type": "namespace", "name": "n", "tools": [{**TIME, "strict": True}]}]},
+     "tools[1].tools[0].strict"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format"),

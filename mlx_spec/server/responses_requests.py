@@ -20,6 +20,7 @@ answer. A tool type the API does not have is a 400.
 from __future__ import annotations
 
 import json
+import re
 from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
@@ -41,6 +42,7 @@ INCLUDABLE = frozenset({
     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
     "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
 LOGPROBS = "message.output_text.logprobs"
+CHAT_TOOL_PATH = re.compile(r"tools\[(\d+)\]\.function\.")  # `plan_tools`' paths into the offered tools
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
@@ -308,10 +310,10 @@ def _no_tool_format(where: str) -> ApiError:
 # ---------------------------------------------------------------------------------------
 
 
-def offered_tools(tools: Optional[list[ToolSpec]]) -> tuple[list[dict], dict[str, str]]:
+def offered_tools(tools: Optional[list[ToolSpec]]) -> tuple[list[dict], dict[str, str], list[str]]:
     """(the function tools in chat completions' shape, as the chat template takes them;
-    function name -> its namespace for those in one)."""
-    out, namespaces = [], {}
+    function name -> its namespace for those in one; each one's path in the request)."""
+    out, namespaces, paths = [], {}, []
 
     def function(tool: ToolSpec, where: str) -> dict:
         if not tool.name:
@@ -319,6 +321,7 @@ def offered_tools(tools: Optional[list[ToolSpec]]) -> tuple[list[dict], dict[str
         if tool.name in names:
             raise ApiError(400, f"{where}.name: another tool is also named {tool.name!r}", param=f"{where}.name")
         names.add(tool.name)
+        paths.append(where)
         spec = {"name": tool.name, "description": tool.description, "parameters": tool.parameters,
                 "strict": tool.strict}
         return {"type": "function", "function": {k: v for k, v in spec.items() if v is not None}}
@@ -336,7 +339,7 @@ def offered_tools(tools: Optional[list[ToolSpec]]) -> tuple[list[dict], dict[str
                     raise _unknown_tool(inner.type, f"tools[{i}].tools[{j}]")
         elif tool.type not in UNOFFERED_TOOLS:
             raise _unknown_tool(tool.type, f"tools[{i}]")
-    return out, namespaces
+    return out, namespaces, paths
 
 
 def _unknown_tool(kind: str, where: str) -> ApiError:
@@ -347,7 +350,7 @@ def _unknown_tool(kind: str, where: str) -> ApiError:
 def tool_plan(body: ResponsesRequest, syntax: Optional[ToolSyntax]) -> tuple[ToolPlan, dict[str, str]]:
     """The request's `ToolPlan` (`tools.plan_tools`, as chat completions') and its tools'
     namespaces."""
-    tools, namespaces = offered_tools(body.tools)
+    tools, namespaces, paths = offered_tools(body.tools)
     choice = body.tool_choice
     if isinstance(choice, NamedChoice):
         if choice.type != "function" or not choice.name:
@@ -361,8 +364,11 @@ def tool_plan(body: ResponsesRequest, syntax: Optional[ToolSyntax]) -> tuple[Too
     try:
         plan = plan_tools(tools or None, choice, syntax, single=body.parallel_tool_calls is False)
     except ApiError as error:  # its paths are chat completions' (tools[i].function.strict)
-        error.param = error.param and error.param.replace(".function.", ".")
-        error.message = error.message.replace(".function.", ".")
+        def path(match: re.Match) -> str:
+            return paths[int(match.group(1))] + "."
+
+        error.param = error.param and CHAT_TOOL_PATH.sub(path, error.param)
+        error.message = CHAT_TOOL_PATH.sub(path, error.message)
         raise
     return plan, namespaces
 
