@@ -147,8 +147,16 @@ class ResponsesRequest(RequestBody):
                 raise ApiError(400, f"include[{i}]: {value!r} is not a supported value; supported: "
                                     f"{', '.join(sorted(INCLUDABLE))}", param=f"include[{i}]",
                                code="invalid_value")
-        if self.input is None and self.previous_response_id is None:
-            raise ApiError(400, "input: Field required (or previous_response_id)", param="input")
+        if not self.input and self.previous_response_id is None:
+            raise ApiError(400, "input: an input (a string or at least one item) is required, or a "
+                                "previous_response_id", param="input")
+        # Chat completions' names for fields this API spells otherwise: refused with the name
+        # to use, rather than quietly ignored.
+        for param, instead in (("max_tokens", "max_output_tokens"), ("max_completion_tokens", "max_output_tokens"),
+                               ("response_format", "text.format")):
+            if getattr(self, param) is not None:
+                raise ApiError(400, f"{param}: not a parameter of the Responses API; use {instead}",
+                               param=param, code="unsupported_parameter")
 
     def requested_tokens(self) -> Optional[int]:
         return self.max_output_tokens

@@ -136,8 +136,8 @@ class ResponsesServing(Serving):
                 if isinstance(event, (Done, Failed)):
                     response = answer.response(rid, created, event)
                     kind = {"completed": "completed", "incomplete": "incomplete"}.get(response["status"], "failed")
+                    self._keep(call, response)  # before the last event: a client may go once it has it
                     yield sse(items.lifecycle(kind, response))
-                    self._keep(call, response)
                     return
         finally:
             # Reached when the answer is complete and when Starlette cancels this generator
