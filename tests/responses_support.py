@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 from mlx_lm.utils import load_tokenizer
 
-from mlx_spec.engine import Engine
+from mlx_spec.core.engine import Engine
 from mlx_spec.server import ServerOptions, create_app
 from scripted_model import EOS_ID, END_OF_TURN_ID, GOOGLE_SPECIAL_TOKENS, TOOL_TEMPLATE, InProcessServer, save_tokenizer
 

@@ -22,8 +22,12 @@ from mlx_lm.utils import load_tokenizer
 from pydantic import BaseModel
 
 import thinking_support
+from mlx_spec.apps.runner import build_engine
+from mlx_spec.loading import load_pair
 from mlx_spec.server import ServerOptions, create_app
 from mlx_spec.server.responses_store import ResponseStore
+from mlx_spec.testing.tiny import perturbed_copy
+from mlx_spec.testing.tiny_gemma4 import TEMPLATE_SPECIAL_TOKENS, save_tiny_gemma4, tiny_gemma4
 from responses_support import (MODEL, Served, added_up, chat_tool, final_of, gemma4_templates, template_tokenizer,
                                without_ids)
 from scripted_model import EOS_ID, END_OF_TURN_ID, InProcessServer, ScriptedModel, save_tokenizer
@@ -422,11 +426,6 @@ def test_anthropic_grammar_errors_name_output_config_format(served):
 
 @pytest.fixture(scope="module", params=list(gemma4_templates()))
 def gemma4(request, tmp_path_factory):
-    from mlx_spec.models import load_pair
-    from mlx_spec.runner import build_engine
-    from mlx_spec.testing.tiny import perturbed_copy
-    from mlx_spec.testing.tiny_gemma4 import TEMPLATE_SPECIAL_TOKENS, save_tiny_gemma4, tiny_gemma4
-
     root = tmp_path_factory.mktemp("gemma4-" + request.param)
     stops = [EOS_ID, END_OF_TURN_ID, TEMPLATE_SPECIAL_TOKENS.index("<|tool_response>")]
     target = tiny_gemma4(seed=0, eos_token_id=stops)
