@@ -23,18 +23,22 @@ RECORDED = Path(__file__).parent / "data" / "codex"
 COMMAND = "echo hello"
 CALL = '<|tool_call>call:exec_command{cmd:<|"|>' + COMMAND + '<|"|>}<tool_call|>'
 FINAL = "All done: hello"
+THOUGHT = "<|channel>thought\nThe user wants a command run.<channel|>"
 
 
 class AgentModel(ScriptedModel):
-    """Calls `exec_command` until a tool's answer stands in its prompt, then says FINAL."""
+    """Calls `exec_command` until a tool's answer stands in its prompt, then says FINAL;
+    with `thinks` set, each answer opens with a thought in Gemma 4's channel (a reasoning item)."""
 
     def __init__(self, tokenizer):
         super().__init__()
         self._encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         self._answered = tokenizer.convert_tokens_to_ids("<|tool_response>")
+        self.thinks = False
 
     def answer(self, history: list[int]) -> list[int]:
-        self.script = self._encode(FINAL if self._answered in history else CALL)
+        thought = THOUGHT if self.thinks else ""
+        self.script = self._encode(thought + (FINAL if self._answered in history else CALL))
         # Only the latest turn decides what comes next (`ScriptedModel.answer` starts over at
         # each <|turn>): read from there, not the whole 40k-token prompt at every forward.
         # Rows before it are prompt positions, whose logits nothing reads.

@@ -45,13 +45,20 @@ def test_codex_requests_replayed(agent):
 
 
 @pytest.mark.slow
-def test_codex_exec_runs_a_command_and_answers(agent, tmp_path):
+@pytest.mark.parametrize("thinks", [False, True], ids=["answers", "thinks"])
+def test_codex_exec_runs_a_command_and_answers(agent, tmp_path, thinks):
     """The real Codex CLI (`npm install -g @openai/codex`; or MLX_SPEC_CODEX=path) against
-    `serve`: it runs the command the model calls for and prints the model's final answer."""
+    `serve`: it runs the command the model calls for and prints the model's final answer,
+    with the model's thoughts (reasoning items, which Codex sends back) or without."""
     binary = codex_binary()
     if binary is None:
         pytest.skip("codex is not installed (npm install -g @openai/codex)")
-    done = codex_exec(binary, agent.base, MODEL, "say hello by running echo", tmp_path / "home", tmp_path / "work")
+    agent.model.thinks = thinks
+    try:
+        done = codex_exec(binary, agent.base, MODEL, "say hello by running echo", tmp_path / "home",
+                          tmp_path / "work")
+    finally:
+        agent.model.thinks = False
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == FINAL
     assert COMMAND in done.stderr and "succeeded" in done.stderr
