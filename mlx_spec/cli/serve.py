@@ -165,8 +165,8 @@ def serve(
     repetition_penalty: RepPenaltyOpt = None,
     seed: SeedOpt = None,
 ) -> None:
-    """Serve the model over OpenAI-compatible (chat, completions) and Anthropic-compatible
-    (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
+    """Serve the model over OpenAI-compatible (chat, completions, responses) and
+    Anthropic-compatible (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
     conversations cached at once, exact speculative decoding and its statistics in each
     answer; GET /metrics for Prometheus.
 
