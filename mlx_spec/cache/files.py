@@ -240,13 +240,12 @@ def read_safetensors(path: Path) -> tuple[dict, dict]:
         raise CacheFileError(f"no such file: {path}") from None
     except OSError as error:
         raise CacheFileError(f"{path} cannot be opened ({error.strerror or error})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheFileError(f"{path} is not a regular file")
     try:
         with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise CacheFileError(f"{path} is not a regular file")
             arrays, metadata = mx.load(file, format="safetensors", return_metadata=True)
-    except CacheFileError:
-        raise
     except Exception as error:  # mx.load's RuntimeError / ValueError for damaged files
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CacheFileError(f"{path} is not a readable safetensors file ({first})") from None

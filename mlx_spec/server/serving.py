@@ -243,8 +243,7 @@ class Serving:
             wanted = body.output_format()
             if wanted is None:
                 return None
-            (kind, source), param = wanted, ("response_format" if hasattr(body, "response_format")
-                                             else "output_config.format")
+            (kind, source), param = wanted, body.FORMAT_PARAM
         if (template_kwargs or {}).get("enable_thinking"):
             raise ApiError(400, f"{param}: structured output cannot be combined with thinking yet (the "
                                 "grammar would hold from the first token, the thought's); turn thinking off",
