@@ -200,3 +200,54 @@ def test_openai_response_format_refusals_are_one_line_400s(server, schema, fragm
         "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}})
     error = assert_openai_error(response, 400, "response_format", fragment)
     assert len(error["message"]) < 400
+
+
+# -- 8. compiling never holds the parsing thread; its backlog is bounded -----------------------
+
+def test_slow_compiles_neither_stall_other_requests_nor_queue_without_bound(tmp_path_factory, target, monkeypatch):
+    """Grammars compiled on the one parsing thread, with no bound on the backlog: six 8 MB
+    const schemas (4 s each) held an unrelated 1-token completion for 23.8 s. Here each
+    compile is made to take 2 s (a schema under the size bound can still cost seconds):
+    a plain completion sent while three wait is answered at once, and compiles beyond the
+    queue's room get 503 with Retry-After."""
+    import threading
+
+    import mlx_spec.server.serving as serving_module
+
+    compile_now = serving_module.compile_grammar
+
+    def slow(*args, **kwargs):
+        time.sleep(2)
+        return compile_now(*args, **kwargs)
+
+    monkeypatch.setattr(serving_module, "compile_grammar", slow)
+    tokenizer = load_tokenizer(save_tokenizer(tmp_path_factory.mktemp("tok8"), TEMPLATE),
+                               eos_token_ids=[EOS_ID, END_OF_TURN_ID])
+    engine = Engine(target, None, eos_ids=[EOS_ID, END_OF_TURN_ID], context_length=4096)
+    served = InProcessServer(create_app(engine, tokenizer, ServerOptions(model_name="tiny", gamma="0",
+                                                                         queue_size=3)))
+    statuses = []
+
+    def structured():
+        response = httpx.post(served.base + "/completions", timeout=60, json={
+            "model": "tiny", "prompt": "A value:", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "v", "schema": {"const": "x"}}}})
+        statuses.append((response.status_code, response.headers.get("retry-after")))
+
+    try:
+        senders = [threading.Thread(target=structured) for _ in range(5)]
+        for sender in senders:
+            sender.start()
+            time.sleep(0.05)
+        began = time.monotonic()
+        plain = httpx.post(served.base + "/completions", timeout=60,
+                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 1})
+        waited = time.monotonic() - began
+        for sender in senders:
+            sender.join(60)
+    finally:
+        served.stop()
+    assert plain.status_code == 200, plain.text
+    assert waited < 1.5, f"an unrelated request waited {waited:.1f} s behind grammar compiles"
+    assert sorted(s for s, _ in statuses).count(200) >= 1
+    assert any(s == 503 and retry for s, retry in statuses), statuses
