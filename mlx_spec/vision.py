@@ -40,6 +40,8 @@ from mlx_spec.errors import ModelLoadError, UsageError
 
 MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (OpenAI's limit per image)
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a small file can decode huge
+MAX_IMAGES = 100  # per request (Anthropic's API limit)
+MAX_REQUEST_PIXELS = 64_000_000  # all of a request's images, decoded: ~200 MB as RGB, checked before decoding
 INSTALL_HINT = "pip install 'mlx-spec[vision]'"
 
 
@@ -98,6 +100,12 @@ class ImagePrompter:
         # One crop per image: pan-and-scan's extra crops would each need their own sequence.
         pixels = self.processor.image_processor(images, return_tensors="np", do_pan_and_scan=False)["pixel_values"]
         return list(pixels), [self.sequence] * len(images)
+
+    @property
+    def min_tokens(self) -> int:
+        """Prompt tokens an image takes at the least (Gemma 3: its fixed sequence; Gemma 4:
+        its markers and one soft token), known before any image is decoded."""
+        return 3 if self.sized else len(self.sequence)
 
     def prompt(self, ids: list[int], images: list) -> ImagePrompt:
         """`ids` (a rendered prompt, one placeholder per image) with `images` (PIL images,
@@ -208,8 +216,9 @@ def load_vision(path: Path, config: dict, target) -> Optional[Vision]:
     return Vision(vlm, ImagePrompter(processor), bidirectional)
 
 
-def open_image(data: bytes, where: str):
-    """`data` as an RGB PIL image, or an `ImageError` naming `where` and the limit broken."""
+def open_image(data: bytes, where: str, lazy: bool = False):
+    """`data` as an RGB PIL image, or an `ImageError` naming `where` and the limit broken.
+    `lazy`: only its header read (its size known, nothing decoded); `decode_image` then."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > MAX_IMAGE_BYTES:
@@ -219,14 +228,24 @@ def open_image(data: bytes, where: str):
         if image.width * image.height > MAX_IMAGE_PIXELS:
             raise ImageError(f"{where}: the image is {image.width}x{image.height} pixels, over the limit of "
                              f"{MAX_IMAGE_PIXELS:,} pixels")
-        return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
         if isinstance(error, ImageError):
             raise
         raise ImageError(f"{where}: not an image PIL can read") from None
+    return image if lazy else decode_image(image, where)
 
 
-def read_image_file(path: str, where: str):
+def decode_image(image, where: str):
+    """A lazily opened image (`open_image(lazy=True)`) decoded as RGB."""
+    from PIL import Image
+
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError):
+        raise ImageError(f"{where}: not an image PIL can read") from None
+
+
+def read_image_file(path: str, where: str, lazy: bool = False):
     """An image file as a PIL image (`open_image`)."""
     file = Path(path).expanduser()
     where = f"{where} {path}"
@@ -234,10 +253,10 @@ def read_image_file(path: str, where: str):
         raise ImageError(f"{where}: no such file")
     if file.stat().st_size > MAX_IMAGE_BYTES:
         raise ImageError(f"{where}: the file is {file.stat().st_size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}")
-    return open_image(file.read_bytes(), where)
+    return open_image(file.read_bytes(), where, lazy)
 
 
-def decode_base64_image(data: str, where: str):
+def decode_base64_image(data: str, where: str, lazy: bool = False):
     """A base64 image (`open_image`); malformed base64 is refused in one line."""
     if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise ImageError(f"{where}: the image is over the limit of {MAX_IMAGE_BYTES:,} bytes")
@@ -245,10 +264,10 @@ def decode_base64_image(data: str, where: str):
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(f"{where}: the image data is not valid base64") from None
-    return open_image(raw, where)
+    return open_image(raw, where, lazy)
 
 
-def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True):
+def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True, lazy: bool = False):
     """An image from a data: URL, (when `allow_files`) a file: URL or local path, or (when
     `allow_remote`, i.e. `serve --allow-image-urls`) an http(s) URL; anything else is refused
     in one line. A server reads local files only with `serve --allow-image-files`: whoever
@@ -261,13 +280,13 @@ def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files
         head, comma, data = url.partition(",")
         if not comma or not head.endswith(";base64"):
             raise ImageError(f"{where}: a data URL must be data:<media type>;base64,<data>")
-        return decode_base64_image(data, where)
+        return decode_base64_image(data, where, lazy)
     if scheme == "file" or not scheme or len(scheme) == 1:  # C:\\... is a path, not a scheme
         if not allow_files:
             raise ImageError(f"{where}: local image files are not read unless the server is started "
                              "with --allow-image-files; send the image as a data: URL or base64")
     if scheme == "file":
-        return read_image_file(urllib.request.url2pathname(urllib.parse.urlsplit(url).path), where)
+        return read_image_file(urllib.request.url2pathname(urllib.parse.urlsplit(url).path), where, lazy)
     if scheme in ("http", "https"):
         if not allow_remote:
             raise ImageError(f"{where}: image URLs are not fetched unless the server is started with "
@@ -277,7 +296,7 @@ def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files
                 data = response.read(MAX_IMAGE_BYTES + 1)
         except OSError as error:
             raise ImageError(f"{where}: cannot fetch {url}: {error}") from None
-        return open_image(data, where)
+        return open_image(data, where, lazy)
     if scheme and len(scheme) > 1:  # C:\... is a path, not a scheme
         raise ImageError(f"{where}: image URLs with scheme '{scheme}' are not read")
-    return read_image_file(url, where)
+    return read_image_file(url, where, lazy)

@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Optional
 
 from mlx_spec.server.api_error import ApiError
-from mlx_spec.vision import ImageError, ImagePrompter, image_from_url
+from mlx_spec.vision import (
+    MAX_IMAGES, MAX_REQUEST_PIXELS, ImageError, ImagePrompter, decode_image, image_from_url,
+)
 
 
 def content_texts(content) -> list[str]:
@@ -20,28 +22,47 @@ def content_texts(content) -> list[str]:
     return [part["text"] for part in content or () if part.get("type") == "text"]
 
 
-def take_images(messages: list[dict], prompter: Optional[ImagePrompter],
-                allow_remote: bool, allow_files: bool = False) -> tuple[list[dict], list]:
+def take_images(messages: list[dict], prompter: Optional[ImagePrompter], allow_remote: bool,
+                allow_files: bool = False, context_length: Optional[int] = None) -> tuple[list[dict], list]:
     """(the messages with each image part's source read, the images in order as PIL
-    images); a model without a vision tower, or an image that cannot be read, is a 400."""
-    out, images = [], []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list) and any(part.get("type") == "image" for part in content):
-            parts = []
-            for part in content:
-                if part.get("type") != "image":
-                    parts.append(part)
-                    continue
-                if prompter is None:
-                    raise ApiError(400, f"{part['where']}: {part['kind']} content needs a model with a vision "
-                                        "tower; this one takes text only", param=part["where"],
-                                   code="unsupported_content")
-                try:
-                    images.append(image_from_url(part["url"], part["where"], allow_remote, allow_files))
-                except ImageError as error:
-                    raise ApiError(400, str(error), param=part["where"]) from None
-                parts.append({"type": "image"})
-            message = {**message, "content": parts}
-        out.append(message)
+    images); a model without a vision tower, or an image that cannot be read, is a 400.
+
+    Before any image is decoded: at most `MAX_IMAGES` of them, their least prompt tokens
+    within `context_length`, and (from their headers) at most `MAX_REQUEST_PIXELS` in all;
+    then each is decoded in turn. A few small files cannot make the server decode gigabytes."""
+    parts = [part for message in messages if isinstance(message.get("content"), list)
+             for part in message["content"] if part.get("type") == "image"]
+    if not parts:
+        return messages, []
+    if prompter is None:
+        first = parts[0]
+        raise ApiError(400, f"{first['where']}: {first['kind']} content needs a model with a vision "
+                            "tower; this one takes text only", param=first["where"], code="unsupported_content")
+    if len(parts) > MAX_IMAGES:
+        raise ApiError(400, f"messages: {len(parts)} images, at most {MAX_IMAGES} per request",
+                       param="messages", code="too_many_items")
+    if context_length is not None and len(parts) * prompter.min_tokens >= context_length:
+        raise ApiError(400, f"this model's context is {context_length} tokens, but {len(parts)} images alone "
+                            f"need at least {len(parts) * prompter.min_tokens}", param="messages",
+                       code="context_length_exceeded")
+    opened, pixels = [], 0
+    for part in parts:
+        try:
+            image = image_from_url(part["url"], part["where"], allow_remote, allow_files, lazy=True)
+        except ImageError as error:
+            raise ApiError(400, str(error), param=part["where"]) from None
+        pixels += image.width * image.height
+        if pixels > MAX_REQUEST_PIXELS:
+            raise ApiError(400, f"messages: the images hold over {MAX_REQUEST_PIXELS:,} pixels in all "
+                                f"(the limit per request)", param="messages")
+        opened.append(image)
+    images = []
+    for part, image in zip(parts, opened):
+        try:
+            images.append(decode_image(image, part["where"]))
+        except ImageError as error:
+            raise ApiError(400, str(error), param=part["where"]) from None
+    out = [{**message, "content": [{"type": "image"} if part.get("type") == "image" else part
+                                   for part in message["content"]]}
+           if isinstance(message.get("content"), list) else message for message in messages]
     return out, images

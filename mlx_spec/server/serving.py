@@ -294,8 +294,8 @@ class Serving:
         return await self.tokenizing.run(self._chat_prompt, conversation, plan, queued=queued)
 
     def _chat_prompt(self, conversation: Conversation, plan: ToolPlan):
-        messages, images = take_images(conversation.messages, self.model.prompter,
-                                       self.options.allow_image_urls, self.options.allow_image_files)
+        messages, images = take_images(conversation.messages, self.model.prompter, self.options.allow_image_urls,
+                                       self.options.allow_image_files, self.options.context_length)
         ids = self.model.prompts.ids(messages, plan, conversation.continue_final,
                                      conversation.generation_prompt, conversation.template_kwargs)
         if not images:
