@@ -28,6 +28,9 @@ import base64
 import binascii
 import hashlib
 import io
+import ipaddress
+import socket
+import time
 import urllib.parse
 import warnings
 from dataclasses import dataclass
@@ -41,6 +44,9 @@ from mlx_spec.errors import ModelLoadError, UsageError
 MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (OpenAI's limit per image)
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a small file can decode huge
 MAX_IMAGES = 100  # per request (Anthropic's API limit)
+MAX_IMAGE_URLS = 16  # http(s) images fetched per request
+FETCH_DEADLINE_S = 30.0  # for all of a request's image URLs together: a slow server cannot hold the thread
+FETCH_READ_S = 5.0  # the most one socket read may wait: past the deadline by at most this
 MAX_REQUEST_PIXELS = 64_000_000  # all of a request's images, decoded: ~200 MB as RGB, checked before decoding
 INSTALL_HINT = "pip install 'mlx-spec[vision]'"
 
@@ -267,12 +273,14 @@ def decode_base64_image(data: str, where: str, lazy: bool = False):
     return open_image(raw, where, lazy)
 
 
-def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True, lazy: bool = False):
+def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True, lazy: bool = False,
+                   deadline: Optional[float] = None, allow_private: bool = False):
     """An image from a data: URL, (when `allow_files`) a file: URL or local path, or (when
-    `allow_remote`, i.e. `serve --allow-image-urls`) an http(s) URL; anything else is refused
-    in one line. A server reads local files only with `serve --allow-image-files`: whoever
-    may call it could otherwise probe the server's disk (a missing file and a file that is
-    no image answer differently)."""
+    `allow_remote`, i.e. `serve --allow-image-urls`) an http(s) URL (`fetch_image`, by
+    `deadline`, a `time.monotonic()`; private addresses only with `allow_private`); anything
+    else is refused in one line. A server reads local files only with `serve
+    --allow-image-files`: whoever may call it could otherwise probe the server's disk (a
+    missing file and a file that is no image answer differently)."""
     import urllib.request  # ~20 ms of imports, for requests with image URLs only
 
     scheme = urllib.parse.urlsplit(url).scheme.lower()
@@ -291,12 +299,60 @@ def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files
         if not allow_remote:
             raise ImageError(f"{where}: image URLs are not fetched unless the server is started with "
                              "--allow-image-urls")
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                data = response.read(MAX_IMAGE_BYTES + 1)
-        except OSError as error:
-            raise ImageError(f"{where}: cannot fetch {url}: {error}") from None
-        return open_image(data, where, lazy)
-    if scheme and len(scheme) > 1:  # C:\... is a path, not a scheme
+        deadline = time.monotonic() + FETCH_DEADLINE_S if deadline is None else deadline
+        return fetch_image(url, where, deadline, allow_private, lazy)
+    if scheme and len(scheme) > 1:  # C:\\... is a path, not a scheme
         raise ImageError(f"{where}: image URLs with scheme '{scheme}' are not read")
     return read_image_file(url, where, lazy)
+
+
+def fetch_image(url: str, where: str, deadline: float, allow_private: bool = False, lazy: bool = False):
+    """The image at an http(s) URL, fetched by `deadline` (`time.monotonic()`; the whole
+    body, not each socket read), following redirects to http(s) only, and (unless
+    `allow_private`) never from a loopback, private, link-local or reserved address. Every
+    failure (refused, not found, too slow, private, not an image) is the same one-line
+    `ImageError`: the answer must not map which hosts and ports exist behind the server."""
+    import http.client  # as in `image_from_url` (urllib.request imports it anyway)
+    import urllib.request
+
+    class CheckedRedirects(urllib.request.HTTPRedirectHandler):
+        """Redirects to public http(s) URLs only (urllib's own also follows ftp://)."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            _check_host(newurl, allow_private)
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    refused = ImageError(f"{where}: the image at that URL could not be fetched")
+    try:
+        _check_host(url, allow_private)
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        # urlopen's timeout bounds each socket operation, not the body: the loop checks the
+        # deadline after every read, none of which waits longer than FETCH_READ_S.
+        with urllib.request.build_opener(CheckedRedirects()).open(url, timeout=FETCH_READ_S) as response:
+            data = bytearray()
+            while len(data) <= MAX_IMAGE_BYTES:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                chunk = response.read1(65536)
+                if not chunk:
+                    break
+                data += chunk
+        return open_image(bytes(data), where, lazy)
+    except (OSError, ValueError, ImageError, http.client.HTTPException):
+        raise refused from None
+
+
+def _check_host(url: str, allow_private: bool) -> None:
+    """ValueError unless `url` is http(s) and (unless `allow_private`) every address its host
+    resolves to is public. (A name may resolve otherwise when connecting: this stops the
+    plain cases, a link to 127.0.0.1 or 169.254.169.254, not DNS rebinding.)"""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) URL")
+    if allow_private:
+        return
+    for *_, address in socket.getaddrinfo(parts.hostname, parts.port or 80, proto=socket.IPPROTO_TCP):
+        ip = ipaddress.ip_address(address[0].split("%")[0])
+        if not ip.is_global or ip.is_multicast:
+            raise ValueError("a private address")

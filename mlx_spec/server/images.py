@@ -7,11 +7,14 @@ part's type there); `take_images` reads them (data URLs; local files only with
 
 from __future__ import annotations
 
+import time
+import urllib.parse
 from typing import Optional
 
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.vision import (
-    MAX_IMAGES, MAX_REQUEST_PIXELS, ImageError, ImagePrompter, decode_image, image_from_url,
+    FETCH_DEADLINE_S, MAX_IMAGE_URLS, MAX_IMAGES, MAX_REQUEST_PIXELS, ImageError, ImagePrompter, decode_image,
+    image_from_url,
 )
 
 
@@ -23,13 +26,16 @@ def content_texts(content) -> list[str]:
 
 
 def take_images(messages: list[dict], prompter: Optional[ImagePrompter], allow_remote: bool,
-                allow_files: bool = False, context_length: Optional[int] = None) -> tuple[list[dict], list]:
+                allow_files: bool = False, context_length: Optional[int] = None,
+                allow_private: bool = False) -> tuple[list[dict], list]:
     """(the messages with each image part's source read, the images in order as PIL
     images); a model without a vision tower, or an image that cannot be read, is a 400.
 
-    Before any image is decoded: at most `MAX_IMAGES` of them, their least prompt tokens
-    within `context_length`, and (from their headers) at most `MAX_REQUEST_PIXELS` in all;
-    then each is decoded in turn. A few small files cannot make the server decode gigabytes."""
+    Before any image is decoded: at most `MAX_IMAGES` of them (`MAX_IMAGE_URLS` to fetch,
+    all within `FETCH_DEADLINE_S` together, from public addresses unless `allow_private`),
+    their least prompt tokens within `context_length`, and (from their headers) at most
+    `MAX_REQUEST_PIXELS` in all; then each is decoded in turn. A few small files cannot
+    make the server decode gigabytes, nor a slow image server hold it."""
     parts = [part for message in messages if isinstance(message.get("content"), list)
              for part in message["content"] if part.get("type") == "image"]
     if not parts:
@@ -45,10 +51,15 @@ def take_images(messages: list[dict], prompter: Optional[ImagePrompter], allow_r
         raise ApiError(400, f"this model's context is {context_length} tokens, but {len(parts)} images alone "
                             f"need at least {len(parts) * prompter.min_tokens}", param="messages",
                        code="context_length_exceeded")
-    opened, pixels = [], 0
+    remote = [p for p in parts if urllib.parse.urlsplit(p["url"]).scheme.lower() in ("http", "https")]
+    if allow_remote and len(remote) > MAX_IMAGE_URLS:
+        raise ApiError(400, f"messages: {len(remote)} image URLs, at most {MAX_IMAGE_URLS} per request",
+                       param="messages", code="too_many_items")
+    opened, pixels, deadline = [], 0, time.monotonic() + FETCH_DEADLINE_S
     for part in parts:
         try:
-            image = image_from_url(part["url"], part["where"], allow_remote, allow_files, lazy=True)
+            image = image_from_url(part["url"], part["where"], allow_remote, allow_files, lazy=True,
+                                   deadline=deadline, allow_private=allow_private)
         except ImageError as error:
             raise ApiError(400, str(error), param=part["where"]) from None
         pixels += image.width * image.height

@@ -295,7 +295,8 @@ class Serving:
 
     def _chat_prompt(self, conversation: Conversation, plan: ToolPlan):
         messages, images = take_images(conversation.messages, self.model.prompter, self.options.allow_image_urls,
-                                       self.options.allow_image_files, self.options.context_length)
+                                       self.options.allow_image_files, self.options.context_length,
+                                       self.options.allow_private_image_urls)
         ids = self.model.prompts.ids(messages, plan, conversation.continue_final,
                                      conversation.generation_prompt, conversation.template_kwargs)
         if not images:
