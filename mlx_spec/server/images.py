@@ -11,11 +11,11 @@ import time
 import urllib.parse
 from typing import Optional
 
-from mlx_spec.server.api_error import ApiError
-from mlx_spec.vision import (
+from mlx_spec.models.vision import (
     FETCH_DEADLINE_S, MAX_IMAGE_URLS, MAX_IMAGES, MAX_REQUEST_PIXELS, ImageError, ImagePrompter, decode_image,
     image_from_url,
 )
+from mlx_spec.server.api_error import ApiError
 
 
 def content_texts(content) -> list[str]:
