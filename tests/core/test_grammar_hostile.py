@@ -251,3 +251,25 @@ def test_slow_compiles_neither_stall_other_requests_nor_queue_without_bound(tmp_
     assert waited < 1.5, f"an unrelated request waited {waited:.1f} s behind grammar compiles"
     assert sorted(s for s, _ in statuses).count(200) >= 1
     assert any(s == 503 and retry for s, retry in statuses), statuses
+
+
+# -- 10. no schema-violating success through the server ---------------------------------------
+
+def test_every_finished_answer_through_the_server_validates(server):
+    """The 34 schemas of tests/data/schemas.json through `response_format`, greedy with
+    n-gram drafts and forced runs: each answer that says `stop` must validate (jsonschema),
+    and most must finish."""
+    from pathlib import Path
+
+    schemas = json.loads((Path(__file__).parents[1] / "data" / "schemas.json").read_text())
+    finished = 0
+    for i, schema in enumerate(schemas):
+        response = httpx.post(server.base + "/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": ASK, "max_tokens": 80, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}})
+        assert response.status_code == 200, (i, response.text)
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+            finished += 1
+    assert finished >= 0.8 * len(schemas)
