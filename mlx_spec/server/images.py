@@ -25,6 +25,11 @@ def content_texts(content) -> list[str]:
     return [part["text"] for part in content or () if part.get("type") == "text"]
 
 
+def has_images(messages: list[dict]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(part.get("type") == "image" for part in m["content"])
+               for m in messages)
+
+
 def take_images(messages: list[dict], prompter: Optional[ImagePrompter], allow_remote: bool,
                 allow_files: bool = False, context_length: Optional[int] = None,
                 allow_private: bool = False) -> tuple[list[dict], list]:

@@ -36,7 +36,7 @@ from mlx_spec.loading.fast_tokenizer import trims_first_space
 from mlx_spec.models.vision import ImageError, ImagePrompt, ImagePrompter
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.chat_prompt import ChatPrompts
-from mlx_spec.server.images import content_texts, take_images
+from mlx_spec.server.images import content_texts, has_images, take_images
 from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
@@ -141,6 +141,7 @@ class ServingContext:
     tokenizing: TokenizerThread
     parsing: ThreadPoolExecutor  # reads bodies (`Serving.parsed`)
     compiling: TokenizerThread  # compiles grammars (`Serving.compiled`)
+    imaging: TokenizerThread  # reads, decodes and processes images (`Serving.chat_ids`)
 
     @classmethod
     def of(cls, engine, tokenizer, options: ServerOptions, load=None) -> ServingContext:
@@ -152,7 +153,8 @@ class ServingContext:
         parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-parse")
         return cls(options, worker, ServedModel.of(engine, tokenizer, options.parse_special_in_text),
                    TokenizerThread(worker, options.queue_size), parsing,
-                   TokenizerThread(worker, options.queue_size, name="compile"))
+                   TokenizerThread(worker, options.queue_size, name="compile"),
+                   TokenizerThread(worker, options.queue_size, name="images"))
 
     def start(self) -> None:
         self.worker.start()
@@ -164,6 +166,7 @@ class ServingContext:
         self.worker.stop()
         self.tokenizing.shutdown()
         self.compiling.shutdown()
+        self.imaging.shutdown()
         self.parsing.shutdown(wait=False, cancel_futures=True)
 
 
@@ -214,6 +217,7 @@ class Serving:
     def __init__(self, context: ServingContext):
         self.options, self.worker, self.model = context.options, context.worker, context.model
         self.tokenizing, self.parsing, self.compiling = context.tokenizing, context.parsing, context.compiling
+        self.imaging = context.imaging
 
     def add_routes(self, app: FastAPI) -> None:
         raise NotImplementedError
@@ -288,24 +292,29 @@ class Serving:
                        queued: bool = True) -> tuple[list[int], Optional[ImagePrompt]]:
         """The conversation's prompt ids (`ChatPrompts.ids`) and, if it has images, its
         `ImagePrompt` (whose ids they are), made off the event loop once its text could fit
-        the context (and, `queued`, once the queue has room: `TokenizerThread.run`)."""
+        the context (and, `queued`, once the queue has room: `TokenizerThread.run`). Images
+        are read, decoded and processed on a thread of their own, so a request's images never
+        hold another request's tokenizing."""
         self.check_length(sum(len(text) for m in conversation.messages
                               for text in content_texts(m["content"])), "messages")
-        return await self.tokenizing.run(self._chat_prompt, conversation, plan, queued=queued)
-
-    def _chat_prompt(self, conversation: Conversation, plan: ToolPlan):
-        messages, images = take_images(conversation.messages, self.model.prompter, self.options.allow_image_urls,
-                                       self.options.allow_image_files, self.options.context_length,
-                                       self.options.allow_private_image_urls)
-        ids = self.model.prompts.ids(messages, plan, conversation.continue_final,
-                                     conversation.generation_prompt, conversation.template_kwargs)
+        messages, images = conversation.messages, []
+        if has_images(messages):
+            messages, images = await self.imaging.run(
+                take_images, messages, self.model.prompter, self.options.allow_image_urls,
+                self.options.allow_image_files, self.options.context_length, self.options.allow_private_image_urls,
+                queued=queued)
+        ids = await self.tokenizing.run(self.model.prompts.ids, messages, plan, conversation.continue_final,
+                                        conversation.generation_prompt, conversation.template_kwargs, queued=queued)
         if not images:
             return ids, None
+        image_prompt = await self.imaging.run(self._image_prompt, ids, images, queued=queued)
+        return image_prompt.ids, image_prompt
+
+    def _image_prompt(self, ids: list[int], images: list) -> ImagePrompt:
         try:
-            image_prompt = self.model.prompter.prompt(ids, images)
+            return self.model.prompter.prompt(ids, images)
         except ImageError as error:
             raise ApiError(400, f"messages: {error}", param="messages") from None
-        return image_prompt.ids, image_prompt
 
     def check_length(self, characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:

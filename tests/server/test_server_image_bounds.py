@@ -92,3 +92,43 @@ def test_images_whose_tokens_cannot_fit_the_context_are_refused_before_decoding(
     with pytest.raises(ApiError) as refused:
         images_module.take_images(messages, prompter, False, False, context_length=8 * prompter.min_tokens)
     assert refused.value.status == 400 and "images alone need at least" in str(refused.value)
+
+
+def test_a_slow_image_never_holds_another_requests_tokenizing(files, monkeypatch):
+    """Images were read and processed on the one tokenizer thread: a request whose image
+    took seconds (a slow URL, a big picture) held every other request's prompt. In-process,
+    reading the image is made to take 3 s; a text request sent meanwhile is answered at once."""
+    import threading
+    import time
+
+    from mlx_spec.core.engine import Engine
+    from mlx_spec.loading.loader import load_model
+    from mlx_spec.server import ServerOptions, create_app
+    from mlx_spec.server import images as images_module
+    from scripted_model import InProcessServer
+
+    read = images_module.image_from_url
+
+    def slow(*args, **kwargs):
+        time.sleep(3)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(images_module, "image_from_url", slow)
+    target = load_model(str(files / "target"), progress=False)
+    engine = Engine(target.model, eos_ids=target.tokenizer.eos_token_ids, vision=target.vision)
+    served = InProcessServer(create_app(engine, target.tokenizer,
+                                        ServerOptions(model_name="tiny", gamma="0", context_length=4096)))
+    try:
+        client = served.client()
+        image = threading.Thread(target=lambda: client.chat.completions.create(
+            model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": png(8, 8, "RGB")}}, {"type": "text", "text": QUESTION}]}]))
+        image.start()
+        time.sleep(0.5)
+        began = time.monotonic()
+        client.chat.completions.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "Hi"}])
+        waited = time.monotonic() - began
+        image.join(60)
+    finally:
+        served.stop()
+    assert waited < 1.5, f"a text request waited {waited:.1f} s behind another request's image"
