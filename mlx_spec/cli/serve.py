@@ -122,6 +122,10 @@ def serve(
         "--allow-image-urls", rich_help_panel=SERVER,
         help="Fetch images that requests name by http(s) URL. Off by default: such a request "
              "is answered 400; data: URLs and base64 are read either way.")] = False,
+    allow_private_image_urls: Annotated[bool, typer.Option(
+        "--allow-private-image-urls", rich_help_panel=SERVER,
+        help="With --allow-image-urls, fetch from loopback, private and link-local addresses "
+             "too. Off by default: a client could otherwise reach services behind the server.")] = False,
     allow_image_files: Annotated[bool, typer.Option(
         "--allow-image-files", rich_help_panel=SERVER,
         help="Read images that requests name by a local path or file: URL, from this "
@@ -243,7 +247,7 @@ def serve(
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
-        allow_image_urls=allow_image_urls,
+        allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
         allow_image_files=allow_image_files,
         body_timeout=body_timeout,
         keep_alive=idle_seconds,
