@@ -50,6 +50,7 @@ import mlx.core as mx
 
 from mlx_spec.batch import Batch
 from mlx_spec.cache.files import cache_key
+from mlx_spec.drafters.token_memory import Memories
 from mlx_spec.engine import Request, in_company
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.policy import BatchShare
@@ -66,6 +67,7 @@ log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
 MAX_RETRY_AFTER_S = 60
 FOREVER = math.inf  # a keep-alive that never unloads
+MEMORY_SCOPES = ("server", "key", "off")  # `Worker`'s draft_memory
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -133,12 +135,16 @@ class Worker:
         parallel: jobs decoded together (`mlx_spec.batch`): each round one target forward
             verifies every running job's block; jobs join and leave between rounds. 1: one
             job at a time, as `Engine.rounds` decodes alone.
+        draft_memory: for a drafter that `remembers` (the suffix drafter), whose earlier
+            requests a job drafts from: "server" (every job's), "key" (its API key's:
+            `Job.tenant`), "off" (none). The memories live as long as the worker, across
+            keep-alive unloads; draft_memory_tokens bounds each.
     """
 
     def __init__(self, engine, tokenizer, gamma: Gamma | str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
                  keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30,
-                 parallel: int = 1):
+                 parallel: int = 1, draft_memory: str = "server", draft_memory_tokens: int = 1 << 20):
         self.engine = engine
         self.load = load
         self.keep_alive = keep_alive if load is not None else FOREVER
@@ -150,6 +156,10 @@ class Worker:
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
         self.parallel = parallel
+        if draft_memory not in MEMORY_SCOPES:
+            raise ValueError(f"draft_memory must be one of {', '.join(MEMORY_SCOPES)}")
+        self.draft_memory = draft_memory
+        self.memories = Memories(0 if draft_memory == "off" else draft_memory_tokens)
         self.gamma = Gamma.parse(gamma) if engine.drafter is not None else Gamma.OFF
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
@@ -325,7 +335,7 @@ class Worker:
             return
         self._busy[job] = cache
         try:
-            engine = self.engine.for_request() if batched else self.engine
+            engine = self._engine_for(job, batched)
             yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
             self.counts["failed"] += 1
@@ -339,6 +349,14 @@ class Worker:
             del self._busy[job]
             self.caches.fit(busy=self._busy.values(), used=cache)
             self._finish(job)
+
+    def _engine_for(self, job: Job, batched: bool):
+        """The engine a job decodes with: its drafter drafts from the job's memory (where it
+        remembers), and is its own in a batch."""
+        drafter = self.engine.drafter
+        if drafter is not None and drafter.remembers:
+            return self.engine.for_request(self.memories.get(job.tenant if self.draft_memory == "key" else None))
+        return self.engine.for_request() if batched else self.engine
 
     def _finish(self, job: Job) -> None:
         with self._changed:
