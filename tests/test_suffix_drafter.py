@@ -62,10 +62,11 @@ def test_index_finds_what_a_brute_force_scan_finds(seed):
                 index.separate()
                 if seq and seq[-1] != SEPARATOR:
                     seq.append(SEPARATOR)
-            chunk = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
-            for i in range(0, len(chunk), 3):  # committed a few at a time
-                index.extend(chunk[i : i + 3])
-                seq += chunk[i : i + 3]
+            chunk = [rng.randrange(vocab) for _ in range(rng.randint(0, 80))]
+            step = rng.choice([1, 3, 40])  # a few at a time (a round's commit), or in bulk
+            for i in range(0, len(chunk), step):
+                index.extend(chunk[i : i + step])
+                seq += chunk[i : i + step]
         assert index.end == len(seq) and len(index) == min(len(seq), index.capacity)
         held = range(index.start, index.end)
         assert index.at(np.array(held, np.int64)).tolist() == [seq[p] for p in held]

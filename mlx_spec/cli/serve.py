@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 import re
 import socket
 import sys
@@ -29,6 +30,8 @@ from mlx_spec.cli.common import (
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.runner import Gamma, build_engine
 
+API_KEY_ENV = "MLX_SPEC_API_KEY"
+
 SERVER = "Server"
 # The server bounds every answer by the context: for a model whose config names no context
 # length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
@@ -46,10 +49,10 @@ def serve(
         "--port", "-p", rich_help_panel=SERVER, min=0, max=65535,
         help="TCP port; 0 picks a free one (printed at start).")] = 8080,
     api_key: Annotated[Optional[list[str]], typer.Option(
-        "--api-key", rich_help_panel=SERVER, envvar="MLX_SPEC_API_KEY",
+        "--api-key", rich_help_panel=SERVER, metavar="KEY",
         help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but "
-             "/health (or set MLX_SPEC_API_KEY); printable ASCII. Repeat it for several "
-             "keys, any of which will do (see --draft-memory key).")] = None,
+             "/health (or set MLX_SPEC_API_KEY, one key); printable ASCII. Repeat it for "
+             "several keys, any of which will do (see --draft-memory key).")] = None,
     draft_memory: Annotated[str, typer.Option(
         "--draft-memory", rich_help_panel=SERVER, metavar="server|key|off",
         help="Whose earlier requests the suffix drafter drafts from: 'server' (default: "
@@ -178,6 +181,10 @@ def serve(
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise UsageError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+    if not api_key and os.environ.get(API_KEY_ENV):
+        # one key, read here: Click would split a list option's variable at spaces, and
+        # a key with a space must be refused, not taken as two keys
+        api_key = [os.environ[API_KEY_ENV]]
     check_api_key(api_key)
     if served_model_name is not None and not served_model_name.strip():
         raise UsageError("--served-model-name needs a name")

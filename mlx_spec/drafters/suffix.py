@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec.drafters.base import KEEP, Draft, Drafter
-from mlx_spec.drafters.token_memory import SEPARATOR, Matches, Memories, TokenIndex
+from mlx_spec.drafters.token_memory import SEPARATOR, Memories, TokenIndex
 from mlx_spec.tree import TreeShape
 
 CONTEXT, MEMORY = "context", "memory"
@@ -92,10 +92,10 @@ class SuffixDrafter(Drafter):
 
     def _draft(self, gamma: int, branches: int) -> Draft:
         rows, weights, own, longest = self._continuations(gamma)
-        if rows is None:
+        if not rows:
             return Draft.empty()
         cap = min(gamma, int(self.factor * longest + self.offset))
-        tokens, parents, sources = _best_first(rows[:, :cap], weights, own, self.min_prob,
+        tokens, parents, sources = _best_first(rows, weights, own, cap, self.min_prob,
                                                max_nodes=cap * max(branches, 1), max_leaves=max(branches, 1))
         if not tokens:
             return Draft.empty()
@@ -104,60 +104,57 @@ class SuffixDrafter(Drafter):
                      sources=tuple(sources))
 
     def _continuations(self, length: int):
-        """The distinct continuations of the longest matches in both indexes: rows
-        [k, length] (SEPARATOR past their end), their occurrence counts, whether this
-        request's text has each, and the match length; (None, ..) where nothing matched."""
+        """The distinct continuations (tuples, cut at their end) of the longest matches in
+        both indexes, latest first (this request's before the memory's), how many
+        occurrences had each, whether this request's text has each, and the match length."""
         context = self.context
-        tail = context.at(np.arange(max(0, context.end - self.depth), context.end)).tolist()
+        tail = context.tokens[max(0, context.end - self.depth) : context.end].tolist()  # growable: slot = position
         found = [(context.lookup(tail, self.depth, length, self.limit, periodic=True), True)]
         if self.memory is not None and len(self.memory):
             found.append((self.memory.lookup(tail, self.depth, length, self.limit), False))
         longest = max((int(m.lengths.max()) for m, _ in found if m.lengths.size), default=0)
-        if longest == 0:
-            return None, None, None, 0
-        follow, own = [], []
+        counts: dict[tuple, int] = {}
+        own: dict[tuple, bool] = {}
         for matches, is_context in found:
-            best = matches.lengths >= longest  # the occurrences under the deepest node
-            follow.append(matches.follow[best])
-            own.append(np.full(int(best.sum()), is_context))
-        every = np.concatenate(follow)
-        rows, first, inverse, counts = np.unique(every, axis=0, return_index=True, return_inverse=True,
-                                                 return_counts=True)
-        flags = np.zeros(rows.shape[0], bool)
-        np.logical_or.at(flags, inverse.reshape(-1), np.concatenate(own))
-        # latest first (each index lists its latest first, this request's before the memory's)
-        order = np.argsort(first, kind="stable")
-        return rows[order], counts[order], flags[order], longest
+            if not matches.lengths.size:
+                continue
+            # the occurrences under the suffix tree's deepest matching node
+            for row in matches.follow[matches.lengths >= longest].tolist():
+                row = tuple(row[: row.index(SEPARATOR)] if SEPARATOR in row else row)
+                counts[row] = counts.get(row, 0) + 1
+                own[row] = own.get(row, False) or is_context
+        rows = list(counts)
+        return rows, [counts[r] for r in rows], [own[r] for r in rows], longest
 
 
-def _best_first(rows: np.ndarray, weights: np.ndarray, own: np.ndarray, min_prob: float,
+def _best_first(rows: list[tuple], weights: list[int], own: list[bool], depth: int, min_prob: float,
                 max_nodes: int, max_leaves: int) -> tuple[list[int], list[int], list[str]]:
-    """The draft tree of the continuations `rows` (row i seen weights[i] times, latest
-    first): its likeliest nodes, best first (Arctic's tree speculation), a node's
-    probability its parent's times the share of the parent's weight that went on with its
-    token, none below `min_prob`; at most `max_nodes` nodes and `max_leaves` leaves (1: the
-    likeliest chain). Returns (tokens, parents, sources) with parents before children and
-    likelier siblings first; ties go to the latest occurrence."""
+    """The draft tree, at most `depth` deep, of the continuations `rows` (row i seen
+    weights[i] times, latest first): its likeliest nodes, best first (Arctic's tree
+    speculation), a node's probability its parent's times the share of the parent's weight
+    that went on with its token, none below `min_prob`; at most `max_nodes` nodes and
+    `max_leaves` leaves (1: the likeliest chain). Returns (tokens, parents, sources) with
+    parents before children and likelier siblings first; ties go to the latest occurrence."""
     tokens, parents, sources = [], [], []
     leaves, has_child = 0, set()
     heap: list = []
 
-    def push_children(node: int, depth: int, members: np.ndarray, probability: float) -> None:
-        if depth == rows.shape[1]:
+    def push_children(node: int, at: int, members: list[int], probability: float) -> None:
+        if at == depth:
             return
-        total = weights[members].sum()
+        total = sum(weights[i] for i in members)
         groups: dict[int, list[int]] = {}
-        for row, token in zip(members.tolist(), rows[members, depth].tolist()):
-            if token != SEPARATOR:
-                groups.setdefault(token, []).append(row)
+        for i in members:
+            if at < len(rows[i]):
+                groups.setdefault(rows[i][at], []).append(i)
         for token, group in groups.items():
-            p = probability * weights[group].sum() / total
+            p = probability * sum(weights[i] for i in group) / total
             if p >= min_prob:
-                heapq.heappush(heap, (-p, group[0], node, depth + 1, token, np.asarray(group)))
+                heapq.heappush(heap, (-p, group[0], node, at + 1, token, group))
 
-    push_children(-1, 0, np.arange(rows.shape[0]), 1.0)
+    push_children(-1, 0, list(range(len(rows))), 1.0)
     while heap and len(tokens) < max_nodes:
-        negative, _, parent, depth, token, members = heapq.heappop(heap)
+        negative, _, parent, at, token, members = heapq.heappop(heap)
         if parent in has_child:  # a sibling: one more leaf
             if leaves >= max_leaves:
                 continue
@@ -167,6 +164,6 @@ def _best_first(rows: np.ndarray, weights: np.ndarray, own: np.ndarray, min_prob
         has_child.add(parent)
         tokens.append(token)
         parents.append(parent)
-        sources.append(CONTEXT if own[members].any() else MEMORY)
-        push_children(len(tokens) - 1, depth, members, -negative)
+        sources.append(CONTEXT if any(own[i] for i in members) else MEMORY)
+        push_children(len(tokens) - 1, at, members, -negative)
     return tokens, parents, sources

@@ -39,6 +39,8 @@ SEPARATOR = -1
 GRAMS = (2, 6, 16)  # chain gram lengths, shortest first
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: golden ratio · 2^64
 _BASE = 1_000_003  # polynomial hash over a gram's tokens
+_MASK = (1 << 64) - 1
+_FEW = 32  # tokens appended in Python integers below this many, with NumPy from it
 
 
 @dataclass
@@ -57,13 +59,21 @@ class Matches:
 
 
 def _gram_hashes(tokens: np.ndarray, g: int) -> np.ndarray:
-    """The hash of every g-gram of `tokens` (int64), by the gram's last token's index - g + 1."""
+    """The hash of every g-gram of `tokens` (int64) mod 2^64, by the gram's first index."""
     n = tokens.shape[0] - g + 1
     h = np.zeros(n, np.uint64)
     t = tokens.astype(np.uint64)
     with np.errstate(over="ignore"):
         for j in range(g):
             h = h * np.uint64(_BASE) + t[j : j + n]
+    return h
+
+
+def _gram_hash(gram) -> int:
+    """`_gram_hashes` of one gram, in Python integers (cheaper for a few tokens)."""
+    h = 0
+    for t in gram:
+        h = (h * _BASE + t) & _MASK
     return h
 
 
@@ -102,6 +112,9 @@ class TokenIndex:
         with np.errstate(over="ignore"):
             return ((hashes * _MULTIPLIER) >> self.shift).astype(np.int64)
 
+    def _bucket(self, gram) -> int:
+        return ((_gram_hash(gram) * int(_MULTIPLIER)) & _MASK) >> int(self.shift)
+
     def _grow(self, needed: int) -> None:
         capacity = self.capacity
         while capacity < needed:
@@ -124,6 +137,9 @@ class TokenIndex:
         if ids.size > self.capacity:  # only the newest fit
             self.separate()
             ids = ids[-self.capacity :]
+        if ids.size < _FEW:
+            self._extend_few(ids.tolist())
+            return
         n, first = ids.size, self.end
         slots = (first + np.arange(n)) % self.capacity
         self.tokens[slots] = ids
@@ -155,6 +171,26 @@ class TokenIndex:
         keep = max(self.grams) - 1
         self.run = run[-keep:].tolist() if keep else []
 
+    def _extend_few(self, ids: list[int]) -> None:
+        """`extend` a token at a time, in Python integers: the same chains."""
+        run, keep, capacity, tokens = self.run, max(self.grams) - 1, self.capacity, self.tokens
+        chains = [(g, self.heads[g], self.links[g]) for g in self.grams]
+        for t in ids:
+            p = self.end
+            slot = p % capacity
+            tokens[slot] = t
+            run.append(t)
+            for g, heads, links in chains:
+                if len(run) >= g:
+                    bucket = self._bucket(run[-g:])
+                    links[slot] = heads[bucket]
+                    heads[bucket] = p + 1
+                else:
+                    links[slot] = 0
+            if len(run) > keep:
+                del run[: len(run) - keep]
+            self.end = p + 1
+
     def separate(self) -> None:
         """End the current sequence: what follows is another (nothing matches across)."""
         if self.end == 0 or self.tokens[(self.end - 1) % self.capacity] == SEPARATOR:
@@ -178,19 +214,21 @@ class TokenIndex:
     def lookup(self, context: Sequence[int], depth: int, length: int, limit: int = 64,
                periodic: bool = False) -> Matches:
         """The earlier occurrences of `context`'s suffix, by its longest chained gram that
-        occurred (at most `limit`, latest first), with their match lengths (≤ `depth`) and
-        the `length` tokens after each. `periodic`: `context` is this index's own last
+        occurred (at most `limit`, a third of it on the shortest gram's chain; latest
+        first), with their match lengths (≤ `depth`) and the `length` tokens after each. `periodic`: `context` is this index's own last
         tokens, so a continuation that runs into the end copies itself (LZ77's overlap: a
         repeated word, a table row), as the n-gram drafter's does."""
         tail = list(context[-depth:])
         for g in reversed(self.grams):
             if len(tail) < g or SEPARATOR in tail[-g:]:
                 continue
-            bucket = int(self._buckets(_gram_hashes(np.asarray(tail[-g:], np.int64), g))[0])
+            bucket = self._bucket(tail[-g:])
             links, start, capacity = self.links[g], self.start, self.capacity
             last = self.end - 1 if periodic else self.end  # the context's own last gram has no follower
+            # the shortest gram's chain is long and its matches short: fewer are worth measuring
+            most = limit if g != self.grams[0] else max(1, limit // 3)
             ends, p = [], int(self.heads[g][bucket]) - 1
-            while p >= start and len(ends) < limit:
+            while p >= start and len(ends) < most:
                 if p < last:
                     ends.append(p)
                 p = int(links[p % capacity]) - 1
@@ -203,19 +241,21 @@ class TokenIndex:
         return Matches.none(length)
 
     def _measure(self, ends: np.ndarray, tail: list[int], length: int, periodic: bool) -> Matches:
+        # Few NumPy calls (each costs microseconds, whatever its size): positions before
+        # `start` or from `end` hold other tokens, so lengths and continuations are cut there.
+        capacity, start, end = self.capacity, self.start, self.end
         wanted = np.asarray(tail[::-1], np.int64)  # the context backwards from its last token
-        back = self.at(ends[:, None] - np.arange(wanted.size)[None, :])
-        equal = back == wanted[None, :]
-        lengths = np.where(equal.all(axis=1), wanted.size, equal.argmin(axis=1))
-        offsets = np.arange(length)[None, :]
+        back = self.tokens[(ends[:, None] - np.arange(wanted.size)) % capacity]
+        lengths = np.minimum(np.cumprod(back == wanted, axis=1).sum(axis=1), ends - start + 1)
+        offsets = np.arange(length)
         if periodic:
             # past the end, the continuation repeats what lay between the match and the end
-            period = np.maximum(self.end - 1 - ends, 1)[:, None]
-            offsets = offsets % period
-        follow = self.at(ends[:, None] + 1 + offsets).astype(np.int64)
+            offsets = offsets % np.maximum(end - 1 - ends, 1)[:, None]
+        ahead = ends[:, None] + 1 + offsets
+        follow = np.where(ahead < end, self.tokens[ahead % capacity], SEPARATOR).astype(np.int64)
         # nothing after a separator belongs to the same sequence
-        cut = np.cumsum(follow == SEPARATOR, axis=1) > 0
-        return Matches(ends, lengths, np.where(cut, SEPARATOR, follow))
+        follow[np.maximum.accumulate(follow == SEPARATOR, axis=1)] = SEPARATOR
+        return Matches(ends, lengths, follow)
 
 
 class Memory(TokenIndex):
