@@ -4,6 +4,7 @@ its first answer from the server's memory; with two API keys and `--draft-memory
 key's request learns nothing from another key's text (issue 44's timing side channel),
 while the default one memory per server does (so the check can fail)."""
 
+import httpx
 import pytest
 from mlx_lm import generate, load
 
@@ -47,6 +48,7 @@ def test_a_second_key_learns_from_the_first_only_in_one_server_memory(tiny_dirs,
         text, first = completion(server, KEYS[0])
         again, repeat = completion(server, KEYS[0])
         other, second = completion(server, KEYS[1])
+        metrics = httpx.get(server.url + "/metrics", headers={"x-api-key": KEYS[0]}, timeout=10).text
         assert "Traceback" not in server.log
     finally:
         server.stop()
@@ -56,6 +58,8 @@ def test_a_second_key_learns_from_the_first_only_in_one_server_memory(tiny_dirs,
     assert first["drafted_from"].get("memory", 0) == 0
     assert repeat["accepted_from"]["memory"] > 0  # the same key: its first answer, remembered
     assert repeat["target_forwards"] < first["target_forwards"]
+    memory_total = repeat["accepted_from"]["memory"] + second["accepted_from"].get("memory", 0)
+    assert f'mlx_spec_source_accepted_tokens_total{{source="memory"}} {memory_total}' in metrics
     if scope == "key":
         assert second["drafted_from"].get("memory", 0) == 0
         assert second["target_forwards"] == first["target_forwards"]  # not sped up

@@ -62,7 +62,7 @@ def serve(
     draft_memory_tokens: Annotated[int, typer.Option(
         "--draft-memory-tokens", rich_help_panel=SERVER, min=0, metavar="N",
         help="Tokens of earlier requests each draft memory holds, the oldest evicted "
-             "(~60 bytes each).")] = 1 << 20,
+             "(~20 bytes each, plus 16 MB).")] = 1 << 20,
     allowed_hosts: Annotated[Optional[str], typer.Option(
         "--allowed-hosts", rich_help_panel=SERVER, metavar="NAME,...",
         help="Host header names to answer, comma-separated, besides loopback ones and, with "

@@ -45,7 +45,7 @@ class SuffixDrafter(Drafter):
     remembers = True
 
     def __init__(self, memories: Optional[Memories] = None, *, depth: int = 32, limit: int = 48,
-                 factor: float = 1.0, offset: float = 1.0, min_prob: float = 0.1):
+                 factor: float = 1.0, offset: float = 3.0, min_prob: float = 0.1):
         self.memories = Memories() if memories is None else memories
         self.memory = self.memories.get()
         self.depth, self.limit = depth, limit

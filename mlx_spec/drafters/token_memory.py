@@ -21,7 +21,7 @@ Invariants and costs:
   call, whatever the length: commits come a round at a time, requests end whole);
 - a lookup costs O(limit · (depth + length)) in one gather, whatever the memory's size;
 - memory: 4 bytes a token plus 8 per token per gram length, plus 8 · 2^bucket_bits per
-  gram length (~60 MB at a million tokens and the defaults).
+  gram length (~36 MB for a `Memory` of a million tokens, two gram lengths).
 
 Known limit: only the `limit` latest occurrences of the context's last g tokens are
 measured, so an older, longer match behind many recent short ones is missed; the longer
@@ -37,6 +37,11 @@ import numpy as np
 
 SEPARATOR = -1
 GRAMS = (2, 6, 16)  # chain gram lengths, shortest first
+# Earlier requests are matched on 8 tokens at least: a shorter match in a million tokens
+# of other text is weak evidence (its drafts cost verify rows and are rarely taken; at an
+# answer's start the chat template's 5-6 tokens match every earlier answer's start), and
+# its long chains would cost most of a lookup.
+MEMORY_GRAMS = (8, 16)
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: golden ratio · 2^64
 _BASE = 1_000_003  # polynomial hash over a gram's tokens
 _MASK = (1 << 64) - 1
@@ -265,18 +270,21 @@ class Memory(TokenIndex):
     sequence. Bounded by `capacity` tokens, the oldest evicted."""
 
     RECENT_PROMPTS = 64  # remembered prompts whose prefixes a new prompt is compared with
+    HEAD = 64  # tokens of a prompt's beginning compared first (cheap), before all of it
 
-    def __init__(self, capacity: int, **kwargs):
-        super().__init__(capacity, **kwargs)
-        self.recent: list[tuple[int, int]] = []  # (length, hash) of recent prompts, oldest first
+    def __init__(self, capacity: int, grams: Sequence[int] = MEMORY_GRAMS, **kwargs):
+        super().__init__(capacity, grams, **kwargs)
+        self.recent: list[tuple[int, int, int]] = []  # (length, head's hash, hash) of recent prompts
 
     def remember(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        head = hash(tuple(prompt[: self.HEAD]))
         known = 0
-        for size, digest in sorted(self.recent, reverse=True):
-            if size <= len(prompt) and hash(tuple(prompt[:size])) == digest:
+        for size, start, digest in sorted(self.recent, reverse=True):
+            if (size <= len(prompt) and hash(tuple(prompt[: min(size, self.HEAD)])) == start
+                    and hash(tuple(prompt[:size])) == digest):
                 known = size
                 break
-        self.recent.append((len(prompt), hash(tuple(prompt))))
+        self.recent.append((len(prompt), head, hash(tuple(prompt))))
         del self.recent[: -self.RECENT_PROMPTS]
         self.separate()
         # the known prefix's last tokens come again, as context for the new part's first grams
