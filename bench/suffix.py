@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
 from pairs import gemma270m, prompt_text  # noqa: E402
 
+from mlx_spec.apps.runner import gamma_policy  # noqa: E402
+from mlx_spec.core.engine import Engine  # noqa: E402
+from mlx_spec.core.stats import Stats  # noqa: E402
 from mlx_spec.drafters import NgramDrafter, SuffixDrafter  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
-from mlx_spec.runner import gamma_policy  # noqa: E402
-from mlx_spec.stats import Stats  # noqa: E402
 
 REPEAT_PROMPTS = (
     "List five facts about the Moon, one per line.",

@@ -25,9 +25,9 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from mlx_spec.core.tree import TreeShape
 from mlx_spec.drafters.base import KEEP, Draft, Drafter
 from mlx_spec.drafters.token_memory import SEPARATOR, Memories, TokenIndex
-from mlx_spec.tree import TreeShape
 
 CONTEXT, MEMORY = "context", "memory"
 
