@@ -11,6 +11,7 @@ from mlx_spec.core.drafter import Draft, Drafter
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.errors import UsageError
 
 # name -> class: a new drafter family adds one line here
@@ -18,6 +19,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     ModelDrafter.name: ModelDrafter,  # a small draft model (Leviathan's Mq)
     MtpDrafter.name: MtpDrafter,  # Gemma 4's MTP assistant, over the target's states
     NgramDrafter.name: NgramDrafter,  # prompt lookup, no model
+    SuffixDrafter.name: SuffixDrafter,  # suffix lookup here and in earlier requests, no model
 }
 NO_DRAFTER = "none"
 # What `--drafter` accepts.
@@ -35,4 +37,4 @@ def drafter_class(name: str) -> type[Drafter] | None:
 
 
 __all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "ModelDrafter",
-           "MtpDrafter", "NgramDrafter"]
+           "MtpDrafter", "NgramDrafter", "SuffixDrafter"]

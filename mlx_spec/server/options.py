@@ -33,7 +33,8 @@ class ServerOptions:
         queue_size: requests that may wait while `parallel` generate.
         parallel: requests decoded together (`worker.Worker`); 1: one at a time.
         api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
-            "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
+            "x-api-key: <key>"); printable ASCII (`guards.check_api_key`); a tuple: any of
+            these keys (tenants, as `draft_memory` "key" tells apart).
         allowed_hosts: Host names served besides loopback ones; None serves any.
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
@@ -50,6 +51,9 @@ class ServerOptions:
         allow_image_files: read images that requests name by local path or file: URL (off: a 400).
         prompt_cache_dir: a folder for cached conversations that outlive the server (None:
             memory only); prompt_cache_disk: the bytes its files may take.
+        draft_memory: whose earlier requests a drafter that remembers (the suffix drafter)
+            drafts from: "server" (everyone's), "key" (the same API key's only) or "off";
+            draft_memory_tokens: tokens each such memory holds, the oldest evicted.
     """
 
     model_name: str
@@ -60,7 +64,7 @@ class ServerOptions:
     context_length: int = DEFAULT_CONTEXT
     queue_size: int = 8
     parallel: int = 1  # `serve` defaults to 4
-    api_key: Optional[str] = None
+    api_key: Optional[str | tuple[str, ...]] = None
     allowed_hosts: Optional[tuple[str, ...]] = ()
     public_name: Optional[str] = None
     cache_budget: Optional[int] = None
@@ -73,3 +77,5 @@ class ServerOptions:
     allow_image_files: bool = False
     prompt_cache_dir: Optional[str] = None
     prompt_cache_disk: int = 10 * 2**30
+    draft_memory: str = "server"
+    draft_memory_tokens: int = 1 << 20

@@ -147,7 +147,8 @@ class ServingContext:
     def of(cls, engine, tokenizer, options: ServerOptions, load=None) -> ServingContext:
         worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
                         load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
-                        cache_disk=options.prompt_cache_disk, parallel=options.parallel)
+                        cache_disk=options.prompt_cache_disk, parallel=options.parallel,
+                        draft_memory=options.draft_memory, draft_memory_tokens=options.draft_memory_tokens)
         # One parsing thread: parsing holds the GIL for most of its work, so more would not be
         # faster, only hold more parsed bodies at once.
         parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-parse")
@@ -328,16 +329,19 @@ class Serving:
     # -- the generation --------------------------------------------------------------------
 
     def submit(self, request: CheckedRequest, prompt_ids: list[int], param: str,
-               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None) -> Job:
+               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None,
+               sender: Optional[Request] = None) -> Job:
         """Queue the generation `request` asks for, once its prompt fits with its answer; a
-        chat's (`param` "messages") thoughts are split from its answer (`thinking`)."""
+        chat's (`param` "messages") thoughts are split from its answer (`thinking`).
+        `sender`: the HTTP request, whose API key (`guards`' tenant) the job carries."""
         max_tokens = completion_budget(len(prompt_ids), request.max_tokens, self.options, param)
         chat, think = param == "messages", self.model.think
         job = Job(prompt_ids, request.sampling, max_tokens, request.stops, asyncio.get_running_loop(),
                   logprobs=request.logprobs, think=think if chat else None,
                   thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
                   thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
-                  grammar=request.grammar)
+                  grammar=request.grammar,
+                  tenant=getattr(sender.state, "tenant", None) if sender is not None else None)
         try:
             self.worker.submit(job)
         except (Busy, ShuttingDown) as error:

@@ -54,7 +54,7 @@ class AnthropicServing(Serving):
     async def messages(self, request: Request):
         checked, ids, images = await self._prompt(request, MessagesRequest, queued=True)
         job = self.submit(checked, ids, "messages", thought_budget=checked.body.thought_budget(),
-                          images=images)
+                          images=images, sender=request)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if checked.body.stream:
             return StreamingResponse(self._stream(job, mid, checked.plan), media_type="text/event-stream",

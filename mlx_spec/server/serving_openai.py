@@ -75,7 +75,7 @@ class OpenAIServing(Serving):
     async def _answer(self, request: Request, checked: CheckedRequest, prompt_ids: list[int],
                       chat: bool, images: Optional[ImagePrompt] = None):
         """The generation's answer, whole or (`stream`) as a stream of chunks."""
-        job = self.submit(checked, prompt_ids, "messages" if chat else "prompt", images=images)
+        job = self.submit(checked, prompt_ids, "messages" if chat else "prompt", images=images, sender=request)
         rid = new_id("chatcmpl" if chat else "cmpl")
         body = checked.body
         if body.stream:

@@ -56,6 +56,7 @@ from mlx_spec.core.cache.files import cache_key
 from mlx_spec.core.engine import Request, in_company
 from mlx_spec.core.policy import BatchShare
 from mlx_spec.core.stats import Stats
+from mlx_spec.drafters.token_memory import Memories
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.server.cache_pool import CachePool, default_budget
 from mlx_spec.server.disk_caches import DiskCaches
@@ -68,6 +69,7 @@ MAX_RETRY_AFTER_S = 60
 FOREVER = math.inf  # a keep-alive that never unloads
 STUCK_S = 300.0  # a running job with no progress this long: `/health` calls the worker stuck
 ERROR_PAUSE_S = 0.1  # after an error the worker loop survived, so a lasting one cannot spin it
+MEMORY_SCOPES = ("server", "key", "off")  # `Worker`'s draft_memory
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -137,12 +139,16 @@ class Worker:
         parallel: jobs decoded together (`mlx_spec.core.batch`): each round one target forward
             verifies every running job's block; jobs join and leave between rounds. 1: one
             job at a time, as `Engine.rounds` decodes alone.
+        draft_memory: for a drafter that `remembers` (the suffix drafter), whose earlier
+            requests a job drafts from: "server" (every job's), "key" (its API key's:
+            `Job.tenant`), "off" (none). The memories live as long as the worker, across
+            keep-alive unloads; draft_memory_tokens bounds each.
     """
 
     def __init__(self, engine, tokenizer, gamma: Gamma | str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
                  keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30,
-                 parallel: int = 1):
+                 parallel: int = 1, draft_memory: str = "server", draft_memory_tokens: int = 1 << 20):
         self.engine = engine
         self.load = load
         self.keep_alive = keep_alive_seconds(keep_alive) if load is not None else FOREVER
@@ -154,6 +160,10 @@ class Worker:
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
         self.parallel = parallel
+        if draft_memory not in MEMORY_SCOPES:
+            raise ValueError(f"draft_memory must be one of {', '.join(MEMORY_SCOPES)}")
+        self.draft_memory = draft_memory
+        self.memories = Memories(0 if draft_memory == "off" else draft_memory_tokens)
         self.gamma = Gamma.parse(gamma) if engine.drafter is not None else Gamma.OFF
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
@@ -387,7 +397,7 @@ class Worker:
             return
         self._busy[job] = cache
         try:
-            engine = self.engine.for_request() if batched else self.engine
+            engine = self._engine_for(job, batched)
             yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
             self.counts["failed"] += 1
@@ -401,6 +411,14 @@ class Worker:
             self._busy.pop(job, None)
             self.caches.fit(busy=self._busy.values(), used=cache)  # disk errors are its warnings
             self._finish(job)
+
+    def _engine_for(self, job: Job, batched: bool):
+        """The engine a job decodes with: its drafter drafts from the job's memory (where it
+        remembers), and is its own in a batch."""
+        drafter = self.engine.drafter
+        if drafter is not None and drafter.remembers:
+            return self.engine.for_request(self.memories.get(job.tenant if self.draft_memory == "key" else None))
+        return self.engine.for_request() if batched else self.engine
 
     def _finish(self, job: Job) -> None:
         with self._changed:
