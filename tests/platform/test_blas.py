@@ -97,7 +97,7 @@ def test_the_suite_runs_under_the_blas_it_asked_for():
 @pytest.mark.skipif(not (LINUX_X86 and HAS_MKL), reason="MKL ships from PyPI for x86-64 Linux only")
 def test_threads_default_to_half_the_cores_and_follow_the_users_choice():
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
-    code = "import json, mlx_spec; from mlx_spec import blas; print(json.dumps(blas.describe()))"
+    code = "import json, mlx_spec; from mlx_spec.platform import blas; print(json.dumps(blas.describe()))"
 
     def threads(**extra):
         done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
@@ -115,7 +115,7 @@ def test_threads_default_to_half_the_cores_and_follow_the_users_choice():
 def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
     code = (
-        "import ctypes, json, os, mlx_spec; from mlx_spec import blas\n"
+        "import ctypes, json, os, mlx_spec; from mlx_spec.platform import blas\n"
         "blas.free_cores = lambda: blas.wide_threads()  # whatever else runs here meanwhile\n"
         "lib = ctypes.CDLL(blas.describe()['path']); now = lambda: int(lib.mkl_get_max_threads())\n"
         "seen = {'before': now()}\n"
