@@ -16,7 +16,7 @@ they are in place before any `import mlx_spec...` returns.
    real `__init__` the first time anything but mlx-lm's model, kernel and version modules
    is imported or a package attribute is read. Why: that `__init__` imports transformers
    and huggingface_hub, ~1 s of a warm `mlx-spec generate` that needs neither
-   (`bench/startup.py`, tests/runtime/test_startup.py.py). Nothing changes when mlx-lm came first.
+   (`bench/startup.py`, tests/platform/test_startup.py). Nothing changes when mlx-lm came first.
 3. mlx-lm's quantized attention routed through ours: the module global
    `mlx_lm.models.base.quantized_scaled_dot_product_attention`, which mlx-lm's attention
    calls for every quantized cache, becomes `mlx_spec.core.cache.attention.dispatch_quantized_attention`.

@@ -1,4 +1,4 @@
-"""What the Responses API tests share (tests/test_server_responses.py, test_server_codex.py):
+"""What the Responses API tests share (tests/server/test_server_responses.py, test_server_codex.py):
 `Served`, an in-process server over a scripted model with a Gemma 4 template (ours, and
 Google's own where tests/data/templates/ has it: `gemma4_templates`), and readers of a
 stream: `final_of` checks its framing, `added_up` builds the output items from the events

@@ -8,7 +8,7 @@ transformers itself takes ~1 s to import. `FastTokenizer` has mlx-lm's `Tokenize
 interface; what generation needs (encode, token ids, special tokens, EOS ids, the
 streaming detokenizer) comes straight from the `tokenizers` backend, and everything else
 (chat templates, decode, `_tokenizer` ...) from mlx-lm's own `TokenizerWrapper` for the same
-folder, loaded on first use. tests/runtime/test_startup.py.py checks both halves against mlx-lm's load.
+folder, loaded on first use. tests/platform/test_startup.py checks both halves against mlx-lm's load.
 
 Only folders whose tokenizer is a plain `PreTrainedTokenizerFast` over tokenizer.json with
 a SentencePiece-style decoder qualify (`fast_loadable`); our GGUF import writes them so.

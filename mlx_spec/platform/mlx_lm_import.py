@@ -7,7 +7,7 @@ none of it. `defer_package_init()` registers the `mlx_lm` package without runnin
 `__init__`; the real `__init__` runs, as it would have, the first time anything else is
 imported from mlx-lm (`mlx_lm.utils`, `mlx_lm.generate`, ...) or a package attribute
 (`mlx_lm.load`, `from mlx_lm import generate`) is used. Nothing changes when mlx-lm was
-imported already. tests/runtime/test_startup.py.py checks that the package then looks as usual.
+imported already. tests/platform/test_startup.py checks that the package then looks as usual.
 """
 
 from __future__ import annotations

@@ -294,7 +294,7 @@ def save_hf_gemma4(path: str | Path, seed: int = 0, **config_overrides) -> Path:
 
 
 # The checkpoints tests/data/make_gemma4_gguf.py converts with llama.cpp and
-# tests/loading/test_gemma4_gguf.py.py rebuilds to compare against: an E2B-like target (per-layer
+# tests/loading/test_gemma4_gguf.py rebuilds to compare against: an E2B-like target (per-layer
 # inputs, KV-shared layers, double-wide MLP), a 12B-like one (K = V full layers with one
 # global K/V head, no sharing) and the 12B-like target's dense-head assistant.
 TWELVE_B_LIKE = dict(num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,

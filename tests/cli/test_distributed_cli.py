@@ -1,7 +1,7 @@
 """`generate`, `chat` and `bench` across 2 ring ranks on localhost, as users run them:
 under `mlx.launch` (or ranks started with MLX_RANK / MLX_HOSTFILE where one rank needs
 different arguments or stdin). The reference is the same command in one process, which
-tests/apps/test_distributed.py.py ties to mlx-lm's own greedy decoding.
+tests/apps/test_distributed.py ties to mlx-lm's own greedy decoding.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 References outside the tree code: mlx-lm's own model called on each root path without a
 cache (the logits a tree row must give), mlx-lm's generate_step (greedy output), and the
 exact joint distribution of the first two tokens computed from the target's logits
-(the chi-square check of tests/core/test_distribution.py.py).
+(the chi-square check of tests/core/test_distribution.py).
 """
 
 import mlx.core as mx

@@ -4,7 +4,7 @@ The assistant drafts its argmax, so q is one-hot (Draft.q = None) and a draft to
 accepted with probability p(x), else the recovered token comes from norm(max(0, p − 1_x)).
 On a tiny Gemma 4 target with an 8-token vocabulary the exact joint distribution of the first
 two tokens is computed from the target's logits (top-k, top-p and repetition penalty on);
-sampled speculative runs must fit it (chi-square, as tests/core/test_distribution.py.py). The first
+sampled speculative runs must fit it (chi-square, as tests/core/test_distribution.py). The first
 round of a request is plain (no hidden state yet), so the second token is the one that went
 through drafting and verification. The same check rejects a rule that draws the recovered
 token from p instead of the residual (measured: 154 at 500 draws against a critical value

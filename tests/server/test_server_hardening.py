@@ -181,7 +181,7 @@ def test_a_non_ascii_bearer_token_is_a_401(keyed_server, tiny_dirs):
 
 def test_options_needs_the_key_like_any_other_method(keyed_server):
     """Issue 33, item 11: OPTIONS skipped the key on every path. CORS preflights never reach
-    the guards (CORSMiddleware answers them, tests/server/test_server_guarded_agents.py.py)."""
+    the guards (CORSMiddleware answers them, tests/server/test_server_guarded_agents.py)."""
     for path in ("/v1/models", "/v1/chat/completions", "/metrics", "/elsewhere"):
         assert_openai_error(httpx.options(keyed_server.url + path), 401, "API key")
         assert_openai_error(httpx.options(keyed_server.url + path, headers={

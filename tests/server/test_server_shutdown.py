@@ -24,7 +24,7 @@ def _events(lines) -> list:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_the_stream_with_an_error_and_answers_the_queue_503(sig, tiny_dirs, cost_cache):
     model = tiny_dirs[0]
-    # one running, two waiting (a batch's running requests: tests/server/test_server_batch.py.py)
+    # one running, two waiting (a batch's running requests: tests/server/test_server_batch.py)
     server = Server(["--model", model, "--drafter", "none", "--parallel", 1, "--queue-size", 2],
                     server_env(cost_cache))
     queued: dict = {}

@@ -3,7 +3,7 @@ Gemma 4's KV-shared layers included.
 
 References: mlx-lm's own `generate_step(kv_bits=, kv_group_size=, quantized_kv_start=)` loop
 (its prefill, switch and decoding, no drafting) run on our cache layers, whose global layers
-quantize keys by channel (`ChannelQuantizedKVCache`; tests/cache/test_kv_channel.py.py checks that
+quantize keys by channel (`ChannelQuantizedKVCache`; tests/core/cache/test_kv_channel.py checks that
 layout against an independent reference), for every drafter and γ past the 16-token window
 and past a key group; our plain decoding (γ = 0) with the same kv-bits; mlx-lm's
 `QuantizedKVCache` for the exact distribution of the χ² check, and the cache's arrays
@@ -200,7 +200,7 @@ def held(cache: SequenceCache) -> list:
 def assert_same_positions(after, before, retain, recomputed=False):
     """`recomputed`: the positions' K/V came from passes of other widths, whose float
     results may differ in the last bit (BLAS): scales and full-precision keys then match
-    closely (tests/cache/test_kv_channel.py.py checks bit-identity with the same keys fed)."""
+    closely (tests/core/cache/test_kv_channel.py checks bit-identity with the same keys fed)."""
     for (offset_a, a), (offset_b, b) in zip(after, before):
         assert offset_a == offset_b
         if isinstance(a, list):  # the whole state
