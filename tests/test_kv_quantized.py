@@ -65,9 +65,11 @@ class SharedLayersRead:
 
 def mlx_lm_decoding(model, kv: KVQuantization, prompt=PROMPT, max_tokens=MAX_TOKENS) -> list[int]:
     """Greedy tokens of mlx-lm's own `generate_step` (its prefill, its switch to quantized
-    K/V, its decode loop: no drafting) run on our cache layers (`make_cache`)."""
+    K/V, its decode loop: no drafting) run on our cache layers (`make_cache`), the prompt fed
+    one token at a time: then a row's K/V precision depends on its position alone (mlx-lm
+    switches after the forward that reaches `start`), which is our rule for any chunking."""
     steps = generate_step(mx.array(prompt), SharedLayersRead(model), max_tokens=max_tokens,
-                          prompt_cache=make_cache(model, slack=4), kv_bits=kv.bits,
+                          prompt_cache=make_cache(model, slack=4), kv_bits=kv.bits, prefill_step_size=1,
                           kv_group_size=kv.group_size, quantized_kv_start=kv.start)
     return [token for token, _ in steps]
 
@@ -169,9 +171,10 @@ def test_trees_on_quantized_caches_equal_plain_decoding(gemma3_pair):
 
 
 def filled(model, kv, ids, slack=4) -> SequenceCache:
-    """A cache holding `ids`, quantized: the switch comes before the forward after the
-    prefill, as mlx-lm's comes after the prefill."""
+    """A cache holding `ids`, quantized from position 1 on (start 0). The first position is
+    fed alone whatever `kv`, as a quantized cache feeds it, so that buffers grow alike."""
     cache = SequenceCache(model, slack, kv=kv)
+    cache.prefill(ids[:1])
     cache.prefill(ids[:-1])
     cache.forward(mx.array(ids[-1:]))
     cache.settle(ids[-1:])
@@ -268,10 +271,9 @@ def test_kv_start_keeps_the_first_tokens_in_full_precision(gemma3_pair):
     cache = SequenceCache(target, 4, kv=KVQuantization(8, GROUP, start=30))
     cache.prefill(PROMPT[:20])
     assert not cache.quantized and cache.draft_room() == 30 - 1 - 20
-    cache.prefill(PROMPT[:40])  # quantized before the chunk that starts past 30 only
-    assert not cache.quantized
-    cache.forward(mx.array([1]))
+    cache.prefill(PROMPT[:40])  # the chunk is split at position 30: rows from there see quantized K/V
     assert cache.quantized and isinstance(cache.cache[0], QuantizedWindowKVCache)
+    cache.forward(mx.array([1]))
     cache.settle([1])
     cache.prefill(PROMPT[:10])  # a shorter conversation: full precision again, as a fresh one
     assert not cache.quantized and cache.ids == PROMPT[:10]
@@ -280,11 +282,11 @@ def test_kv_start_keeps_the_first_tokens_in_full_precision(gemma3_pair):
 @pytest.mark.slow  # ~70 s on a 2-core CPU
 def test_sampling_at_temperature_one_draws_the_quantized_targets_distribution():
     """χ² against the exact joint of the first two tokens under the target as mlx-lm's
-    generate_step runs it with kv_bits on our cache layers: the prompt but its last token
-    prefilled in full precision, then each layer's `to_quantized`, then the rest on those."""
+    generate_step runs it with kv_bits on our cache layers, fed one token at a time: the
+    first position in full precision, then each layer's `to_quantized`, then the rest on those."""
     target = tiny_gemma3(seed=0, vocab_size=VOCAB, logit_scale=2.0)
     draft = tiny_gemma3(seed=9, vocab_size=VOCAB, logit_scale=2.0)
-    bits, held = 4, len(SHORT_PROMPT) - 1
+    bits, held = 4, 1
 
     def quantized_target(inputs):
         cache = make_cache(target, slack=4)
