@@ -306,7 +306,9 @@ class Generation:
         return self.company is not None and self.company()
 
     def keys(self, n: int) -> list[mx.array]:
-        """n fresh PRNG keys split off the request's (greedy rounds draw nothing)."""
+        """n fresh PRNG keys split off the request's (greedy rounds draw nothing). Every
+        round takes two (draft, verify), whether it runs alone, in a batch or queued (3b),
+        so a seed draws the same tokens on every path."""
         if self.request.params.greedy:
             return [self.key] * n
         self.key, *keys = mx.random.split(self.key, n + 1)
@@ -430,7 +432,7 @@ class Generation:
         self.gamma_next = self.policy.choose() if self.drafting else 0
         if (self.gamma_next == 0 and self.engine.pipeline_plain_rounds and not self.constraint.active
                 and not self.in_company()):
-            (key,) = self.keys(1)
+            _, key = self.keys(2)  # split as any round's (draft, verify): one schedule, pipelined or not
             block = scored.verdict.token.astype(mx.uint32).reshape(1)
             if scored.settle is not None:  # an UNDECIDED token is no id: the pass is dropped in 4
                 block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)
