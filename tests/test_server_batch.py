@@ -18,6 +18,7 @@ from mlx_lm import generate, load
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import greedy_reference, recorded_verify_passes
+from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.drafters import ModelDrafter, NgramDrafter
 from mlx_spec.engine import Engine
 from mlx_spec.sampling import SamplingParams
@@ -287,3 +288,26 @@ def test_a_request_that_ends_first_never_evicts_a_running_ones_cache(pair, tmp_p
     long_tokens = results[0][0]
     # the long conversation, as it ended (the last token is never fed back), stayed cached
     assert [c.target.ids for c in worker.caches.caches] == [PROMPTS[1] + long_tokens[:-1]]
+
+
+@pytest.mark.parametrize("how", ["cancelled", "shutting down"])
+def test_a_job_stops_prefilling_between_chunks_once_cancelled(pair, monkeypatch, how):
+    """A batch prefills a prompt 128 tokens a step: a job cancelled (or a server shutting
+    down) after its first chunk prefills no more of its 5, so the others stop waiting on it."""
+    long = [2] + [(7 * i) % 250 + 6 for i in range(640)]
+    worker = make_worker(pair, parallel=2)
+    chunks, forward = [], SequenceCache._call
+
+    def counting(cache, tokens, *args, **kwargs):
+        if tokens.shape[-1] == Engine.batch_prefill_chunk and cache.model is pair[0]:
+            chunks.append(tokens.shape[-1])
+            if len(chunks) == 1:
+                for job in [j for j in worker.running if len(j.prompt_ids) == len(long)]:
+                    worker.cancel(job) if how == "cancelled" else worker.shut_down()
+        return forward(cache, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(SequenceCache, "_call", counting)
+    specs = [{"prompt": long, "max_tokens": 8}, {"prompt": PROMPTS[0], "max_tokens": 24}]
+    results = run_jobs(worker, specs)
+    assert results[0][1].finish_reason is None if how == "cancelled" else results[0][1].status == 503
+    assert len(chunks) == 1

@@ -21,8 +21,8 @@ that many tokens; a thought still open then gets its end marker forced, and a se
 continues from the committed tokens (the caches hold them, so nothing is prefilled again).
 
 A request is cancelled by setting `Job.cancelled` (its client went away). A waiting job
-gives up its place in the queue at once; a running one is checked between rounds, and the
-worker closes the `stream_request` generator, which leaves both caches holding exactly
+gives up its place in the queue at once; a running one is checked between rounds (and
+between its prompt's prefill chunks in a batch), and the worker closes the `stream_request` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
 ends the running jobs the same way with a 503 event and answers every waiting one 503.
 
@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import Batch
+from mlx_spec.batch import PREFILLING, Batch
 from mlx_spec.cache.files import cache_key
 from mlx_spec.engine import Request, in_company
 from mlx_spec.errors import MlxSpecError
@@ -432,6 +432,8 @@ class Worker:
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
+                if response is PREFILLING and job.cancelled.is_set():
+                    break  # between prompt chunks: the cache holds the chunks done, the others go on
                 if not isinstance(response, Response):  # for the batch (`_run`)
                     yield response
                     continue
