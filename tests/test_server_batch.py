@@ -311,3 +311,27 @@ def test_a_job_stops_prefilling_between_chunks_once_cancelled(pair, monkeypatch,
     results = run_jobs(worker, specs)
     assert results[0][1].finish_reason is None if how == "cancelled" else results[0][1].status == 503
     assert len(chunks) == 1
+
+
+def test_outcome_counts_change_under_the_lock(pair):
+    """`/health` and `/metrics` read `Worker.counts` on the request side: every change on the
+    worker thread happens under the worker's lock (unlocked `+=` loses updates)."""
+    worker = make_worker(pair, parallel=2)
+    unlocked = []
+
+    class Guarded(dict):
+        def __setitem__(self, key, value):
+            if not worker._changed._is_owned():
+                unlocked.append(key)
+            super().__setitem__(key, value)
+
+    def cancel_the_third(jobs, job, event):
+        if job is jobs[2]:
+            job.cancelled.set()
+
+    worker.counts = Guarded(worker.counts)
+    specs = [{"prompt": PROMPTS[0], "max_tokens": 8}, {"prompt": PROMPTS[2], "max_tokens": 8, "stop": [Faulty("x")]},
+             {"prompt": PROMPTS[1], "max_tokens": 200}]
+    run_jobs(worker, specs, act=cancel_the_third)
+    assert (worker.counts["completed"], worker.counts["failed"], worker.counts["cancelled"]) == (1, 1, 1)
+    assert not unlocked

@@ -160,7 +160,7 @@ class Worker:
         self._waiting: deque[Job] = deque()  # guarded by _changed
         self._changed = threading.Condition()
         self.running: dict[Job, float] = {}  # job -> when it took the device; guarded by _changed
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}  # guarded by _changed
         self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # guarded by _changed
         self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
         self._stopping = False
@@ -234,9 +234,9 @@ class Worker:
     def health(self) -> dict:
         with self._changed:
             self._drop_cancelled()
-            queued, running = len(self._waiting), len(self.running)
+            queued, running, counts = len(self._waiting), len(self.running), dict(self.counts)
         return {"loaded": self.engine is not None, "busy": running > 0, "running": running,
-                "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **self.counts,
+                "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget,
                 "prompt_cache_disk_hits": self.disk.hits if self.disk is not None else 0}
@@ -319,7 +319,7 @@ class Worker:
                                      busy=self._busy.values())
         except Exception as error:  # the models did not load: this job fails, the next tries again
             log.exception("loading the models failed")
-            self.counts["failed"] += 1
+            self._count("failed")
             job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
             self._finish(job)
             return
@@ -328,17 +328,22 @@ class Worker:
             engine = self.engine.for_request() if batched else self.engine
             yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
-            self.counts["failed"] += 1
+            self._count("failed")
             job.emit(Failed(400, str(error)))
         except Exception as error:  # keep serving; the log has the traceback
             log.exception("generation failed")
-            self.counts["failed"] += 1
+            self._count("failed")
             self.caches.discard(cache)  # whatever state the error left, start clean
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
         finally:
             del self._busy[job]
             self.caches.fit(busy=self._busy.values(), used=cache)
             self._finish(job)
+
+    def _count(self, outcome: str) -> None:
+        """One more job ended so (the request side reads the counts: under the lock)."""
+        with self._changed:
+            self.counts[outcome] += 1
 
     def _finish(self, job: Job) -> None:
         with self._changed:
@@ -402,7 +407,7 @@ class Worker:
                         break
                 budget = room
             finish = run.finish
-            self.counts["completed" if finish else "cancelled"] += 1
+            self._count("completed" if finish else "cancelled")
             job.cached_tokens = cached_count(job, prefilled)
             self.metrics.observe(stats, job.cached_tokens)
             if finish is None and self._stopping:
