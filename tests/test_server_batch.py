@@ -75,8 +75,10 @@ def run_jobs(worker: Worker, specs: list[dict], act=None) -> list[tuple[list[int
     (so they join together), collect each job's token ids and its last event. `act(jobs,
     job, event)` is called on each event (from the event loop)."""
     loop = asyncio.new_event_loop()
+    thought = ("think", "thinking", "thought_budget")  # the thought's markers, state and budget
     jobs = [Job(spec["prompt"], spec.get("params", SamplingParams()), spec["max_tokens"], spec.get("stop", ()),
-                loop, logprobs=0, grammar=spec.get("grammar")) for spec in specs]
+                loop, logprobs=0, grammar=spec.get("grammar"), **{k: spec[k] for k in thought if k in spec})
+            for spec in specs]
 
     async def collect(job):
         tokens = []
