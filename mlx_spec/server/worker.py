@@ -24,7 +24,8 @@ closed by then splits nothing.
 
 A request is cancelled by setting `Job.cancelled` (its client went away). A waiting job
 gives up its place in the queue at once; a running one is checked between rounds (and
-between its prompt's prefill chunks in a batch), and the worker closes the `stream_request` generator, which leaves both caches holding exactly
+between its prompt's prefill chunks in a batch), and the worker closes the
+`stream_request` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
 ends the running jobs the same way with a 503 event and answers every waiting one 503.
 
