@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from mlx_spec.apps.stream import Response, TextStream
+from mlx_spec.apps.thinking import PhaseAcceptance, ThoughtSplitter
+from mlx_spec.core.stats import Stats
 from mlx_spec.server.jobs import Job, Piece
-from mlx_spec.stats import Stats
-from mlx_spec.stream import Response, TextStream
-from mlx_spec.thinking import PhaseAcceptance, ThoughtSplitter
 
 
 class Answer:
