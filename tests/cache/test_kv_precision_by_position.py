@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from batch_support import batched
 from kv_support import GROUP, mlx_lm_decoding
+from server_support import Server, server_env
 from worker_support import pair, run_jobs  # noqa: F401  (pair: a fixture)
 
 from mlx_spec.cache.layers import KVQuantization
@@ -23,10 +24,11 @@ from mlx_spec.drafters import ModelDrafter
 from mlx_spec.server.worker import Done, Worker
 from mlx_spec.testing.tiny import TINY_VOCAB
 
-pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs
+pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache
 
 LONG = [2] + [(7 * i) % 250 + 6 for i in range(299)]  # 300 tokens: chunks of 128 and 512 differ
 MAX_TOKENS = 24
+FOLLOW = "a fisherman who told his son every night that the sea was calm, "  # ~60 rows past a cached story
 
 
 def last_logits(model, kv, prompt, chunk):
@@ -90,3 +92,26 @@ def test_a_serial_worker_answers_a_prompt_the_same_first_or_after_another(pair):
     assert isinstance(alone[1], Done) and isinstance(after[1], Done)
     assert after[1].prefilled_target < len(LONG)  # the second job reused the first one's cache
     assert after[0] == alone[0]
+
+
+def test_serve_parallel_1_answers_a_prompt_the_same_first_or_after_another(tiny_dirs, cost_cache):
+    """Two fresh `serve --kv-bits 4 --parallel 1`: one is sent the prompt first, the other
+    after a prompt it extends, whose cached K/V it reuses."""
+    target, draft = tiny_dirs
+    args = ["--model", target, "--draft-model", draft, "--gamma", "2", "--kv-bits", "4", "--kv-group-size", str(GROUP),
+            "--parallel", "1"]
+    story = "Once upon a time, in a small village by the sea, there lived " * 6
+    answers = []
+    for earlier in ([], [story]):
+        server = Server(args, server_env(cost_cache))
+        try:
+            client = server.client()
+            for prompt in earlier:
+                client.completions.create(model=target, prompt=prompt, max_tokens=4, temperature=0)
+            answer = client.completions.create(model=target, prompt=story + FOLLOW, max_tokens=MAX_TOKENS, temperature=0)
+            answers.append((answer.choices[0].text, answer.usage.prompt_tokens_details))
+        finally:
+            server.stop()
+        assert "Traceback" not in server.log, server.log
+    assert answers[1][0] == answers[0][0]
+    assert answers[1][1].cached_tokens > 0  # the second server's answer reused the cache
