@@ -5,7 +5,7 @@ precision."""
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
+from mlx_spec.core.cache.layers import KVQuantization, QuantizedKVReader, make_cache
 
 PROMPT = [2] + [(7 * i) % 250 + 6 for i in range(40)]  # past the tiny models' window of 16
 MAX_TOKENS = 40

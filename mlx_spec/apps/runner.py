@@ -14,8 +14,8 @@ from typing import Any, Callable, ClassVar, Optional, Union
 from mlx_spec.apps.calibration import BATCH_WIDTH, load_or_measure
 from mlx_spec.apps.distributed import world
 from mlx_spec.apps.distributed import world as this_world
-from mlx_spec.cache.forward import attention_layers
-from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.core.cache.forward import attention_layers
+from mlx_spec.core.cache.layers import KVQuantization
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy, TreePolicy
 from mlx_spec.drafters import DRAFTER_NAMES, NO_DRAFTER, drafter_class

@@ -122,6 +122,10 @@ def serve(
         "--allow-image-urls", rich_help_panel=SERVER,
         help="Fetch images that requests name by http(s) URL. Off by default: such a request "
              "is answered 400; data: URLs and base64 are read either way.")] = False,
+    allow_private_image_urls: Annotated[bool, typer.Option(
+        "--allow-private-image-urls", rich_help_panel=SERVER,
+        help="With --allow-image-urls, fetch from loopback, private and link-local addresses "
+             "too. Off by default: a client could otherwise reach services behind the server.")] = False,
     allow_image_files: Annotated[bool, typer.Option(
         "--allow-image-files", rich_help_panel=SERVER,
         help="Read images that requests name by a local path or file: URL, from this "
@@ -165,8 +169,8 @@ def serve(
     repetition_penalty: RepPenaltyOpt = None,
     seed: SeedOpt = None,
 ) -> None:
-    """Serve the model over OpenAI-compatible (chat, completions) and Anthropic-compatible
-    (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
+    """Serve the model over OpenAI-compatible (chat, completions, responses) and
+    Anthropic-compatible (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
     conversations cached at once, exact speculative decoding and its statistics in each
     answer; GET /metrics for Prometheus.
 
@@ -177,8 +181,8 @@ def serve(
 
     from mlx_spec.apps.distributed import world
     from mlx_spec.server import ServerOptions, create_app
-    from mlx_spec.server.options import DEFAULT_CONTEXT
     from mlx_spec.server.guards import check_api_key
+    from mlx_spec.server.options import DEFAULT_CONTEXT
 
     if world().active:  # requests reach rank 0 only; the other ranks would wait forever
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
@@ -198,7 +202,7 @@ def serve(
     except ValueError as error:
         raise UsageError(f"--keep-alive: {error}") from None
     if prompt_cache_dir is not None:
-        from mlx_spec.cache.files import writable_folder
+        from mlx_spec.core.cache.files import writable_folder
 
         writable_folder(prompt_cache_dir, "--prompt-cache-dir")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
@@ -243,7 +247,7 @@ def serve(
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
-        allow_image_urls=allow_image_urls,
+        allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
         allow_image_files=allow_image_files,
         body_timeout=body_timeout,
         keep_alive=idle_seconds,

@@ -10,7 +10,6 @@ from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.server.guards import BODY_TIMEOUT_S
 from mlx_spec.server.worker import FOREVER
 
-
 # The server bounds every answer by the context: for a model whose config names no context
 # length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
 DEFAULT_CONTEXT = 8192
@@ -46,6 +45,8 @@ class ServerOptions:
         keep_alive: idle seconds before the models are unloaded (`worker.FOREVER`: never);
             needs `create_app`'s `load`.
         allow_image_urls: fetch images that requests name by http(s) URL (off: a 400).
+        allow_private_image_urls: fetch them from loopback, private and link-local addresses
+            too (off: refused like any URL that cannot be fetched).
         allow_image_files: read images that requests name by local path or file: URL (off: a 400).
         prompt_cache_dir: a folder for cached conversations that outlive the server (None:
             memory only); prompt_cache_disk: the bytes its files may take.
@@ -68,6 +69,7 @@ class ServerOptions:
     body_timeout: float = BODY_TIMEOUT_S
     keep_alive: float = FOREVER
     allow_image_urls: bool = False
+    allow_private_image_urls: bool = False
     allow_image_files: bool = False
     prompt_cache_dir: Optional[str] = None
     prompt_cache_disk: int = 10 * 2**30

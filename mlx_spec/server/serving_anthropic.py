@@ -72,6 +72,8 @@ class AnthropicServing(Serving):
     async def _prompt(self, request: Request, model: type, queued: bool) -> tuple:
         """(the checked request, None unless `queued`; prompt ids; `ImagePrompt` or None)."""
         checked, plan, conversation = await self.parsed(request, self._read, model, queued)
+        if queued:
+            checked = await self.compiled(checked)
         return (checked, *await self.chat_ids(conversation, plan, queued))
 
     def _read(self, raw: bytes, model: type,
@@ -86,7 +88,7 @@ class AnthropicServing(Serving):
         plan = tool_plan(body, self.model.tool_syntax)
         kwargs = body.template_kwargs(self.model.think)
         if queued:
-            checked = replace(checked, plan=plan, grammar=self.output_grammar(body, plan, kwargs))
+            checked = replace(checked, plan=plan, wanted=self.output_grammar(body, plan, kwargs))
         messages, prefill = template_messages(body)
         return checked, plan, Conversation(messages, continue_final=prefill, template_kwargs=kwargs)
 

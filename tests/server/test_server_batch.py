@@ -20,7 +20,7 @@ from server_support import Server, server_env
 from trees_support import BRANCHING_PROMPT
 from worker_support import make_worker, pair, run_jobs  # noqa: F401  (pair: a fixture)
 
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.drafters import NgramDrafter

@@ -16,8 +16,8 @@ from kv_support import GROUP, mlx_lm_decoding
 from server_support import Server, server_env
 from worker_support import pair, run_jobs  # noqa: F401  (pair: a fixture)
 
-from mlx_spec.cache.layers import KVQuantization
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.layers import KVQuantization
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.stats import Stats
 from mlx_spec.drafters import ModelDrafter
