@@ -138,6 +138,51 @@ def _open_prefix(text: str, stop: str) -> int:
     return 0
 
 
+class TextStream:
+    """An answer's text as rounds commit its tokens: detokenized, stop strings found, and
+    text that may still become one held back (`_StopText`). An answer made of several runs
+    (a thought budget's, `mlx_spec.server.worker`) keeps one across them, so a stop string
+    or a character that straddles two runs is found whole."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], eos_ids):
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.stops = _StopText(stop)
+        self.eos_ids = eos_ids
+        self.said = ""  # the text of every token added, none held back (`take_said` empties it)
+
+    def add(self, tokens: Sequence[int], accepted: int = 0) -> None:
+        """Committed tokens, the first `accepted` of them accepted drafts."""
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids:
+                self.stops.add(t, "", [])
+                continue
+            self._add(t, t, i < accepted)
+
+    def add_forced(self, tokens: Sequence[int]) -> None:
+        """Tokens the caller put into the answer (a thought's forced end marker): their text
+        joins the answer's, but no released id stands for them."""
+        for t in tokens:
+            self._add(t, None, False)
+
+    def _add(self, token: int, released: Optional[int], from_draft: bool) -> None:
+        self.detokenizer.add_token(token)
+        piece = self.detokenizer.last_segment
+        self.said += piece
+        self.stops.add(released, piece, [from_draft] * len(piece))
+
+    def finish(self) -> None:
+        """The answer ended: the detokenizer's last text."""
+        self.detokenizer.finalize()
+        piece = self.detokenizer.last_segment  # a property that consumes the segment
+        self.said += piece
+        self.stops.add(None, piece, [False] * len(piece))
+
+    def take_said(self) -> str:
+        said, self.said = self.said, ""
+        return said
+
+
 def stream_generate(
     engine: Engine,
     tokenizer,
@@ -178,35 +223,28 @@ def stream_generate(
 
 def stream_request(engine: Engine, tokenizer, request: Request, *, stop: Sequence[str] = (),
                    prompt_cache: Optional[PromptCache] = None, stats: Optional[Stats] = None,
-                   prefill_progress=None, company=None) -> Iterator[Response]:
-    """`stream_generate` for a `Request` already in token ids (`company`: as `Engine.run`)."""
+                   prefill_progress=None, company=None, text: Optional[TextStream] = None) -> Iterator[Response]:
+    """`stream_generate` for a `Request` already in token ids (`company`: as `Engine.run`).
+    `text`: the answer's `TextStream` to continue (then `stop` is its own), or None for a
+    fresh one."""
     stats = stats if stats is not None else Stats()
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    stops = _StopText(stop)
+    text = text if text is not None else TextStream(tokenizer, stop, engine.eos_ids)
+    stops = text.stops
     rounds = engine.run(request, prompt_cache=prompt_cache, stats=stats, prefill_progress=prefill_progress,
                         company=company)
     for rnd in rounds:
         if not isinstance(rnd, Round):  # for the batch: a pass, PREFILLING or RAN_ALONE
             yield rnd
             continue
-        for i, t in enumerate(rnd.tokens):
-            if t in engine.eos_ids:
-                stops.add(t, "", [])
-                continue
-            detokenizer.add_token(t)
-            piece = detokenizer.last_segment
-            # accepted draft tokens lead the round: token i came from the draft iff i < n
-            stops.add(t, piece, [i < rnd.accepted] * len(piece))
+        # accepted draft tokens lead the round: token i came from the draft iff i < n
+        text.add(rnd.tokens, rnd.accepted)
         if rnd.finish_reason:
-            detokenizer.finalize()
-            piece = detokenizer.last_segment  # a property that consumes the segment
-            stops.add(None, piece, [False] * len(piece))
-        text, text_flags, tokens, stopped = stops.release(final=rnd.finish_reason is not None)
+            text.finish()
+        released, text_flags, tokens, stopped = stops.release(final=rnd.finish_reason is not None)
         if stopped:
             stats.retract(stops.dropped)
         finish = "stop" if stopped else rnd.finish_reason
-        yield Response(text, rnd, stats, finish, text_flags, tokens, stops.matched if stopped else None)
+        yield Response(released, rnd, stats, finish, text_flags, tokens, stops.matched if stopped else None)
         if finish:
             rounds.close()
             return

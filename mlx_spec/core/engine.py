@@ -43,7 +43,7 @@ from mlx_spec.core.drafter import KEEP, Draft, Drafter
 from mlx_spec.core.grammar import Matcher, constrain
 from mlx_spec.core.passes import TargetPass, run_alone
 from mlx_spec.core.policy import MAX_GAMMA, GammaPolicy, as_policy
-from mlx_spec.core.sampling import UNDECIDED, LogitProcessor, SamplingParams, likeliest, make_key
+from mlx_spec.core.sampling import UNDECIDED, KeyStream, LogitProcessor, SamplingParams, likeliest
 from mlx_spec.core.stats import Stats
 from mlx_spec.core.verify import Verdict, verify_block
 from mlx_spec.errors import MlxSpecError
@@ -73,6 +73,11 @@ class Request:
     logprobs: Optional[int] = None
     images: object = None  # an `mlx_spec.models.vision.ImagePrompt`
     constraint: Optional[Matcher] = None
+    keys: Optional[KeyStream] = None  # the random stream to continue (None: a fresh one from the seed)
+    # A generated-token count no round crosses while it is set (γ is capped to end a round
+    # there), so the caller can end the run at it (a thought budget). Read every round: the
+    # caller may lift it (set None) mid-run.
+    pause_at: Optional[int] = None
 
 
 @dataclass
@@ -299,7 +304,7 @@ class Generation:
         self.policy = as_policy(request.gamma)
         self.constraint = Constraint(request.constraint, forced_drafts=engine.grammar_drafts)
         self.processor = LogitProcessor(request.params, request.constraint)
-        self.key = make_key(request.params.seed)
+        self.random = request.keys if request.keys is not None else KeyStream(request.params.seed)
         self.drafter = engine.drafter
         self.history = list(request.prompt_ids)
         self.last, self.generated = request.prompt_ids[-1], 0
@@ -312,11 +317,18 @@ class Generation:
         return self.company is not None and self.company()
 
     def keys(self, n: int) -> list[mx.array]:
-        """n fresh PRNG keys split off the request's (greedy rounds draw nothing)."""
+        """n fresh PRNG keys split off the request's (greedy rounds draw nothing). Every
+        round takes two (draft, verify), whether it runs alone, in a batch or queued (3b),
+        so a seed draws the same tokens on every path."""
         if self.request.params.greedy:
-            return [self.key] * n
-        self.key, *keys = mx.random.split(self.key, n + 1)
-        return keys
+            return [self.random.key] * n
+        return self.random.split(n)
+
+    def _limit(self) -> int:
+        """The generated-token count this round may reach: max_tokens, or a `pause_at`
+        still ahead."""
+        pause = self.request.pause_at
+        return self.max_tokens if pause is None or pause <= self.generated else min(pause, self.max_tokens)
 
     def prefill(self, progress):
         """Both caches end up holding the prompt except its last token, which the first
@@ -360,7 +372,7 @@ class Generation:
         """1. γ from the policy (unless asked already, 3b); the round adds one token of the
         target's own, hence the - 1."""
         gamma = self.policy.choose() if self.gamma_next is None else self.gamma_next
-        return min(gamma, self.engine.max_gamma, self.max_tokens - self.generated - 1,
+        return min(gamma, self.engine.max_gamma, self._limit() - self.generated - 1,
                    self.cache.target.draft_room(tree=branching))
 
     def draft(self, gamma: int, key: mx.array, together: bool, branching: bool):
@@ -375,7 +387,7 @@ class Generation:
             draft = yield from self.drafter.drafting(gamma, self.history, key)
         elif self.drafting and gamma:
             draft = self.drafter.propose(gamma, self.history, key)
-        room = min(self.engine.max_gamma, self.max_tokens - self.generated - 1)
+        room = min(self.engine.max_gamma, self._limit() - self.generated - 1)
         draft, drafted_by, masks = self.constraint.cut(draft, room)
         if self.engine.profile:
             mx.eval(draft.tokens)
@@ -431,12 +443,12 @@ class Generation:
         device computes it while the host waits in step 4. A plain round teaches the policy
         nothing, so asking it now for the next round's γ is asking it once."""
         self.gamma_next = None
-        if scored.gamma != 0 or self.generated + 1 >= self.max_tokens:
+        if scored.gamma != 0 or self.generated + 1 >= self._limit():
             return
         self.gamma_next = self.policy.choose() if self.drafting else 0
         if (self.gamma_next == 0 and self.engine.pipeline_plain_rounds and not self.constraint.active
                 and not self.in_company()):
-            (key,) = self.keys(1)
+            _, key = self.keys(2)  # split as any round's (draft, verify): one schedule, pipelined or not
             block = scored.verdict.token.astype(mx.uint32).reshape(1)
             if scored.settle is not None:  # an UNDECIDED token is no id: the pass is dropped in 4
                 block = mx.where(block == UNDECIDED, 0, block).astype(mx.uint32)

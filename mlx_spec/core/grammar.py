@@ -250,10 +250,15 @@ class Matcher:
     # --- along a draft path ----------------------------------------------------------------
 
     def valid_prefix(self, path: Sequence[int]) -> int:
-        """How many leading tokens of `path` the grammar admits (an EOS ends the count)."""
+        """How many leading tokens of `path` the grammar admits. An EOS ends the count, and
+        counts itself where the mask allows it (the value may end there): a drafted EOS is
+        judged by the target like any other draft token."""
         self._walk(())
         cut = next((i for i, t in enumerate(path) if t in self.eos_ids or t >= self.width), len(path))
-        return self.llm.validate_tokens(list(path[:cut]))
+        n = self.llm.validate_tokens(list(path[:cut]))
+        if n == cut < len(path) and path[cut] in self.eos_ids and self.mask_after(path[:cut])[path[cut]].item():
+            n += 1
+        return n
 
     def continues(self, path: Sequence[int]) -> bool:
         """Whether anything but EOS may follow `path` (a valid path)."""
@@ -285,8 +290,12 @@ class Matcher:
         return mask
 
     def path_masks(self, path: Sequence[int]) -> mx.array:
-        """bool [len(path) + 1, width]: row i after path[:i], the verify block's rows."""
-        return mx.stack([self.mask_after(path[:i]) for i in range(len(path) + 1)])
+        """bool [len(path) + 1, width]: row i after path[:i], the verify block's rows. The
+        row after an EOS (a draft's last token) repeats the one before: the round ends at
+        the EOS, so it is never used, and the matcher cannot walk past an EOS."""
+        ends = len(path) - 1 if path and path[-1] in self.eos_ids else len(path)
+        rows = [self.mask_after(path[:i]) for i in range(ends + 1)]
+        return mx.stack(rows + rows[-1:] * (len(path) - ends))
 
     def _walk(self, path: Sequence[int]) -> None:
         """Put the matcher at committed + `path`, reusing what it already walked."""

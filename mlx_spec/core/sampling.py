@@ -227,6 +227,20 @@ def draw(probs: mx.array, key: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs), key=key)
 
 
+class KeyStream:
+    """A request's PRNG key, split round by round. Successive runs of one answer (a thought
+    budget's, `mlx_spec.server.worker`) share one, so they continue a single random stream
+    rather than each restarting it from the seed."""
+
+    def __init__(self, seed: Optional[int]):
+        self.key = make_key(seed)
+
+    def split(self, n: int) -> list[mx.array]:
+        """n fresh keys; the stream moves on past them."""
+        self.key, *keys = mx.random.split(self.key, n + 1)
+        return keys
+
+
 def make_key(seed: Optional[int]) -> mx.array:
     """A PRNG key from a seed; no seed draws one from the OS."""
     if seed is None:

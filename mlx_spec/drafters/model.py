@@ -95,8 +95,6 @@ class ModelDrafter(Drafter):
             self.fed_drafts = self.fed_chain = None
             return Draft.empty()
         xs, qs, _ = yield from self._chain(gamma, history, key)
-        if not xs:  # a grammar's value may end here: the target decides
-            return Draft.empty()
         return Draft(mx.concatenate(xs), self._pad(mx.concatenate(qs)) if qs else None)
 
     def _chain(self, gamma: int, history: list[int], key: mx.array, ranked: int = 0):
@@ -107,8 +105,10 @@ class ModelDrafter(Drafter):
 
         Under the processor's constraint each step's logits are masked as the target's row
         for the same path will be (so q is the constrained draft distribution), and the
-        chain stops before an EOS or after a token that completes the value: one host
-        sync per step, for the next step's mask."""
+        chain stops after an EOS or a token that completes the value: one host sync per
+        step, for the next step's mask. A sampled EOS stays the last draft token with its
+        q row: dropped, the row would be drawn from p alone while the other drafts are
+        judged against q, and the value would end less often than under p."""
         self.fed_drafts = self.fed_chain = None
         if len(self.pending) > self.catch_up_after:
             self.state.prefill(self.state.ids + self.pending[:-1])
@@ -146,18 +146,13 @@ class ModelDrafter(Drafter):
                 qs.append(q_j)
             if ranked:
                 tops.append(likeliest(probs, ranked))
-            if grammar is not None:
-                token = y.item()
-                if token in grammar.eos_ids:
-                    del qs[j:]
-                    self.fed_drafts = j  # this step fed x_j; no x_{j+1} is kept
-                    break
-                path.append(token)
             mx.async_eval(y)
             xs.append(y)
-            if grammar is not None and not grammar.continues(path):
-                self.fed_drafts = j
-                break
+            if grammar is not None:
+                path.append(y.item())
+                if not grammar.continues(path):  # an EOS (kept, with its q: the target judges it) or the value's end
+                    self.fed_drafts = j  # this step fed x_j; x_{j+1} is the last, never fed
+                    break
         return xs, qs, tops
 
     def _pad(self, q: mx.array) -> mx.array:

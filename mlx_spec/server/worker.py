@@ -16,13 +16,16 @@ everything before it, however many others came in between, and a request that di
 earlier starts from where it diverges.
 
 A chat answer's thought is split from its text here (`Piece.reasoning`), and the rounds that
-began inside it are counted apart (`Done.phases`). A thought budget ends the first run at
-that many tokens; a thought still open then gets its end marker forced, and a second run
-continues from the committed tokens (the caches hold them, so nothing is prefilled again).
+began inside it are counted apart (`Done.phases`; `answer.Answer`). A thought budget ends
+the first run at that many tokens if the thought is still open then: its end marker is
+forced, and a second run continues from the committed tokens (the caches hold them, so
+nothing is prefilled again) on the same random stream, text and stop strings. A thought
+closed by then splits nothing.
 
 A request is cancelled by setting `Job.cancelled` (its client went away). A waiting job
-gives up its place in the queue at once; a running one is checked between rounds, and the
-worker closes the `stream_request` generator, which leaves both caches holding exactly
+gives up its place in the queue at once; a running one is checked between rounds (and
+between its prompt's prefill chunks in a batch), and the worker closes the
+`stream_request` generator, which leaves both caches holding exactly
 the tokens committed so far, ready for the next request. `shut_down` (on SIGTERM/SIGINT)
 ends the running jobs the same way with a 503 event and answers every waiting one 503.
 
@@ -50,17 +53,18 @@ import mlx.core as mx
 
 from mlx_spec.apps.runner import Gamma, gamma_policy
 from mlx_spec.apps.stream import Response, stream_request
-from mlx_spec.apps.thinking import PhaseAcceptance, ThoughtSplitter
-from mlx_spec.core.batch import Batch
+from mlx_spec.core.batch import PREFILLING, Batch
 from mlx_spec.core.cache.files import cache_key
 from mlx_spec.core.engine import Request, in_company
 from mlx_spec.core.policy import BatchShare
+from mlx_spec.core.sampling import KeyStream
 from mlx_spec.core.stats import Stats
 from mlx_spec.drafters.token_memory import Memories
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.server.answer import Answer
 from mlx_spec.server.cache_pool import CachePool, default_budget
 from mlx_spec.server.disk_caches import DiskCaches
-from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
+from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, ShuttingDown, cached_count
 from mlx_spec.server.metrics import Metrics
 
 log = logging.getLogger("mlx_spec.server")
@@ -109,10 +113,11 @@ def keep_alive_seconds(value) -> float:
 class Run:
     """How one `stream_request` run of a job (`Worker._stream`) ended."""
 
-    finish: Optional[str] = None  # "stop", "length", or None when cancelled
+    finish: Optional[str] = None  # "stop", "length", or None when cancelled or paused
     stop_string: Optional[str] = None  # the stop string that ended it, if one did
-    generated: list[int] = field(default_factory=list)  # the ids it released
+    committed: list[int] = field(default_factory=list)  # the ids its rounds committed
     prefilled: int = 0  # prompt tokens the target's prefill processed (a job's first run only)
+    paused: bool = False  # ended at the thought budget, the thought still open
 
 
 UNLOAD = object()  # `Worker._next_job`: the keep-alive ran out
@@ -174,7 +179,7 @@ class Worker:
         self._waiting: deque[Job] = deque()  # guarded by _changed
         self._changed = threading.Condition()
         self.running: dict[Job, float] = {}  # job -> when it took the device; guarded by _changed
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}  # guarded by _changed
         self._durations: deque[float] = deque(maxlen=RECENT_JOBS)  # guarded by _changed
         self._thread = threading.Thread(target=self._run, name="mlx-spec-generate", daemon=True)
         self._stopping = False
@@ -263,9 +268,9 @@ class Worker:
     def health(self) -> dict:
         with self._changed:
             self._drop_cancelled()
-            queued, running = len(self._waiting), len(self.running)
+            queued, running, counts = len(self._waiting), len(self.running), dict(self.counts)
         return {"loaded": self.engine is not None, "busy": running > 0, "running": running,
-                "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **self.counts,
+                "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget,
                 "prompt_cache_disk_hits": self.disk.hits if self.disk is not None else 0,
@@ -332,7 +337,7 @@ class Worker:
         for steps, job in jobs.items():
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
             job.cancelled.set()
-            self.counts["failed"] += 1
+            self._count("failed")
             cache = self._busy.get(job)
             if cache is not None:
                 self.caches.discard(cache)
@@ -391,7 +396,7 @@ class Worker:
                                      busy=self._busy.values())
         except Exception as error:  # the models did not load: this job fails, the next tries again
             log.exception("loading the models failed")
-            self.counts["failed"] += 1
+            self._count("failed")
             job.emit(Failed(500, f"internal error loading the model ({type(error).__name__})"))
             self._finish(job)
             return
@@ -400,11 +405,11 @@ class Worker:
             engine = self._engine_for(job, batched)
             yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
-            self.counts["failed"] += 1
+            self._count("failed")
             job.emit(Failed(400, str(error)))
         except Exception as error:  # keep serving; the log has the traceback
             log.exception("generation failed")
-            self.counts["failed"] += 1
+            self._count("failed")
             self.caches.discard(cache)  # whatever state the error left, start clean
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
         finally:
@@ -419,6 +424,11 @@ class Worker:
         if drafter is not None and drafter.remembers:
             return self.engine.for_request(self.memories.get(job.tenant if self.draft_memory == "key" else None))
         return self.engine.for_request() if batched else self.engine
+
+    def _count(self, outcome: str) -> None:
+        """One more job ended so (the request side reads the counts: under the lock)."""
+        with self._changed:
+            self.counts[outcome] += 1
 
     def _finish(self, job: Job) -> None:
         with self._changed:
@@ -450,99 +460,111 @@ class Worker:
         policy = gamma_policy(self.gamma, engine, context=len(job.prompt_ids),
                               reproducible=job.params.seed is not None, batch=self._share if batched else None)
         try:
-            splitter = ThoughtSplitter(job.think, job.thinking)
-            phases = PhaseAcceptance()
-            prompt, room, tokens = job.prompt_ids, job.max_tokens, 0
+            answer = Answer(job, self.tokenizer, engine.eos_ids)
+            keys = KeyStream(job.params.seed)  # one random stream for every run of the answer
+            prompt, room, forced = job.prompt_ids, job.max_tokens, 0
             matcher = job.grammar.matcher(engine.eos_ids) if job.grammar is not None else None
-            budget = room
-            if job.thought_budget is not None and job.think is not None:
-                budget = min(room, job.thought_budget)  # then see whether the thought has ended
+            pause = None  # where the thought budget may end the first run
+            if job.thought_budget is not None and job.think is not None and job.thought_budget < room:
+                pause = job.thought_budget
             first, prefilled = True, 0  # prefilled: prompt tokens the target's prefill processed
             while True:
-                limited = budget < room
-                request = job_request(job, prompt, budget, policy, matcher)
-                run = yield from self._stream(job, engine, cache, request, stats, splitter, phases, batched, first)
+                request = job_request(job, prompt, room, policy, matcher, keys, pause)
+                run = yield from self._stream(job, engine, cache, request, stats, answer, batched, first)
                 if first:
                     first, prefilled = False, run.prefilled
-                generated = run.generated
-                tokens, room = tokens + len(generated), room - len(generated)
-                if run.finish != "length" or not limited or room <= 0 or job.cancelled.is_set():
+                finish, stop_string = run.finish, run.stop_string
+                if not run.paused:
                     break
-                # The thought budget is spent. A thought still open is closed by its end marker,
-                # forced: what follows is the target's distribution given that forced text (the
-                # thought's end itself is not sampled). Either way generation goes on from what
-                # was committed, which the caches keep.
-                prompt = prompt + generated
-                if splitter.thinking:
-                    forced = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
-                    reasoning, text = splitter.feed(job.think.end)
-                    job.emit(Piece(text, [], reasoning))
-                    prompt, tokens, room = prompt + forced, tokens + len(forced), room - len(forced)
-                    if room <= 0:
-                        break
-                budget = room
-            finish = run.finish
-            self.counts["completed" if finish else "cancelled"] += 1
+                # The thought budget is spent with the thought still open: its end marker is
+                # forced. What follows is the target's distribution given that forced text (the
+                # thought's end itself is not sampled), from the committed tokens the caches
+                # keep, on the same random stream, text and stop strings.
+                prompt, room = prompt + run.committed, room - len(run.committed)
+                marker = list(self.tokenizer.encode(job.think.end, add_special_tokens=False))[:room]
+                prompt, room, forced = prompt + marker, room - len(marker), forced + len(marker)
+                piece, stop_string = answer.force(marker, stats)
+                if piece is not None:
+                    job.emit(piece)
+                if stop_string is None and room <= 0:
+                    piece, stop_string = answer.end(stats)
+                    if piece is not None:
+                        job.emit(piece)
+                if stop_string is not None or room <= 0:
+                    finish = "stop" if stop_string is not None else "length"
+                    break
+                pause = None
+            tokens = answer.released + forced
+            self._count("completed" if finish else "cancelled")
             job.cached_tokens = cached_count(job, prefilled)
             self.metrics.observe(stats, job.cached_tokens)
             if finish is None and self._stopping:
                 job.emit(SHUTTING_DOWN)
                 return
-            reasoning, text = splitter.finish()
-            if reasoning or text:
-                job.emit(Piece(text, [], reasoning))
-            job.emit(Done(finish, tokens, prefilled, stats.snapshot(), run.stop_string, phases, load_seconds,
+            piece = answer.close()
+            if piece is not None:
+                job.emit(piece)
+            job.emit(Done(finish, tokens, prefilled, stats.snapshot(), stop_string, answer.phases, load_seconds,
                           job.batch_size))
         finally:
             self._share.leave(policy)  # its row is gone from the batch
 
-    def _stream(self, job: Job, engine, cache, request: Request, stats: Stats, splitter: ThoughtSplitter,
-                phases: PhaseAcceptance, batched: bool, first: bool):
+    def _stream(self, job: Job, engine, cache, request: Request, stats: Stats, answer: Answer, batched: bool,
+                first: bool):
         """One run of `request` (`stream_request`), its text split and emitted; the job's
         `first` (its prompt's) counts what the target prefilled, a later one continues the
-        job's own tokens. A generator of its target passes (`batched`); returns its `Run`."""
+        job's own tokens. At the request's `pause_at` (a thought budget) the run ends there
+        if the thought is still open, and goes on otherwise. A generator of its target
+        passes (`batched`); returns its `Run`."""
         run = Run()
 
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
             run.prefilled = total
             self._beat = time.monotonic()
 
-        responses = stream_request(engine, self.tokenizer, request, stop=job.stop, prompt_cache=cache, stats=stats,
+        responses = stream_request(engine, self.tokenizer, request, prompt_cache=cache, stats=stats,
                                    prefill_progress=on_prefill if first else None,
-                                   company=in_company(job.params, batched, self._alone if batched else None))
-        scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
+                                   company=in_company(job.params, batched, self._alone if batched else None),
+                                   text=answer.text)
         try:
             for response in responses:
                 self._beat = time.monotonic()
+                if response is PREFILLING and job.cancelled.is_set():
+                    break  # between prompt chunks: the cache holds the chunks done, the others go on
                 if not isinstance(response, Response):  # for the batch (`_run`)
                     yield response
                     continue
-                # The ids released with the text: a stop string and what followed it are
-                # neither shown nor counted.
-                run.generated += response.tokens
+                run.committed += response.round.tokens
                 run.finish, run.stop_string = response.finish_reason, response.stop_string
-                phases.observe(splitter.thinking, response.round.gamma, response.round.accepted)
-                if response.round.logprobs is not None:
-                    scored += [(t, *lp) for t, lp in zip(response.round.tokens, response.round.logprobs)]
-                # An EOS is released too: counted in usage, it has its log-prob entry.
-                released, scored = scored[: len(response.tokens)], scored[len(response.tokens):]
+                piece = answer.round(response)
                 if first:
                     job.cached_tokens = cached_count(job, run.prefilled)  # the prefill is done
-                reasoning, text = splitter.feed(response.text)
-                if text or reasoning or released:
-                    job.emit(Piece(text, released, reasoning))
-                if job.cancelled.is_set() and run.finish is None:
+                if piece is not None:
+                    job.emit(piece)
+                if run.finish is not None:
                     break
+                if job.cancelled.is_set():
+                    break
+                if request.pause_at is None:
+                    continue
+                if answer.thought_closed:
+                    request.pause_at = None  # the thought is over: the run goes on, unsplit
+                elif len(run.committed) >= request.pause_at:
+                    if answer.splitter.thinking:
+                        run.paused = True
+                        break
+                    request.pause_at = None  # no thought open at the budget: no split either
         finally:
             responses.close()  # between rounds: the caches hold exactly what was committed
         return run
 
 
-def job_request(job: Job, prompt: list[int], max_tokens: int, policy, constraint) -> Request:
+def job_request(job: Job, prompt: list[int], max_tokens: int, policy, constraint, keys: KeyStream,
+                pause_at: Optional[int] = None) -> Request:
     """The engine's `Request` for one run of `job` from `prompt`: the job's own prompt, or
     that continued by its own tokens (past a thought budget), whose images keep their places."""
     images = job.images if job.images is None or prompt is job.prompt_ids else job.images.extended(prompt)
-    return Request(prompt, job.params, policy, max_tokens, job.logprobs, images, constraint)
+    return Request(prompt, job.params, policy, max_tokens, job.logprobs, images, constraint, keys, pause_at)
 
 
 def _first_line(error: BaseException) -> str:

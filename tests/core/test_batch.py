@@ -186,16 +186,18 @@ def test_a_grammar_row_and_a_draft_model_row_answer_as_alone(tiny_target, tiny_d
 def test_rows_with_quantized_kv_answer_as_alone(tiny_target, tiny_draft):
     """With --kv-bits and --draft-kv-bits (4-bit from the first token) every row still
     switches its caches to quantized K/V where it would alone (a batch's forward cannot
-    stack packed K/V, so such rows run their passes one after another)."""
+    stack packed K/V, so such rows run their passes one after another), also for a prompt
+    longer than a batch's prefill chunk (128 tokens; alone 512)."""
     kv = KVQuantization(4, 32)
+    prompts = PROMPTS[:2] + [[2] + [(7 * i) % 250 + 6 for i in range(199)]]
 
     def requests(batched):
         return [Engine(tiny_target, ModelDrafter(tiny_draft, TINY_VOCAB), kv=kv, draft_kv=kv).rounds(
-            prompt, gamma=3, max_tokens=MAX_TOKENS, batched=batched) for prompt in PROMPTS[:2]]
+            prompt, gamma=3, max_tokens=MAX_TOKENS, batched=batched) for prompt in prompts]
 
     together = requests(batched=True)
     out = {rounds: [] for rounds in together}
-    batched(together, [0, 0], out)
+    batched(together, [0, 0, 0], out)
     alone = [[t for r in rounds for t in r.tokens] for rounds in requests(batched=False)]
     assert [out[rounds] for rounds in together] == alone
     assert alone[1] != greedy_reference(tiny_target, PROMPTS[1], MAX_TOKENS)  # 4 bits tell

@@ -32,9 +32,9 @@ from mlx_spec.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 @pytest.mark.parametrize(
     "drafter_kind,gamma",
     [
-        ("model", 3),
+        ("model", 1),  # t2 is the bonus token whenever x1 is accepted
         ("none", 0),  # plain rounds, the second queued while the first is computed
-        pytest.param("model", 1, marks=pytest.mark.slow),
+        pytest.param("model", 3, marks=pytest.mark.slow),  # t1, t2: accepted or recovered, never a bonus
         pytest.param("ngram", 3, marks=pytest.mark.slow),
         # drafts what earlier draws (requests) continued with most often: q one-hot
         pytest.param("suffix", 3, marks=pytest.mark.slow),
@@ -70,18 +70,25 @@ def deterministic_acceptance(x, q, p, key):
     return Verdict(n, draw(residual / residual.sum(), key))
 
 
+def bonus_from_the_last_draft_row(x, q, p, key):
+    """Broken: when every draft token is accepted, draws the bonus token from p_γ (the last
+    draft token's row) instead of p_γ+1."""
+    return verify_sampled(x, q, mx.concatenate([p[:-1], p[-2:-1]]) if x.shape[0] else p, key)
+
+
 @pytest.mark.parametrize(
-    "broken",
+    "broken,gamma",
     [
-        recovered_from_p,
-        pytest.param(p_rows_off_by_one, marks=pytest.mark.slow),
-        pytest.param(deterministic_acceptance, marks=pytest.mark.slow),
+        (recovered_from_p, 3),
+        pytest.param(p_rows_off_by_one, 3, marks=pytest.mark.slow),
+        pytest.param(deterministic_acceptance, 3, marks=pytest.mark.slow),
+        pytest.param(bonus_from_the_last_draft_row, 1, marks=pytest.mark.slow),  # the fast γ 1 check's bonus
     ],
 )
-def test_the_check_catches_broken_rules(models, monkeypatch, broken):
+def test_the_check_catches_broken_rules(models, monkeypatch, broken, gamma):
     target, draft = models
     params = SamplingParams(**PARAMS)
     monkeypatch.setattr(verify_module, "verify_sampled", broken)
     engine = Engine(target, ModelDrafter(draft, VOCAB))
-    stat, critical = chi_square(sampled_joint(engine, params, 3, BROKEN_DRAWS), exact_joint(target, params))
+    stat, critical = chi_square(sampled_joint(engine, params, gamma, BROKEN_DRAWS), exact_joint(target, params))
     assert stat > critical

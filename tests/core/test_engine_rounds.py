@@ -50,8 +50,10 @@ def test_per_position_acceptance_on_a_constructed_case(tiny_target):
     assert all(r.accepted == 2 for r in rounds[:-1])
     assert stats.acceptance_by_position[:3] == [1.0, 1.0, 0.0]
     assert stats.conditional_acceptance[:3] == [1.0, 1.0, 0.0]
-    assert stats.mean_accepted_length == pytest.approx(1 + stats.accepted / stats.rounds)
-    assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
+    # no round is cut here, so a round's tokens are its accepted drafts and one of the
+    # target's: the mean accepted length is tokens per round; the rate counts the rounds' own
+    assert stats.mean_accepted_length == pytest.approx(len(tokens) / len(rounds)) == pytest.approx(40 / 14)
+    assert stats.acceptance_rate == pytest.approx(sum(r.accepted for r in rounds) / sum(r.gamma for r in rounds))
     assert stats.target_forwards == stats.rounds == len(rounds)
     assert stats.generated == 40
 

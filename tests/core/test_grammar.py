@@ -199,6 +199,54 @@ def test_judging_drafts_against_unmasked_p_fails_the_check(sampling_models, monk
     assert stat > critical
 
 
+EOS_REGEX = "[a-f]{1,2}"  # after one letter, ending (an EOS) competes with a second letter
+EOS_DRAWS = 600
+
+
+def ending_joint(target, params, prompt):
+    """P(t1, t2) under plain sampling of the masked target: t1 among a-f, t2 among a-f and
+    the EOS ids (the value may end after one letter)."""
+    processor = LogitProcessor(params)
+
+    def p_next(ids, allowed_ids):
+        allowed = mx.zeros((TINY_VOCAB,), mx.bool_).at[mx.array(allowed_ids)].add(True)
+        logits = mx.where(allowed, target(mx.array(ids)[None])[0, -1:], -mx.inf)
+        return processor.distribution(logits, processor.windows(ids, None, 1))[0].tolist()
+
+    p1 = p_next(prompt, ALLOWED)
+    return {(a, b): p1[a] * pb for a in ALLOWED if p1[a] > 0
+            for b, pb in enumerate(p_next(prompt + [a], ALLOWED + list(EOS))) if pb > 0}
+
+
+def sampled_endings(engine, params, gamma, draws):
+    grammar = compile_grammar(TOKENIZER, "regex", EOS_REGEX, EOS)
+    cache, counts = engine.make_prompt_cache(), {}
+    for seed in range(draws):
+        run_params = SamplingParams(**{**params.__dict__, "seed": seed})
+        tokens = [t for r in engine.rounds(SAMPLE_PROMPT, run_params, gamma=gamma, max_tokens=3, prompt_cache=cache,
+                                           constraint=grammar.matcher(EOS)) for t in r.tokens]
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts
+
+
+def test_a_drafted_eos_keeps_the_masked_distribution(sampling_models):
+    """The draft model (the target itself: q = p) samples an EOS as often as the target
+    would; kept as its last draft token with its q, the value ends as often as in plain
+    sampling (dropping it made P(EOS) P_E² instead of P_E)."""
+    target, _ = sampling_models
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(target, ModelDrafter(target, TINY_VOCAB), eos_ids=EOS)
+    counts, exact = sampled_endings(engine, params, 2, EOS_DRAWS), ending_joint(target, params, SAMPLE_PROMPT)
+    stat, critical = chi_square(counts, exact)
+    assert stat < critical
+    # the endings alone: the joint pools its rare cells, where endings are (each < 5 expected)
+    ending = sum(p for (_, b), p in exact.items() if b in EOS)
+    ended = sum(n for tokens, n in counts.items() if tokens[-1] in EOS)
+    assert ending * EOS_DRAWS > 30  # the check has power: endings are common
+    stat, critical = chi_square({True: ended, False: EOS_DRAWS - ended}, {True: ending, False: 1 - ending})
+    assert stat < critical
+
+
 # --- failures are never silent -------------------------------------------------------------
 
 def test_a_cut_value_says_length(target):

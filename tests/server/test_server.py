@@ -177,15 +177,18 @@ def test_stop_strings_streamed_and_not(spec_server, tiny_dirs):
     assert pieces[-1].model_extra["mlx_spec"]["generated"] == cut.usage.completion_tokens
 
 
-def test_seeded_sampling_reproduces_generate(spec_server, tiny_dirs):
-    client = spec_server.client()
+@pytest.mark.parametrize("drafting", [True, False])  # γ 2, and γ 0: plain rounds, pipelined by generate
+def test_seeded_sampling_reproduces_generate(request, tiny_dirs, drafting):
+    """The server batches every request (`--parallel` 4), `generate` decodes alone: the seed's
+    key splits the same way either way."""
+    client = request.getfixturevalue("spec_server" if drafting else "plain_server").client()
     sampling = dict(temperature=0.9, top_p=0.95, seed=7)
     extra = {"top_k": 40, "min_p": 0.02, "repetition_penalty": 1.1}
     runs = [client.completions.create(model=tiny_dirs[0], prompt="Hello", max_tokens=24,
                                       extra_body=extra, **sampling).choices[0].text for _ in range(2)]
     cli = invoke_json(["generate", "Hello", "--raw", "-n", 24, "--temp", 0.9, "--top-p", 0.95,
                        "--top-k", 40, "--min-p", 0.02, "--repetition-penalty", 1.1, "--seed", 7,
-                       *_cli_flags(tiny_dirs, True)])
+                       *_cli_flags(tiny_dirs, drafting)])
     assert runs[0] == runs[1] == cli["text"]
 
 

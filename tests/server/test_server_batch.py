@@ -8,23 +8,23 @@ the others' tokens do not change. Last, one live server through the official cli
 answers' `mlx_spec.batch_size` and `/metrics`' batch counters.
 """
 
-import asyncio
 import threading
 
 import httpx
 import openai
 import pytest
 from conftest import greedy_reference, recorded_verify_passes
-from mlx_lm import generate, load
+from mlx_lm import generate
 from prometheus_client.parser import text_string_to_metric_families
 from server_support import Server, server_env
 from trees_support import BRANCHING_PROMPT
+from worker_support import make_worker, pair, run_jobs  # noqa: F401  (pair: a fixture)
 
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import SamplingParams
-from mlx_spec.drafters import ModelDrafter, NgramDrafter
-from mlx_spec.server.worker import Done, Failed, Job, Worker
-from mlx_spec.testing.tiny import TINY_VOCAB
+from mlx_spec.drafters import NgramDrafter
+from mlx_spec.server.worker import Done, Failed, Worker
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_cost_cache
 
@@ -35,20 +35,6 @@ PROMPTS = [
     [2] + [40, 41, 42, 43] * 5,
 ]
 LENGTHS = [24, 30, 20, 28]  # every answer crosses the window
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dirs):
-    target, tokenizer = load(tiny_dirs[0])
-    draft, _ = load(tiny_dirs[1])
-    return target, draft, tokenizer
-
-
-def make_worker(pair, parallel: int, context_length=None, gamma="2", **options) -> Worker:
-    target, draft, tokenizer = pair
-    engine = Engine(target, ModelDrafter(draft, TINY_VOCAB), eos_ids=tokenizer.eos_token_ids,
-                    context_length=context_length)
-    return Worker(engine, tokenizer, gamma=gamma, parallel=parallel, **{"cache_budget": 2**28, **options})
 
 
 def reference(pair, prompt, max_tokens):
@@ -67,37 +53,6 @@ class Faulty(str):
 
     def __len__(self):
         raise RuntimeError("a fault inside one request")
-
-
-def run_jobs(worker: Worker, specs: list[dict], act=None) -> list[tuple[list[int], object]]:
-    """Submit one job per spec (prompt, max_tokens, and Job fields) before the worker starts
-    (so they join together), collect each job's token ids and its last event. `act(jobs,
-    job, event)` is called on each event (from the event loop)."""
-    loop = asyncio.new_event_loop()
-    jobs = [Job(spec["prompt"], spec.get("params", SamplingParams()), spec["max_tokens"], spec.get("stop", ()),
-                loop, logprobs=0, grammar=spec.get("grammar")) for spec in specs]
-
-    async def collect(job):
-        tokens = []
-        while True:
-            event = await asyncio.wait_for(job.events.get(), 120)
-            if act is not None:
-                act(jobs, job, event)
-            if isinstance(event, (Done, Failed)):
-                return tokens, event
-            tokens += [t for t, _, _ in event.logprobs]
-
-    async def collect_all():
-        return await asyncio.gather(*map(collect, jobs))
-
-    for job in jobs:
-        worker.submit(job)
-    worker.start()
-    try:
-        return loop.run_until_complete(collect_all())
-    finally:
-        worker.stop()
-        loop.close()
 
 
 def test_jobs_decoded_together_each_answer_as_alone(pair):
@@ -287,3 +242,50 @@ def test_a_request_that_ends_first_never_evicts_a_running_ones_cache(pair, tmp_p
     long_tokens = results[0][0]
     # the long conversation, as it ended (the last token is never fed back), stayed cached
     assert [c.target.ids for c in worker.caches.caches] == [PROMPTS[1] + long_tokens[:-1]]
+
+
+@pytest.mark.parametrize("how", ["cancelled", "shutting down"])
+def test_a_job_stops_prefilling_between_chunks_once_cancelled(pair, monkeypatch, how):
+    """A batch prefills a prompt 128 tokens a step: a job cancelled (or a server shutting
+    down) after its first chunk prefills no more of its 5, so the others stop waiting on it."""
+    long = [2] + [(7 * i) % 250 + 6 for i in range(640)]
+    worker = make_worker(pair, parallel=2)
+    chunks, forward = [], SequenceCache._call
+
+    def counting(cache, tokens, *args, **kwargs):
+        if tokens.shape[-1] == Engine.batch_prefill_chunk and cache.model is pair[0]:
+            chunks.append(tokens.shape[-1])
+            if len(chunks) == 1:
+                for job in [j for j in worker.running if len(j.prompt_ids) == len(long)]:
+                    worker.cancel(job) if how == "cancelled" else worker.shut_down()
+        return forward(cache, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(SequenceCache, "_call", counting)
+    specs = [{"prompt": long, "max_tokens": 8}, {"prompt": PROMPTS[0], "max_tokens": 24}]
+    results = run_jobs(worker, specs)
+    assert results[0][1].finish_reason is None if how == "cancelled" else results[0][1].status == 503
+    assert len(chunks) == 1
+
+
+def test_outcome_counts_change_under_the_lock(pair):
+    """`/health` and `/metrics` read `Worker.counts` on the request side: every change on the
+    worker thread happens under the worker's lock (unlocked `+=` loses updates)."""
+    worker = make_worker(pair, parallel=2)
+    unlocked = []
+
+    class Guarded(dict):
+        def __setitem__(self, key, value):
+            if not worker._changed._is_owned():
+                unlocked.append(key)
+            super().__setitem__(key, value)
+
+    def cancel_the_third(jobs, job, event):
+        if job is jobs[2]:
+            job.cancelled.set()
+
+    worker.counts = Guarded(worker.counts)
+    specs = [{"prompt": PROMPTS[0], "max_tokens": 8}, {"prompt": PROMPTS[2], "max_tokens": 8, "stop": [Faulty("x")]},
+             {"prompt": PROMPTS[1], "max_tokens": 200}]
+    run_jobs(worker, specs, act=cancel_the_third)
+    assert (worker.counts["completed"], worker.counts["failed"], worker.counts["cancelled"]) == (1, 1, 1)
+    assert not unlocked

@@ -169,6 +169,20 @@ def test_budget_tokens_closes_the_thought(served, stream):
     assert message.usage.output_tokens == budget + 1 + len(served.model.answer_ids) + 1  # marker, <turn|>
 
 
+def test_a_budget_reached_after_the_thought_splits_nothing(served):
+    """The thought closes before the budget, which falls inside the answer's "answer is": no
+    second run, so the stop string straddling the budget is still found whole."""
+    answer_ids, stop = served.model.answer_ids, "answer is"
+    inside = next(k for k in range(1, len(answer_ids))
+                  if served.tokenizer.decode(answer_ids[:k]).startswith(ANSWER[: ANSWER.index(stop) + 1]))
+    assert stop not in served.tokenizer.decode(answer_ids[:inside])  # the budget splits the stop string
+    budget = len(served.model.thought) + 1 + inside  # the thought, its end marker, then into the answer
+    message = served.anthropic().messages.create(model=MODEL, max_tokens=200, messages=ASK, stop_sequences=[stop],
+                                                  thinking={"type": "enabled", "budget_tokens": budget})
+    assert message.content[0].thinking == THOUGHT
+    assert message.content[1].text == ANSWER[: ANSWER.index(stop)] and message.stop_reason == "stop_sequence"
+
+
 def test_budget_must_be_below_max_tokens(served):
     response = httpx.post(f"{served.base}/messages", timeout=60, json={
         "model": MODEL, "max_tokens": 10, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 10}})
@@ -207,6 +221,26 @@ def test_acceptance_apart_for_thought_and_answer(tmp_path):
     assert sum(p["drafted"] for p in parts) == stats["drafted"]
     assert sum(p["accepted"] for p in parts) == stats["accepted"]
     assert parts[0]["acceptance_rate"] == parts[0]["accepted"] / parts[0]["drafted"]
+
+
+def test_a_rounds_part_is_where_it_began_not_what_was_shown(tmp_path):
+    """A stop string that begins like the end marker and the answer holds their text back
+    until the answer's last character shows it is no stop; the rounds are counted for the
+    part they began in all the same: as without that stop string."""
+    served = Served(tokenizer_for(tmp_path, THINKING_TEMPLATE), NgramDrafter(), gamma="3")
+    phases = []
+    try:
+        for stop in ([], [END + ANSWER[:-1] + "?"]):
+            raw = httpx.post(f"{served.base}/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": ASK, "max_tokens": 200, "stop": stop,
+                "chat_template_kwargs": {"enable_thinking": True}}).json()
+            stats = raw["mlx_spec"]
+            phases.append((stats["thought_acceptance"], stats["answer_acceptance"]))
+            assert raw["choices"][0]["message"]["content"] == ANSWER
+            assert sum(p["drafted"] for p in phases[-1]) == stats["drafted"]
+    finally:
+        served.server.stop()
+    assert phases[1] == phases[0] and phases[0][1]["drafted"] > 0
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])

@@ -43,6 +43,9 @@ from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.errors import UsageError
 
 FORMAT = "mlx-spec/prompt-cache/2"  # 2: the digest covers the metadata too
+# How quantized K/V were computed: each position's precision by its position alone
+# (`SequenceCache`), not by where a prefill chunk ended.
+KV_PRECISION = "by-position"
 SAMPLES = 64  # elements per weight array in a fingerprint
 
 _CODES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
@@ -98,9 +101,12 @@ def _windows(layers: list) -> list:
 def model_key(model, slack: int, kv=None) -> dict:
     """What a model's cache file must match: weights, dtype, K/V quantization (`kv`, a
     `layers.KVQuantization` or None), windows, slack."""
-    return {"weights": model_fingerprint(model), "dtype": _dtype(model),
-            "kv_bits": kv and kv.bits, "kv_group_size": kv and kv.group_size, "kv_start": kv and kv.start,
-            "windows": _windows(make_cache(model, slack)), "slack": slack}
+    key = {"weights": model_fingerprint(model), "dtype": _dtype(model),
+           "kv_bits": kv and kv.bits, "kv_group_size": kv and kv.group_size, "kv_start": kv and kv.start,
+           "windows": _windows(make_cache(model, slack)), "slack": slack}
+    if kv is not None:  # files from before a position's precision was its own hold other K/V
+        key["kv_precision"] = KV_PRECISION
+    return key
 
 
 def cache_key(engine, tokenizer) -> dict:
@@ -129,9 +135,9 @@ def _mismatch(found: dict, wanted: dict) -> Optional[str]:
     # the specific differences first: another dtype changes the weights' fingerprint too
     for field, words in (("dtype", "another dtype"), ("kv_bits", "other --kv-bits"),
                          ("kv_group_size", "another --kv-group-size"), ("kv_start", "another --kv-start"),
-                         ("windows", "other sliding windows"),
+                         ("kv_precision", "an older rule for quantized K/V"), ("windows", "other sliding windows"),
                          ("slack", "another rollback slack (max γ + 1)"), ("weights", "another model")):
-        have, want = found.get("target", {}).get(field), wanted["target"][field]
+        have, want = found.get("target", {}).get(field), wanted["target"].get(field)
         if have != want:
             detail = f" ({have}; here {want})" if field not in ("weights", "windows") else ""
             return f"it was made with {words}{detail}"

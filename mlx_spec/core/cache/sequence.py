@@ -87,6 +87,16 @@ class SequenceCache:
         # mlx-lm checks after a forward, so an empty cache's first forward is never quantized
         return max(self.kv.start, 1)
 
+    def _rows_before_switch(self, n: int) -> int:
+        """Of n positions about to be fed, how many come before the switch to quantized K/V
+        when the switch falls strictly inside them (0 otherwise): the feed is split there,
+        so that a row's precision depends on its position alone, never on how the rows were
+        chunked (mlx-lm's loop fed one token at a time, `generate_step(prefill_step_size=1)`)."""
+        if self.kv is None or self.quantized:
+            return 0
+        before = self._switch() - self.offset
+        return before if 0 < before < n else 0
+
     def draft_room(self, tree: bool = False) -> int:
         """The most draft tokens the next verify pass (from position `offset`) may carry
         without straddling the switch to quantized K/V: rows before the switch must see
@@ -144,6 +154,12 @@ class SequenceCache:
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
         (logits [n, V], final hidden states [n, H]). With a `tree`, tokens are its
         flattened block [root, x_0..x_N-1] (see `mlx_spec.core.tree`), fed in one pass."""
+        split = self._rows_before_switch(tokens.shape[0]) if tree is None else 0
+        if split:  # rows before the switch see full precision, the rest quantized K/V
+            first, rest = self.forward(tokens[:split], hidden), self.forward(tokens[split:], hidden)
+            if hidden:
+                return tuple(mx.concatenate(pair) for pair in zip(first, rest))
+            return mx.concatenate([first, rest])
         self._quantize_when_due()
         if tree is not None:
             root = self.cache[0].offset  # the root's position: every layer agrees
@@ -273,9 +289,9 @@ class SequenceCache:
         blocks = inputs.pop("image_blocks", None)
         if blocks is not None:  # an image's rows see each other: one pass, so no chunk splits an image
             chunk_size = max(len(todo), 1)
-        for begin in range(0, len(todo), chunk_size):
-            chunk = todo[begin : begin + chunk_size]
-            last = hidden and begin + chunk_size >= len(todo)
+        for begin, end in self._chunk_bounds(len(todo), chunk_size, blocks):
+            chunk = todo[begin:end]
+            last = hidden and end >= len(todo)
             self._quantize_when_due()
             rows = slice(common + begin, common + begin + len(chunk))
             with images_opened(self.cache, None if blocks is None else blocks[0, rows]):
@@ -288,9 +304,21 @@ class SequenceCache:
             self.ids.extend(keys[rows])
             if progress is not None:
                 progress(begin + len(chunk), len(todo))
-            if begin + chunk_size < len(todo):
-                yield begin + len(chunk)
+            if end < len(todo):
+                yield end
         return len(todo)
+
+    def _chunk_bounds(self, n: int, chunk_size: int, blocks: Optional[mx.array]) -> list[tuple[int, int]]:
+        """[begin, end) of each prefill chunk of the n positions from `offset` on: every
+        `chunk_size`, and also at the switch to quantized K/V (`_rows_before_switch`), unless
+        that would split an image (`blocks`: each row's image, or -1), whose rows see each other."""
+        cuts = set(range(chunk_size, n, chunk_size))
+        split = self._rows_before_switch(n)
+        if split and not (blocks is not None and -1 < int(blocks[0, self.offset + split - 1])
+                          == int(blocks[0, self.offset + split])):
+            cuts.add(split)
+        edges = [0, *sorted(cuts), n] if n else []
+        return list(zip(edges, edges[1:]))
 
 
 def _row_buffers(layer) -> list:

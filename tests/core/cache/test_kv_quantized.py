@@ -15,17 +15,16 @@ import numpy as np
 import pytest
 from cli_support import assert_usage_error, invoke, invoke_json
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from server_support import server_env, serving
 from distribution_support import PARAMS, VOCAB, chi_square, exact_joint, sampled_joint
-from distribution_support import PROMPT as SHORT_PROMPT
+from kv_support import GROUP, MAX_TOKENS, PROMPT, mlx_lm_decoding
 from trees_support import LONG_BRANCHING, SecondSiblingDrafter, flat_policy
 
 from mlx_spec.core.cache.attention import quantized_attention
 from mlx_spec.core.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache
 from mlx_spec.core.cache.layer_base import PackedKV
-from mlx_spec.core.cache.layers import KVQuantization, QuantizedKVReader, make_cache
+from mlx_spec.core.cache.layers import KVQuantization, make_cache
 from mlx_spec.core.cache.sequence import SequenceCache, _fork_layer
 from mlx_spec.core.cache.window_layers import QuantizedWindowKVCache
 from mlx_spec.core.engine import Engine
@@ -40,37 +39,12 @@ pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, cost_cache, private_co
 pytestmark = pytest.mark.usefixtures("private_cost_cache")
 
 WINDOW = 16  # the tiny models' sliding window
-PROMPT = [2] + [(7 * i) % 250 + 6 for i in range(40)]  # past the window
-MAX_TOKENS = 40
-GROUP = 32  # the tiny models' head size is 32 (64 on Gemma 4's full layers)
 KV_FLAGS = ["--kv-group-size", str(GROUP)]
 CHI_DRAWS = 600
 
 
 def run(engine, prompt=PROMPT, gamma=0, max_tokens=MAX_TOKENS, **kwargs):
     return [t for r in engine.rounds(prompt, gamma=gamma, max_tokens=max_tokens, **kwargs) for t in r.tokens]
-
-
-class SharedLayersRead:
-    """`model` for mlx-lm's loop: Gemma 4's KV-shared layers (no cache of their own) get a
-    `QuantizedKVReader` once the owners' K/V are quantized, as `SequenceCache._call` gives them."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, inputs, cache, **kwargs):
-        reader = QuantizedKVReader.of(cache[0])
-        shared = len(self.model.layers) - len(cache)
-        return self.model(inputs, cache=cache + [reader] * shared if reader else cache, **kwargs)
-
-
-def mlx_lm_decoding(model, kv: KVQuantization, prompt=PROMPT, max_tokens=MAX_TOKENS) -> list[int]:
-    """Greedy tokens of mlx-lm's own `generate_step` (its prefill, its switch to quantized
-    K/V, its decode loop: no drafting) run on our cache layers (`make_cache`)."""
-    steps = generate_step(mx.array(prompt), SharedLayersRead(model), max_tokens=max_tokens,
-                          prompt_cache=make_cache(model, slack=4), kv_bits=kv.bits,
-                          kv_group_size=kv.group_size, quantized_kv_start=kv.start)
-    return [token for token, _ in steps]
 
 
 @pytest.mark.parametrize("arch,bits,start", [("gemma3", 8, 0), ("gemma3", 4, 0), ("gemma3", 4, 50),
@@ -170,9 +144,10 @@ def test_trees_on_quantized_caches_equal_plain_decoding(gemma3_pair):
 
 
 def filled(model, kv, ids, slack=4) -> SequenceCache:
-    """A cache holding `ids`, quantized: the switch comes before the forward after the
-    prefill, as mlx-lm's comes after the prefill."""
+    """A cache holding `ids`, quantized from position 1 on (start 0). The first position is
+    fed alone whatever `kv`, as a quantized cache feeds it, so that buffers grow alike."""
     cache = SequenceCache(model, slack, kv=kv)
+    cache.prefill(ids[:1])
     cache.prefill(ids[:-1])
     cache.forward(mx.array(ids[-1:]))
     cache.settle(ids[-1:])
@@ -269,10 +244,9 @@ def test_kv_start_keeps_the_first_tokens_in_full_precision(gemma3_pair):
     cache = SequenceCache(target, 4, kv=KVQuantization(8, GROUP, start=30))
     cache.prefill(PROMPT[:20])
     assert not cache.quantized and cache.draft_room() == 30 - 1 - 20
-    cache.prefill(PROMPT[:40])  # quantized before the chunk that starts past 30 only
-    assert not cache.quantized
-    cache.forward(mx.array([1]))
+    cache.prefill(PROMPT[:40])  # the chunk is split at position 30: rows from there see quantized K/V
     assert cache.quantized and isinstance(cache.cache[0], QuantizedWindowKVCache)
+    cache.forward(mx.array([1]))
     cache.settle([1])
     cache.prefill(PROMPT[:10])  # a shorter conversation: full precision again, as a fresh one
     assert not cache.quantized and cache.ids == PROMPT[:10]
@@ -281,11 +255,11 @@ def test_kv_start_keeps_the_first_tokens_in_full_precision(gemma3_pair):
 @pytest.mark.slow  # ~70 s on a 2-core CPU
 def test_sampling_at_temperature_one_draws_the_quantized_targets_distribution():
     """χ² against the exact joint of the first two tokens under the target as mlx-lm's
-    generate_step runs it with kv_bits on our cache layers: the prompt but its last token
-    prefilled in full precision, then each layer's `to_quantized`, then the rest on those."""
+    generate_step runs it with kv_bits on our cache layers, fed one token at a time: the
+    first position in full precision, then each layer's `to_quantized`, then the rest on those."""
     target = tiny_gemma3(seed=0, vocab_size=VOCAB, logit_scale=2.0)
     draft = tiny_gemma3(seed=9, vocab_size=VOCAB, logit_scale=2.0)
-    bits, held = 4, len(SHORT_PROMPT) - 1
+    bits, held = 4, 1
 
     def quantized_target(inputs):
         cache = make_cache(target, slack=4)

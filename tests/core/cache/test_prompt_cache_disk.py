@@ -202,6 +202,19 @@ def test_files_of_another_model_or_kv_bits_are_refused(saved, pair):
         load_prompt_cache(path, bigger, cache_key(bigger, tokenizer))
 
 
+def test_quantized_files_from_before_precision_by_position_are_refused(pair, tmp_path):
+    """A --kv-bits file written when the first prefill chunk saw itself in full precision holds
+    other K/V than a fresh cache would now: refused, so the prompt is prefilled again."""
+    target, _, tokenizer = pair
+    engine = Engine(target, None, eos_ids=tokenizer.eos_token_ids, kv=KVQuantization(8, group_size=32))
+    key = cache_key(engine, tokenizer)
+    cache, _ = conversation(pair, engine, TEXTS[0])
+    older = {**key, "target": {k: v for k, v in key["target"].items() if k != "kv_precision"}}
+    save_prompt_cache(tmp_path / "old.safetensors", cache, older)
+    with pytest.raises(CacheFileError, match="an older rule for quantized K/V"):
+        load_prompt_cache(tmp_path / "old.safetensors", engine, key)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_cache_file_round_trips_and_answers_as_before(pair, tmp_path, bits):
     """--kv-bits caches (packed K/V triples, sliding windows included) survive a file: the
