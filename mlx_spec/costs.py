@@ -166,6 +166,13 @@ def measure_costs(
         draft_step2 = draft_step
         if progress:
             progress(total, total)
+    elif hasattr(draft, "block_step_timer"):
+        # A block drafter: one forward over a block after `context` positions of its own
+        # context K/V; it feeds nothing to catch up.
+        draft_step = _median_times([draft.block_step_timer(target, context)], repeats, BUDGET_S / 2)[0]
+        draft_step2 = draft_step
+        if progress:
+            progress(total, total)
     elif draft is not None:
         draft_seq = SequenceCache(draft, slack=3)
         _fill_context(draft_seq, context)

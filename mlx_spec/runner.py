@@ -8,7 +8,7 @@ Typer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from mlx_spec.cache.forward import attention_layers
@@ -191,13 +191,14 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         kv, draft_kv: quantize the target's / draft model's K/V cache (None: full precision).
     """
     from mlx_spec.distributed import world as this_world  # mlx.distributed: launched runs only
-    from mlx_spec.models.pairing import is_assistant  # the loaders' stack, not needed to import this
+    from mlx_spec.models.drafts import draft_family  # the loaders' stack, not needed to import this
 
     w = world or this_world()
     if drafter is None:
         # Across ranks with the draft on rank 0, the other ranks know of it by its vocabulary.
         remote_draft = w.active and pair.draft is None and pair.vocab_size_draft is not None
-        drafter = ("mtp" if is_assistant(pair.draft) else
+        family = draft_family(pair.draft.config) if pair.draft is not None else None
+        drafter = (family if family is not None else
                    "model" if pair.draft is not None or remote_draft else "ngram")
     chosen_class = drafter_class(drafter)
     chosen = None if chosen_class is None else chosen_class.for_pair(pair, w)
@@ -273,6 +274,7 @@ def gamma_policy(
         context=context_bucket(context), refresh=refresh, progress=progress,
         batch_width=BATCH_WIDTH if batch is not None else 0,
     )
+    costs = replace(costs, block=engine.drafter.passes_per_block > 0)  # priced per draft forward
     return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible), batch=batch)
 
 
@@ -297,5 +299,6 @@ def tree_policy(engine: Engine, *, context: int = 256, refresh: bool = False,
     nodes = min(TREE_NODES, engine.max_gamma)
     costs = load_or_measure(engine.target, draft_model, max_width=nodes + 1, context=context_bucket(context),
                             refresh=refresh, progress=progress)
+    costs = replace(costs, block=engine.drafter.passes_per_block > 0)
     return TreePolicy(costs, max_gamma=min(MAX_AUTO_GAMMA, engine.max_gamma), branches=TREE_BRANCHES,
                       max_nodes=nodes, learn_costs=_learn_costs(reproducible))
