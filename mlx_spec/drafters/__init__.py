@@ -8,6 +8,7 @@ user types (`--drafter NAME`) to its class. "none" (plain decoding) is no drafte
 from __future__ import annotations
 
 from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -18,6 +19,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     ModelDrafter.name: ModelDrafter,  # a small draft model (Leviathan's Mq)
     MtpDrafter.name: MtpDrafter,  # Gemma 4's MTP assistant, over the target's states
     NgramDrafter.name: NgramDrafter,  # prompt lookup, no model
+    DFlashDrafter.name: DFlashDrafter,  # z-lab's DFlash: a block per forward from the target's taps
 }
 NO_DRAFTER = "none"
 # What `--drafter` accepts.
@@ -34,5 +36,5 @@ def drafter_class(name: str) -> type[Drafter] | None:
     return DRAFTERS[name]
 
 
-__all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "ModelDrafter",
-           "MtpDrafter", "NgramDrafter"]
+__all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "DFlashDrafter",
+           "ModelDrafter", "MtpDrafter", "NgramDrafter"]

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
-from mlx_spec.models.gemma4_assistant import is_assistant_config
+from mlx_spec.models.drafts import draft_family
 from mlx_spec.models.checkpoints import load_folder
 from mlx_spec.models.sources import DEFAULT_SOURCE, resolve_source
 from mlx_spec.models.tokenizer_loading import load_tokenizer
@@ -35,7 +35,7 @@ def model_info(source: str | None, *, progress: bool = True, download: bool = Tr
         with hub.forced_offline():
             path, kind = resolve_source(source, progress=progress)
     model, config = load_folder(path, lazy=True)
-    tokenizer = load_tokenizer(path, config, optional=is_assistant_config(config))
+    tokenizer = load_tokenizer(path, config, optional=draft_family(config) is not None)
     return describe(model, tokenizer, config, source=source or DEFAULT_SOURCE, path=path,
                     kind=kind)
 

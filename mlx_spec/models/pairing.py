@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
+from mlx_spec.models import dflash
+from mlx_spec.models.drafts import draft_family
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
 from mlx_spec.models.loader import LoadedModel, load_model
 from mlx_spec.models.sources import DEFAULT_SOURCE, assistant_as_target
@@ -90,6 +92,8 @@ def load_pair(target: str | None, draft: str | None = None, *,
             draft_model = _load_as("draft model", draft, draft_kwargs)
         if is_assistant(draft_model):
             check_assistant(target_model, draft_model)
+        elif is_block_draft(draft_model):
+            check_block_draft(target_model, draft_model)
         else:
             check_compatible(target_model, draft_model)
     return ModelPair(
@@ -159,6 +163,23 @@ def is_assistant(loaded: LoadedModel | None) -> bool:
     return loaded is not None and is_assistant_config(loaded.config)
 
 
+def is_block_draft(loaded: LoadedModel | None) -> bool:
+    """Whether `loaded` is a block draft (DFlash): it drafts from the target's tap layers
+    with the target's embedding and head."""
+    return loaded is not None and draft_family(loaded.config) == "dflash"
+
+
+def check_block_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """A block draft reads its target's layer outputs and uses its embedding and head:
+    IncompatibleModelsError (one line) unless its hidden size, vocabulary and tap layers
+    fit this target."""
+    mismatch = dflash.target_mismatch(draft.model.args, target.model)
+    if mismatch:
+        raise IncompatibleModelsError(mismatch)
+    if draft.tokenizer is not None:  # a release that ships the tokenizer: same ids?
+        check_compatible(target, draft)
+
+
 def check_assistant(target: LoadedModel, assistant: LoadedModel) -> None:
     """An MTP assistant reads its target's hidden state, embeddings and K/V: raise
     IncompatibleModelsError unless the target is a Gemma 4 of the sizes it was built for."""
@@ -185,6 +206,8 @@ def output_width(loaded: LoadedModel) -> int:
     on where they keep it, and padded heads make the tokenizer size unreliable)."""
     if is_assistant(loaded):  # no forward of its own: its logits are over its vocabulary
         return loaded.model.vocab_size
+    if is_block_draft(loaded):  # the target's head scores its drafts
+        return loaded.model.args.vocab_size
     token = loaded.tokenizer.bos_token_id or 0
     logits = loaded.model(mx.array([[token]]))
     return int(logits.shape[-1])

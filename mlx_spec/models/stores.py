@@ -174,9 +174,9 @@ def _folder_entry(source: str, store: str, folder: Path, size: int) -> LocalMode
 def _runs_model_type(config: dict) -> bool:
     import importlib.util
 
-    from mlx_spec.models.gemma4_assistant import is_assistant_config
+    from mlx_spec.models.drafts import draft_family
 
-    if is_assistant_config(config):
+    if draft_family(config) is not None:
         return True
     from mlx_lm.utils import MODEL_REMAPPING  # imports transformers (~1 s); listing only
 

@@ -1,0 +1,34 @@
+"""Draft checkpoints that are no mlx-lm architecture, told apart by their config.json:
+which family a folder holds and our class for it. Each family drafts with the drafter of
+the same name (`mlx_spec.drafters.DRAFTERS`), reads its target's states, and may ship no
+tokenizer (it speaks the target's ids)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mlx_spec.models import dflash, gemma4_assistant
+
+# family -> (detects its config.json, model class, args class)
+FAMILIES = {
+    "mtp": (gemma4_assistant.is_assistant_config, gemma4_assistant.Model, gemma4_assistant.ModelArgs),
+    "dflash": (dflash.is_dflash_config, dflash.Model, dflash.ModelArgs),
+}
+
+
+def draft_family(config: Optional[dict]) -> Optional[str]:
+    """The family of a draft checkpoint's config (None: not one of ours)."""
+    if config is None:
+        return None
+    return next((name for name, (detects, _, _) in FAMILIES.items() if detects(config)), None)
+
+
+def draft_classes(config: dict):
+    """For mlx-lm's loader (`get_model_classes`): our classes for draft checkpoints."""
+    family = draft_family(config)
+    if family is not None:
+        _, model, args = FAMILIES[family]
+        return model, args
+    from mlx_lm.utils import _get_classes  # imports transformers (~1 s): only for other models
+
+    return _get_classes(config)
