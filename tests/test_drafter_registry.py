@@ -9,7 +9,7 @@ import pytest
 
 from cli_support import assert_usage_error, invoke, invoke_json
 from conftest import greedy_reference
-from mlx_spec.drafters import DRAFTERS, DFlashDrafter, Draft, Drafter, ModelDrafter, MtpDrafter, NgramDrafter
+from mlx_spec.drafters import DRAFTERS, DFlashDrafter, Draft, Eagle3Drafter, Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from mlx_spec.models import load_pair
 from mlx_spec.runner import build_engine
 from mlx_spec.stats import Stats
@@ -43,7 +43,8 @@ def registered(monkeypatch):
 
 
 def test_the_built_in_drafters_are_registered_under_their_names():
-    assert DRAFTERS == {"model": ModelDrafter, "mtp": MtpDrafter, "ngram": NgramDrafter, "dflash": DFlashDrafter}
+    assert DRAFTERS == {"model": ModelDrafter, "mtp": MtpDrafter, "ngram": NgramDrafter, "dflash": DFlashDrafter,
+                        "eagle3": Eagle3Drafter}
     assert all(issubclass(cls, Drafter) and cls.name == name for name, cls in DRAFTERS.items())
 
 
@@ -68,5 +69,5 @@ def test_the_cli_takes_a_registered_drafter_by_name(registered, tiny_dirs, priva
 
 def test_an_unregistered_name_is_one_line_naming_the_registered_ones(tiny_dirs):
     result = invoke(["generate", PROMPT, "--model", tiny_dirs[0], "--drafter", "repeat", "--raw"])
-    assert_usage_error(result, "unknown drafter 'repeat'", "model, mtp, ngram, dflash, none")
+    assert_usage_error(result, "unknown drafter 'repeat'", "model, mtp, ngram, dflash, eagle3, none")
 

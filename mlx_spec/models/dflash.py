@@ -217,7 +217,7 @@ class Model(nn.Module):
             h = layer(h, context, self.rope, offset, None if masks is None else masks[i])
         return self.norm(h)
 
-    def block_step_timer(self, target, context: int) -> Callable[[], None]:
+    def step_timer(self, target, context: int) -> Callable[[], None]:
         """One block forward as the drafter takes it, after `context` zero positions of
         context (a forward's cost depends on how many keys it attends to, not on them), for
         the cost curve (`costs.measure_costs`)."""

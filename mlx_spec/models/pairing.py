@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
-from mlx_spec.models import dflash
+from mlx_spec.models import dflash, eagle3
 from mlx_spec.models.drafts import draft_family
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
 from mlx_spec.models.loader import LoadedModel, load_model
@@ -163,17 +163,21 @@ def is_assistant(loaded: LoadedModel | None) -> bool:
     return loaded is not None and is_assistant_config(loaded.config)
 
 
+# families of drafts that read the target's tap layers -> why one cannot draft for a target
+TAPPING = {"dflash": dflash.target_mismatch, "eagle3": eagle3.target_mismatch}
+
+
 def is_block_draft(loaded: LoadedModel | None) -> bool:
-    """Whether `loaded` is a block draft (DFlash): it drafts from the target's tap layers
-    with the target's embedding and head."""
-    return loaded is not None and draft_family(loaded.config) == "dflash"
+    """Whether `loaded` is a draft that reads the target's tap layers (DFlash, EAGLE-3),
+    over the target's vocabulary."""
+    return loaded is not None and draft_family(loaded.config) in TAPPING
 
 
 def check_block_draft(target: LoadedModel, draft: LoadedModel) -> None:
-    """A block draft reads its target's layer outputs and uses its embedding and head:
+    """Such a draft reads its target's layer outputs (and its embedding and head, or ids):
     IncompatibleModelsError (one line) unless its hidden size, vocabulary and tap layers
     fit this target."""
-    mismatch = dflash.target_mismatch(draft.model.args, target.model)
+    mismatch = TAPPING[draft_family(draft.config)](draft.model.args, target.model)
     if mismatch:
         raise IncompatibleModelsError(mismatch)
     if draft.tokenizer is not None:  # a release that ships the tokenizer: same ids?
@@ -206,7 +210,7 @@ def output_width(loaded: LoadedModel) -> int:
     on where they keep it, and padded heads make the tokenizer size unreliable)."""
     if is_assistant(loaded):  # no forward of its own: its logits are over its vocabulary
         return loaded.model.vocab_size
-    if is_block_draft(loaded):  # the target's head scores its drafts
+    if is_block_draft(loaded):  # its drafts are target ids
         return loaded.model.args.vocab_size
     token = loaded.tokenizer.bos_token_id or 0
     logits = loaded.model(mx.array([[token]]))

@@ -6,6 +6,10 @@ benchmarks imports this module.
 DFlash: z-lab's packaging (`model_type: qwen3` with `dflash_config`, transformers-5
 `rope_parameters` with no top-level `rope_theta`, `layer_types`, a sliding window); the
 weights are mlx-vlm's `DFlashDraftModel`'s parameters under z-lab's names.
+
+EAGLE-3: vLLM's speculators packaging (`speculators_config`, a Llama
+`transformer_layer_config`, a reduced vocabulary with `d2t` and `t2d`); the weights are
+mlx-vlm's `Eagle3DraftModel`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_vlm.speculative.drafters.eagle3 import Eagle3DraftModel
+from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
 from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
 
@@ -70,5 +76,73 @@ def save_tiny_dflash(path: str | Path, config: dict | None = None, seed: int = 0
     config = config or tiny_dflash_config()
     model = reference_dflash(config, seed)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# EAGLE-3, in vLLM's speculators format
+# ---------------------------------------------------------------------------------------
+
+
+def tiny_eagle3_config(target_config: dict | None = None, *, draft_vocab: int = 64, aux=(2, 4, 5),
+                       hidden_act: str = "silu", **overrides) -> dict:
+    """An EAGLE-3 config.json (speculators format) for the tiny Gemma 4 target: one layer,
+    a draft vocabulary of `draft_vocab` ids, aux hidden states `aux` (HF indices)."""
+    target = target_config or tiny_gemma4_config()
+    config = dict(
+        architectures=["Eagle3Speculator"],
+        speculators_model_type="eagle3",
+        speculators_config={"algorithm": "eagle3",
+                            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                            "verifier": {"architectures": ["Gemma4ForCausalLM"]}},
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target["hidden_size"],
+        eagle_aux_hidden_state_layer_ids=list(aux),
+        norm_before_residual=True,
+        tie_word_embeddings=False,
+        transformer_layer_config=dict(
+            model_type="llama", hidden_size=target["hidden_size"], intermediate_size=96, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+            vocab_size=target["vocab_size"], max_position_embeddings=4096, rope_theta=10_000.0,
+            hidden_act=hidden_act),
+    )
+    config.update(overrides)
+    return config
+
+
+def draft_vocabulary(size: int, width: int, skip: tuple = ()) -> list[int]:
+    """`size` target ids spread over [0, width), none of `skip`, ascending (d2t's order)."""
+    ids = [i for i in range(0, width, max(1, width // (size + len(skip)))) if i not in skip]
+    return ids[:size]
+
+
+def reference_eagle3(config: dict, vocab_ids: list[int], seed: int = 0, embed: mx.array | None = None):
+    """mlx-vlm's EAGLE-3 draft for `config`, random weights (seeded), its d2t mapping draft
+    id d to target id vocab_ids[d]; `embed`: the embedding rows (released drafts copy the
+    target's, which mlx-vlm then uses in their place)."""
+    mx.random.seed(seed)
+    model = Eagle3DraftModel(Eagle3Config.from_dict(config))
+    if embed is not None:
+        model.embed_tokens.weight = embed
+    if model.d2t is not None:
+        model.d2t = mx.array(vocab_ids, mx.int32) - mx.arange(len(vocab_ids), dtype=mx.int32)
+    evaluate_all(model)
+    return model
+
+
+def save_tiny_eagle3(path: str | Path, config: dict | None = None, vocab_ids: list[int] | None = None,
+                     seed: int = 0, embed: mx.array | None = None) -> Path:
+    """Write a tiny EAGLE-3 folder (config.json, model.safetensors with int64 d2t and bool t2d)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config or tiny_eagle3_config()
+    width = config["transformer_layer_config"]["vocab_size"]
+    vocab_ids = vocab_ids or draft_vocabulary(config["draft_vocab_size"], width)
+    weights = dict(tree_flatten(reference_eagle3(config, vocab_ids, seed, embed).parameters()))
+    if "d2t" in weights:
+        weights["d2t"] = weights["d2t"].astype(mx.int64)
+        weights["t2d"] = mx.zeros((width,), mx.bool_).at[mx.array(vocab_ids)].add(True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
