@@ -218,18 +218,22 @@ class Model(nn.Module):
         return self.norm(h)
 
     def step_timer(self, target, context: int) -> Callable[[], None]:
-        """One block forward as the drafter takes it, after `context` zero positions of
+        """A round's drafting as the drafter does it, after `context` zero positions of
         context (a forward's cost depends on how many keys it attends to, not on them), for
-        the cost curve (`costs.measure_costs`)."""
+        the cost curve (`costs.measure_costs`): the last round's two committed positions
+        projected into the context, then one block forward."""
         head = TargetHead(target, self.args.final_logit_softcapping)
         state = Context(len(self.layers))
-        self.extend(state, mx.zeros((1, context, self.fc.weight.shape[1])))
+        taps = mx.zeros((1, context, self.fc.weight.shape[1]))
+        self.extend(state, taps)
         mx.eval([c.state for c in state.caches])
         block = mx.array([[self.args.mask_token_id] * self.block_size])
 
         def run():
+            self.extend(state, taps[:, :2])
             contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(self.layers)]
-            mx.eval(head.logits(self.hidden(head.embed(block), contexts, context)))
+            mx.eval(head.logits(self.hidden(head.embed(block), contexts, context + 2)))
+            state.trim(2)
 
         return run
 
