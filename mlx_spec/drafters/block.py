@@ -18,9 +18,9 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_spec.drafters.base import Draft
-from mlx_spec.grammar import constrain
-from mlx_spec.passes import Pass
-from mlx_spec.sampling import LogitProcessor, draw
+from mlx_spec.core.grammar import constrain
+from mlx_spec.core.passes import Pass
+from mlx_spec.core.sampling import LogitProcessor, draw
 
 
 def draw_block(logits: mx.array, processor: LogitProcessor, key: Optional[mx.array]) -> Draft:

@@ -23,7 +23,7 @@ from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.block import BlockPass, draw_block
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.dflash import Context, Model, TargetHead, is_dflash_config, sequence_mask, target_mismatch
-from mlx_spec.passes import pad_left
+from mlx_spec.core.passes import pad_left
 
 
 class DFlashDrafter(Drafter):

@@ -26,9 +26,9 @@ import mlx.core as mx
 from mlx_spec.cache.forward import text_model
 from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.grammar import constrain
+from mlx_spec.core.grammar import constrain
 from mlx_spec.models.eagle3 import Model, is_eagle3_config, target_mismatch
-from mlx_spec.sampling import draw
+from mlx_spec.core.sampling import draw
 
 
 class Eagle3Drafter(Drafter):

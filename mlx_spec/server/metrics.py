@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from mlx_spec.stats import Stats
+from mlx_spec.core.stats import Stats
 
 PREFIX = "mlx_spec_"
 

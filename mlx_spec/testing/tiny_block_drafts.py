@@ -24,7 +24,7 @@ from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
 from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
 
-from mlx_spec.models.arrays import evaluate_all
+from mlx_spec.loading.arrays import evaluate_all
 from mlx_spec.testing.tiny_gemma4 import WINDOW, tiny_gemma4_config
 
 MASK_ID = 3  # <unk> in the tiny byte tokenizer: a token the target never needs
