@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
+from mlx_spec.drafters.dspark import DSparkDrafter
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
@@ -22,6 +23,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     NgramDrafter.name: NgramDrafter,  # prompt lookup, no model
     DFlashDrafter.name: DFlashDrafter,  # z-lab's DFlash: a block per forward from the target's taps
     Eagle3Drafter.name: Eagle3Drafter,  # EAGLE-3 (speculators format) over three target layers
+    DSparkDrafter.name: DSparkDrafter,  # Gemma 4 DSpark: DFlash's block, Markov-corrected
 }
 NO_DRAFTER = "none"
 # What `--drafter` accepts.
@@ -39,4 +41,4 @@ def drafter_class(name: str) -> type[Drafter] | None:
 
 
 __all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "DFlashDrafter",
-           "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter"]
+           "DSparkDrafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter"]

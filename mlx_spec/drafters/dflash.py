@@ -94,9 +94,8 @@ class DFlashDrafter(Drafter):
         """Logits [block_size − 1, V] of each pass's block, in one forward: each row over its
         own context (left-padded to the longest row's, the padding masked) at its own
         positions."""
-        size = self.model.block_size
-        mask_id = self.model.args.mask_token_id
-        tokens = mx.array([[p.token] + [mask_id] * (size - 1) for p in passes])
+        tokens = mx.array([self.block_tokens(p.token) for p in passes])
+        size = tokens.shape[1]
         drafters = [p.drafter for p in passes]
         if len(passes) == 1:
             contexts = [self.context.layer(i, w) for i, w in enumerate(self.windows)]
@@ -110,9 +109,19 @@ class DFlashDrafter(Drafter):
                 contexts.append(tuple(mx.concatenate([pad_left(kv[j], width, 2) for kv in rows]) for j in (0, 1)))
                 masks.append(sequence_mask(lengths, width, size))
             offsets = mx.array([d.context.length for d in drafters], mx.int32)
-        hidden = self.model.hidden(self.head.embed(tokens), contexts, offsets, masks)
-        logits = self.head.logits(hidden[:, 1:])
+        logits = self.draft_logits(self.model.hidden(self.embed(tokens), contexts, offsets, masks))
         return [logits[i] for i in range(len(passes))]
+
+    def block_tokens(self, token: int) -> list[int]:
+        """The block a round feeds: the last committed token, then mask tokens."""
+        return [token] + [self.model.args.mask_token_id] * (self.model.block_size - 1)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.head.embed(ids)
+
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """The draft positions' logits [B, block_size − 1, V] of a block's hidden states."""
+        return self.head.logits(hidden[:, 1:])
 
     def accept(self, committed: list[int], target_hidden: Optional[mx.array] = None) -> None:
         """`target_hidden`: the tap layers' outputs of the round's pass [γ+1, k·H], row i at

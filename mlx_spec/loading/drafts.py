@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlx_spec.models import dflash, eagle3, gemma4_assistant
+from mlx_spec.models import dflash, dspark, eagle3, gemma4_assistant
 
 # family -> (detects its config.json, model class, args class)
 FAMILIES = {
     "mtp": (gemma4_assistant.is_assistant_config, gemma4_assistant.Model, gemma4_assistant.ModelArgs),
     "dflash": (dflash.is_dflash_config, dflash.Model, dflash.ModelArgs),
     "eagle3": (eagle3.is_eagle3_config, eagle3.Model, eagle3.ModelArgs),
+    "dspark": (dspark.is_dspark_config, dspark.Model, dspark.ModelArgs),
 }
 
 

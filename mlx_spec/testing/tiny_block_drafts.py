@@ -10,6 +10,11 @@ weights are mlx-vlm's `DFlashDraftModel`'s parameters under z-lab's names.
 EAGLE-3: vLLM's speculators packaging (`speculators_config`, a Llama
 `transformer_layer_config`, a reduced vocabulary with `d2t` and `t2d`); the weights are
 mlx-vlm's `Eagle3DraftModel`'s.
+
+DSpark: DeepSpec's native Gemma 4 packaging (`Gemma4DSparkModel`, `model_type: gemma4_text`,
+flat DSpark fields); the weights are mlx-vlm's `Gemma4DSparkDraftModel`'s, which cannot be
+built with `attention_k_eq_v` (it crashes), so a K = V folder is written from a K ≠ V one
+less its `v_proj` tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_vlm.speculative.drafters.eagle3 import Eagle3DraftModel
+from mlx_vlm.speculative.drafters.gemma4_dspark import Gemma4DSparkDraftModel
+from mlx_vlm.speculative.drafters.gemma4_dspark.config import Gemma4DsparkConfig
 from mlx_vlm.speculative.drafters.eagle3.config import Eagle3Config
 from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel
 from mlx_vlm.speculative.drafters.qwen3_dflash.config import DFlashConfig
@@ -143,6 +150,71 @@ def save_tiny_eagle3(path: str | Path, config: dict | None = None, vocab_ids: li
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int64)
         weights["t2d"] = mx.zeros((width,), mx.bool_).at[mx.array(vocab_ids)].add(True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# DSpark (Gemma 4), DeepSpec's native packaging
+# ---------------------------------------------------------------------------------------
+
+
+def tiny_dspark_config(target_config: dict | None = None, *, proposal: int = 7, k_eq_v: bool = False,
+                       taps=(1, 3, 5), **overrides) -> dict:
+    """A Gemma 4 DSpark config.json for the tiny Gemma 4 target: 2 full-attention layers
+    (head size 64 there, one global K/V head), proposals of `proposal` tokens, a rank-8
+    Markov head and a confidence head."""
+    target = target_config or tiny_gemma4_config()
+    config = dict(
+        architectures=["Gemma4DSparkModel"],
+        model_type="gemma4_text",
+        hidden_size=target["hidden_size"],
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=k_eq_v,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        vocab_size=target["vocab_size"],
+        max_position_embeddings=4096,
+        final_logit_softcapping=target.get("final_logit_softcapping"),
+        tie_word_embeddings=False,
+        sliding_window=target.get("sliding_window", WINDOW),
+        layer_types=["full_attention", "full_attention"],
+        rope_parameters=target["rope_parameters"],
+        block_size=proposal,
+        mask_token_id=MASK_ID,
+        target_layer_ids=list(taps),
+        num_target_layers=target["num_hidden_layers"],
+        markov_rank=8,
+        enable_confidence_head=True,
+    )
+    config.update(overrides)
+    return config
+
+
+def reference_dspark(config: dict, seed: int = 0):
+    """mlx-vlm's Gemma 4 DSpark draft for `config` (K ≠ V only), random weights (seeded)."""
+    mx.random.seed(seed)
+    model = Gemma4DSparkDraftModel(Gemma4DsparkConfig.from_dict(config))
+    evaluate_all(model)
+    return model
+
+
+def save_tiny_dspark(path: str | Path, config: dict | None = None, seed: int = 0) -> Path:
+    """Write a tiny Gemma 4 DSpark folder; with `attention_k_eq_v` the full layers' `v_proj`
+    is left out, as in the released drafts."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config or tiny_dspark_config()
+    weights = dict(tree_flatten(reference_dspark({**config, "attention_k_eq_v": False}, seed).parameters()))
+    if config.get("attention_k_eq_v"):
+        weights = {k: v for k, v in weights.items() if ".v_proj." not in k}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -1,4 +1,4 @@
-"""DFlash and EAGLE-3 drafts through the CLI: `generate -m TARGET -d DRAFT` picks the family's
+"""DFlash, EAGLE-3 and DSpark drafts through the CLI: `generate -m TARGET -d DRAFT` picks the family's
 drafter from the draft's config.json, drafts, and its greedy text equals drafting off (with
 a fixed γ and with --gamma auto, which times one draft forward); `bench` sweeps γ with
 every setting md5-identical to drafting off."""
@@ -6,7 +6,7 @@ every setting md5-identical to drafting off."""
 import pytest
 
 from cli_support import invoke_json
-from mlx_spec.testing.tiny_block_drafts import save_tiny_dflash, save_tiny_eagle3
+from mlx_spec.testing.tiny_block_drafts import save_tiny_dflash, save_tiny_dspark, save_tiny_eagle3, tiny_dspark_config
 from mlx_spec.testing.tiny_gemma4 import save_tiny_gemma4
 
 pytest_plugins = ["cli_fixtures"]  # private_cost_cache
@@ -18,10 +18,11 @@ def folders(tmp_path_factory):
     save_tiny_gemma4(root / "target")
     save_tiny_dflash(root / "dflash")
     save_tiny_eagle3(root / "eagle3")
+    save_tiny_dspark(root / "dspark", tiny_dspark_config(k_eq_v=True))
     return root
 
 
-@pytest.mark.parametrize("family", ["dflash", "eagle3"])
+@pytest.mark.parametrize("family", ["dflash", "eagle3", "dspark"])
 def test_cli_generate_and_bench(folders, family, private_cost_cache):
     models = ["-m", folders / "target", "-d", folders / family, "--raw", "-n", "24", "--temp", "0"]
     drafted = invoke_json(["generate", "Hello there", *models, "--gamma", "3"])
