@@ -34,3 +34,21 @@ def draft_classes(config: dict):
     from mlx_lm.utils import _get_classes  # imports transformers (~1 s): only for other models
 
     return _get_classes(config)
+
+
+def draft_facts(config: dict) -> Optional[dict]:
+    """What `models info` shows about a draft of ours: its family, the tokens a round can
+    draft in one forward (block drafts), the target layers it reads; None for other models."""
+    family = draft_family(config)
+    if family is None:
+        return None
+    args = FAMILIES[family][2].from_dict(config)
+    if family == "dflash":
+        return {"family": family, "block_size": args.block_size, "tap_layers": list(args.target_layer_ids)}
+    if family == "dspark":
+        return {"family": family, "block_size": args.proposal_length + 1, "tap_layers": list(args.target_layer_ids),
+                "k_eq_v": args.attention_k_eq_v, "markov_rank": args.markov_rank}
+    if family == "eagle3":
+        return {"family": family, "tap_layers": list(args.tap_layers), "draft_vocab": args.draft_vocab_size,
+                "speculative_tokens": args.speculative_tokens}
+    return {"family": family}

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.loading import hub
 from mlx_spec.loading.chat_templates import GEMMA_CHAT_TEMPLATE
-from mlx_spec.loading.drafts import draft_family
+from mlx_spec.loading.drafts import draft_facts, draft_family
 from mlx_spec.loading.checkpoints import context_length, load_folder
 from mlx_spec.loading.sources import DEFAULT_SOURCE, resolve_source
 from mlx_spec.loading.tokenizer_loading import load_tokenizer
@@ -77,6 +77,9 @@ def describe(model, tokenizer, config: dict, *, source: str, path: Path, kind: s
         "chat_template": _chat_template_kind(tokenizer) if tokenizer else None,
         "eos_token_ids": sorted(tokenizer.eos_token_ids) if tokenizer else [],
     }
+    draft = draft_facts(config)
+    if draft is not None:  # drafts that read the target: family, block size, taps
+        info["draft"] = draft
     source_file = path / "mlx_spec_source.json"
     if source_file.exists():
         info["gguf"] = json.loads(source_file.read_text())

@@ -35,3 +35,12 @@ def test_cli_generate_and_bench(folders, family, private_cost_cache):
                        "--runs", "1", "--max-tokens", "12", "--gamma", "2", "--auto"])
     assert out["ok"] and out["identity_checked"] and out["drafter"] == family
     assert len({s["md5"] for s in out["settings"]}) == 1 and out["costs"]["draft_step"] > 0
+
+
+def test_models_info_shows_the_drafts_family_block_and_taps(folders):
+    facts = {family: invoke_json(["models", "info", str(folders / family), "--json"])["draft"]
+             for family in ("dflash", "eagle3", "dspark")}
+    assert facts["dflash"] == {"family": "dflash", "block_size": 8, "tap_layers": [1, 3, 5]}
+    assert facts["eagle3"] == {"family": "eagle3", "tap_layers": [1, 3, 4], "draft_vocab": 64, "speculative_tokens": 3}
+    assert facts["dspark"] == {"family": "dspark", "block_size": 8, "tap_layers": [1, 3, 5], "k_eq_v": True,
+                               "markov_rank": 8}
