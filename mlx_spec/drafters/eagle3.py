@@ -47,6 +47,7 @@ class Eagle3Drafter(Drafter):
         self.model = draft
         self.tap_layers = draft.args.tap_layers
         self.target_ids = draft.target_ids()  # [draft vocabulary]
+        mx.eval(self.target_ids)  # now: a server decodes on another thread, where a lazy array made here fails
         self.width = text_model(target).model.embed_tokens.weight.shape[0]  # the target's logits
         self.reset()
 
