@@ -18,12 +18,13 @@ from mlx.utils import tree_flatten
 from mlx_vlm.speculative.drafters import load_drafter
 
 import mlx_spec.core.verify as verify_module
-from conftest import greedy_reference
+from conftest import chat_turn_matches_plain_decoding, greedy_reference
 from mlx_spec.core.batch import Batch
 from mlx_spec.cache.forward import final_hidden, forward_model
 from mlx_spec.cache.sequence import SequenceCache
 from mlx_spec.core.cost_model import CostCurve
 from mlx_spec.apps.calibration import measure_costs
+from mlx_spec.apps.conversation import ChatSession
 from mlx_spec.drafters.block import BlockPass
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.core.engine import Engine
@@ -259,3 +260,16 @@ def test_the_cost_model_prices_a_block_per_forward(pair, private_cost_cache):
     assert 0 < measured.draft_step == measured.draft_step2
     policy = gamma_policy("auto", build_engine(pair), context=64)
     assert policy.calibrated.block
+
+
+def test_chat_turns_keep_the_whole_conversation_as_context(pair):
+    """Multi-turn reuse: each turn equals plain decoding of the conversation, and the second
+    turn, which prefills only its new tokens, extends the context the first turn left (it
+    holds every position the target's cache holds, from 0)."""
+    engine = build_engine(pair)
+    session = ChatSession(engine, pair.tokenizer)
+    for question in ["Hello there, who are you?", "And what is next?"]:
+        stats = chat_turn_matches_plain_decoding(session, pair.target.model, question)
+        assert stats.drafted > 0
+        context = engine.drafter.context
+        assert context.base == 0 and context.length == len(engine.drafter.state.ids)

@@ -19,8 +19,9 @@ from mlx_vlm.speculative.drafters import load_drafter
 from mlx_vlm.speculative.eagle3 import _eagle3_hot_logits_from_hidden, _eagle3_hot_token_ids
 
 import mlx_spec.core.verify as verify_module
-from conftest import greedy_reference
+from conftest import chat_turn_matches_plain_decoding, greedy_reference
 from mlx_spec.cache.forward import final_hidden
+from mlx_spec.apps.conversation import ChatSession
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.core.engine import Engine
 from mlx_spec.errors import IncompatibleModelsError
@@ -217,3 +218,12 @@ def test_a_draft_that_does_not_fit_is_refused_in_one_line(folders, change, messa
     with pytest.raises(IncompatibleModelsError, match=message) as error:
         load_pair(str(folders / "target"), str(folders / "wrong"), progress=False)
     assert "\n" not in str(error.value)
+
+
+def test_chat_turns_keep_the_whole_conversation_in_the_drafts_cache(pair):
+    """Each turn equals plain decoding; the second turn extends the entries the first left."""
+    engine = build_engine(pair)
+    session = ChatSession(engine, pair.tokenizer)
+    for question in ["Hello there, who are you?", "And what is next?"]:
+        assert chat_turn_matches_plain_decoding(session, pair.target.model, question).drafted > 0
+        assert engine.drafter.base == 0 and engine.drafter.length == len(engine.drafter.state.ids)
