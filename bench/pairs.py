@@ -108,6 +108,8 @@ PAIRS = {
                           "(blocks of 8, taps 1/3/5; built by mlx-vlm's class): overhead-bound, few accepted",
     "tiny-gemma4-eagle3": "tiny Gemma 4 with a random 1-layer EAGLE-3 draft (64-token draft vocabulary; "
                           "built by mlx-vlm's class): overhead-bound, few accepted",
+    "tiny-gemma4-dspark": "tiny Gemma 4 with a random 2-layer Gemma 4 DSpark draft (K = V, proposals of 7, "
+                          "rank-8 Markov head; mlx-vlm's weights): overhead-bound, few accepted",
     "gemma270m-q8": "Gemma 3 270M float32 with its own 8-bit copy as draft",
     "gemma270m-q4": "Gemma 3 270M float32 with its own 4-bit copy as draft",
     "gemma270m-self": "Gemma 3 270M float32 drafting for itself",
@@ -144,9 +146,9 @@ def build(name: str, prompt: str = "long") -> Pair:
 
 
 def block_draft_pair(name: str) -> Pair:
-    """The tiny Gemma 4 target with a DFlash or EAGLE-3 draft (`mlx_spec.testing.tiny_block_drafts`)."""
-    from mlx_spec.drafters import DFlashDrafter, Eagle3Drafter
-    from mlx_spec.models import dflash, eagle3
+    """The tiny Gemma 4 target with a DFlash, EAGLE-3 or DSpark draft (`mlx_spec.testing.tiny_block_drafts`)."""
+    from mlx_spec.drafters import DFlashDrafter, DSparkDrafter, Eagle3Drafter
+    from mlx_spec.models import dflash, dspark, eagle3
     from mlx_spec.testing import tiny_block_drafts as drafts
     from mlx_spec.testing.tiny_gemma4 import tiny_gemma4
 
@@ -157,6 +159,12 @@ def block_draft_pair(name: str) -> Pair:
         draft = dflash.Model(dflash.ModelArgs.from_dict(config))
         draft.load_weights(list(tree_flatten(drafts.reference_dflash(config).parameters())))
         make = lambda: DFlashDrafter(draft, target)  # noqa: E731
+    elif name.endswith("dspark"):
+        config = drafts.tiny_dspark_config(target.config, k_eq_v=True)
+        weights = tree_flatten(drafts.reference_dspark({**config, "attention_k_eq_v": False}).parameters())
+        draft = dspark.Model(dspark.ModelArgs.from_dict(config))
+        draft.load_weights([(k, v) for k, v in weights if ".v_proj." not in k])
+        make = lambda: DSparkDrafter(draft, target)  # noqa: E731
     else:
         config = drafts.tiny_eagle3_config(target.config)
         vocab = drafts.draft_vocabulary(config["draft_vocab_size"], config["transformer_layer_config"]["vocab_size"])
