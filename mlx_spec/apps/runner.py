@@ -266,7 +266,7 @@ def gamma_policy(
         return FixedGamma(gamma.fixed)
     if engine.drafter is None:
         return FixedGamma(0)
-    max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
+    max_gamma = auto_gamma_limit(engine)
     draft_model = None if engine.drafter is None else engine.drafter.model
     batch = None if reproducible else batch
     # in a batch, priced up to the rows the batch's forward reaches (a seeded request reads
@@ -278,6 +278,16 @@ def gamma_policy(
     )
     costs = replace(costs, block=engine.drafter.passes_per_block > 0)  # priced per draft forward
     return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible), batch=batch)
+
+
+def auto_gamma_limit(engine: Engine) -> int:
+    """The largest γ auto γ weighs: MAX_AUTO_GAMMA, or a block drafter's whole block (its
+    draft costs one forward whatever γ, so only the verify's width and the acceptance
+    measured limit γ)."""
+    limit = MAX_AUTO_GAMMA
+    if engine.drafter.passes_per_block:
+        limit = max(limit, engine.drafter.model.block_size - 1)
+    return min(limit, engine.max_gamma)
 
 
 def _learn_costs(reproducible: bool) -> bool:

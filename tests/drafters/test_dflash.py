@@ -260,6 +260,7 @@ def test_the_cost_model_prices_a_block_per_forward(pair, private_cost_cache):
     assert 0 < measured.draft_step == measured.draft_step2
     policy = gamma_policy("auto", build_engine(pair), context=64)
     assert policy.calibrated.block
+    assert policy.max_gamma == BLOCK - 1  # the whole block is weighed, not MAX_AUTO_GAMMA
 
 
 def test_chat_turns_keep_the_whole_conversation_as_context(pair):
