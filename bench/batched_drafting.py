@@ -25,7 +25,7 @@ import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, spread, write_results  # noqa: E402
 from pairs import PAIRS, build  # noqa: E402
 
-from mlx_spec.cache.sequence import PromptCache  # noqa: E402
+from mlx_spec.core.cache.sequence import PromptCache  # noqa: E402
 from mlx_spec.core.passes import run_alone, run_passes  # noqa: E402
 from mlx_spec.core.sampling import LogitProcessor, SamplingParams  # noqa: E402
 

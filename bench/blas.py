@@ -38,8 +38,7 @@ def worker(args) -> None:
     from mlx_spec.core.policy import AutoGamma
     from mlx_spec.core.sampling import SamplingParams
     from mlx_spec.core.stats import Stats
-    from mlx_spec.runtime import blas
-
+    from mlx_spec.platform import blas
     pairs = {name: build("gemma270m-ngram", name) for name in args.prompts}
     first = next(iter(pairs.values()))
     start = time.perf_counter()

@@ -34,14 +34,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
 
-from mlx_spec.cache.attention import channel_attention, quantized_attention  # noqa: E402
+from mlx_spec.core.cache.attention import channel_attention, quantized_attention  # noqa: E402
 
 # mlx-lm's own quantized attention (mlx_spec.runtime routes mlx-lm's module global to ours)
-from mlx_spec.cache.attention import mlx_lm_quantized_attention as quantized_scaled_dot_product_attention  # noqa: E402
-from mlx_spec.cache.global_layers import ChannelKeys, quantize_by_channel  # noqa: E402
-from mlx_spec.cache.layers import KVQuantization  # noqa: E402
-from mlx_spec.cache.sequence import SequenceCache  # noqa: E402
-from mlx_spec.cache.window_layers import WindowKVCache  # noqa: E402
+from mlx_spec.core.cache.attention import mlx_lm_quantized_attention as quantized_scaled_dot_product_attention  # noqa: E402
+from mlx_spec.core.cache.global_layers import ChannelKeys, quantize_by_channel  # noqa: E402
+from mlx_spec.core.cache.layers import KVQuantization  # noqa: E402
+from mlx_spec.core.cache.sequence import SequenceCache  # noqa: E402
+from mlx_spec.core.cache.window_layers import WindowKVCache  # noqa: E402
 
 SLACK = 8
 GROUP = 64

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import mlx.core as mx  # noqa: E402
 from common import RESULTS, OtherLoad, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
 
-from mlx_spec.cache.layers import KVQuantization  # noqa: E402
-from mlx_spec.cache.sequence import PromptCache, SequenceCache  # noqa: E402
+from mlx_spec.core.cache.layers import KVQuantization  # noqa: E402
+from mlx_spec.core.cache.sequence import PromptCache, SequenceCache  # noqa: E402
 from mlx_spec.core.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).parent.parent

@@ -37,8 +37,7 @@ def main() -> None:
     from mlx_spec.apps.runner import AUTO, Gamma, build_engine
     from mlx_spec.core.sampling import SamplingParams
     from mlx_spec.loading import load_pair
-    from mlx_spec.runtime import blas
-
+    from mlx_spec.platform import blas
     if blas._setter is None:
         raise SystemExit("the BLAS's threads are not ours to set here (no MKL/OpenBLAS, or a thread count in the "
                          "environment): nothing to measure")

@@ -9,10 +9,10 @@
     print(result.text, result.stats.acceptance_rate)
 
 Layers: `Engine.rounds` (token ids) → `stream_generate` (text) → `generate` (one result);
-`ChatSession` carries both models' caches across turns. The package, bottom-up: `runtime`
-(process set-up), `cache`, `models` (architectures mlx-lm lacks), `core` (the round loop),
-`drafters`, `loading` (models and stores), `apps` (services over the engine), `server`, `cli`;
-docs/design.md has the map.
+`ChatSession` carries both models' caches across turns. The package, bottom-up: `platform`
+(the libraries under us), `core` (the round loop and its caches), `models` (architectures
+mlx-lm lacks), `drafters`, `loading` (models and stores), `runtime` (process set-up), `apps`
+(services over the engine), `server`, `cli`; docs/design.md has the map.
 """
 
 from importlib import import_module

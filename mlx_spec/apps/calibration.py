@@ -21,11 +21,12 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlx_spec.apps.distributed import world as this_world
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.cost_model import CostCurve, non_decreasing
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.models import gemma4_assistant
-from mlx_spec.runtime import blas
+from mlx_spec.platform import blas
+
 STALE_AFTER_DAYS = 30
 HOPELESS = 0.85  # t(w) >= 0.85·w·t(1): a w-row verify costs nearly w single steps
 BUDGET_S = 1.0  # keep timing fast models for about this long (medians of many passes)

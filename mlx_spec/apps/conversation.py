@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterator, Optional
 
 from mlx_spec.apps.stream import Response, stream_generate
-from mlx_spec.cache.files import CacheFileError, load_prompt_cache, save_prompt_cache
+from mlx_spec.core.cache.files import CacheFileError, load_prompt_cache, save_prompt_cache
 from mlx_spec.core.engine import Engine
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.vision import ImagePrompt

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache.forward import text_model
+from mlx_spec.core.cache.forward import text_model
 from mlx_spec.core.cost_model import non_decreasing
 from mlx_spec.core.verify import Verdict
 from mlx_spec.errors import MlxSpecError

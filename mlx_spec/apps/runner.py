@@ -14,8 +14,8 @@ from typing import Any, Callable, ClassVar, Optional, Union
 from mlx_spec.apps.calibration import BATCH_WIDTH, load_or_measure
 from mlx_spec.apps.distributed import world
 from mlx_spec.apps.distributed import world as this_world
-from mlx_spec.cache.forward import attention_layers
-from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.core.cache.forward import attention_layers
+from mlx_spec.core.cache.layers import KVQuantization
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.policy import MAX_GAMMA, AutoGamma, FixedGamma, GammaPolicy, TreePolicy
 from mlx_spec.drafters import DRAFTER_NAMES, NO_DRAFTER, drafter_class
@@ -194,7 +194,7 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
             drafts there and its tokens are broadcast (`distributed.load_pair`).
         kv, draft_kv: quantize the target's / draft model's K/V cache (None: full precision).
     """
-    from mlx_spec.loading.drafts import draft_family  # the loaders' stack, not needed to import this
+    from mlx_spec.models.drafts import draft_family  # the loaders' stack, not needed to import this
 
     w = world or this_world()
     if drafter is None:

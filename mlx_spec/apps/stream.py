@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
-from mlx_spec.cache.sequence import PromptCache
+from mlx_spec.core.cache.sequence import PromptCache
 from mlx_spec.core.engine import Engine, Request, Round, in_company
 from mlx_spec.core.policy import GammaPolicy
 from mlx_spec.core.sampling import SamplingParams

@@ -128,7 +128,7 @@ def versions() -> list[str]:
     import mlx.core as mx
 
     import mlx_spec
-    from mlx_spec.runtime import blas
+    from mlx_spec.platform import blas
     try:
         mlx_lm = version("mlx-lm")
     except PackageNotFoundError:
@@ -146,7 +146,7 @@ def _print_version(value: bool) -> None:
 
 def _check_blas() -> None:
     """A BLAS asked for by $MLX_SPEC_BLAS that could not be loaded is a one-line error."""
-    from mlx_spec.runtime import blas
+    from mlx_spec.platform import blas
     info = blas.load()
     if info["problem"] and info["requested"] != "auto":
         print(f"error: {info['problem']}", file=sys.stderr)

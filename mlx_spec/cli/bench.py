@@ -47,9 +47,9 @@ from mlx_spec.cli.common import (
 from mlx_spec.cli.render import human_bytes
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.loading.stores import drafting_defaults as store_drafting
+from mlx_spec.platform import blas
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
-from mlx_spec.runtime import blas
 
 # The reference measurement's settings after drafting off (DESIGN §2: Ollama's gemma4:12b
 # with its built-in draft on an M3 Pro), and the automatic policy.

@@ -25,7 +25,6 @@ from mlx_spec.apps import calibration
 from mlx_spec.apps.conversation import ChatSession
 from mlx_spec.apps.distributed import world
 from mlx_spec.apps.runner import Gamma, build_engine
-from mlx_spec.cache.files import CacheFileError, cache_key, writable_folder
 from mlx_spec.cli.app import app
 from mlx_spec.cli.common import (
     ChatTemplateOpt,
@@ -68,6 +67,7 @@ from mlx_spec.cli.common import (
     thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
+from mlx_spec.core.cache.files import CacheFileError, cache_key, writable_folder
 from mlx_spec.core.stats import Stats
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.vision import read_image_file

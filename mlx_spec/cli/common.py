@@ -236,7 +236,7 @@ class Setup:
     choice: Choice
     params: SamplingParams
     pair: Any  # mlx_spec.loading.ModelPair
-    kv: Any = None  # mlx_spec.cache.KVQuantization for the target's cache, or None
+    kv: Any = None  # mlx_spec.core.cache.KVQuantization for the target's cache, or None
     draft_kv: Any = None  # and for the draft model's
 
     @property
@@ -310,7 +310,7 @@ def kv_quantization(bits: Optional[int], group_size: Optional[int], start: Optio
                     draft_bits: Optional[int]):
     """(target's, draft's) `KVQuantization` or None from --kv-bits, --kv-group-size,
     --kv-start and --draft-kv-bits; a `UsageError` for a value that cannot work."""
-    from mlx_spec.cache.layers import KVQuantization
+    from mlx_spec.core.cache.layers import KVQuantization
     from mlx_spec.loading.loader import GROUP_SIZES
 
     for value, flag in ((bits, "--kv-bits"), (draft_bits, "--draft-kv-bits")):

@@ -74,8 +74,8 @@ from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
 from mlx_spec.core.stats import Stats
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.vision import read_image_file
+from mlx_spec.platform import blas
 from mlx_spec.progress import StderrProgress
-from mlx_spec.runtime import blas
 
 REFRESH_S = 0.1  # live panel refresh throttle
 DRAFT_STYLE = "green"
@@ -215,8 +215,8 @@ def cached_prompt(path: Path, engine, setup, text: str, chat: bool, template_kwa
     --prompt-cache FILE: FILE's cache and the prompt after it, or the prompt cached into
     FILE first. A file mlx-lm made does not say the ids it holds: the draft model cannot
     prefill its own cache from them, so that answer is drafted without it."""
-    from mlx_spec.cache.files import CacheFileError, cache_key
-    from mlx_spec.cache.mlx_lm_files import (
+    from mlx_spec.core.cache.files import CacheFileError, cache_key
+    from mlx_spec.core.cache.mlx_lm_files import (
         continuation_ids,
         load_mlx_lm_cache,
         open_prompt_ids,

@@ -165,8 +165,8 @@ def serve(
     repetition_penalty: RepPenaltyOpt = None,
     seed: SeedOpt = None,
 ) -> None:
-    """Serve the model over OpenAI-compatible (chat, completions) and Anthropic-compatible
-    (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
+    """Serve the model over OpenAI-compatible (chat, completions, responses) and
+    Anthropic-compatible (messages) HTTP APIs, streamed or not, with tool calls, the target's log-probs, several
     conversations cached at once, exact speculative decoding and its statistics in each
     answer; GET /metrics for Prometheus.
 
@@ -177,8 +177,8 @@ def serve(
 
     from mlx_spec.apps.distributed import world
     from mlx_spec.server import ServerOptions, create_app
-    from mlx_spec.server.options import DEFAULT_CONTEXT
     from mlx_spec.server.guards import check_api_key
+    from mlx_spec.server.options import DEFAULT_CONTEXT
 
     if world().active:  # requests reach rank 0 only; the other ranks would wait forever
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
@@ -198,7 +198,7 @@ def serve(
     except ValueError as error:
         raise UsageError(f"--keep-alive: {error}") from None
     if prompt_cache_dir is not None:
-        from mlx_spec.cache.files import writable_folder
+        from mlx_spec.core.cache.files import writable_folder
 
         writable_folder(prompt_cache_dir, "--prompt-cache-dir")
     sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast

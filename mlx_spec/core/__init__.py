@@ -1,4 +1,4 @@
 """The decoding core: the round loop (`engine`), the acceptance rule (`verify`), sampling,
-draft trees, γ policies and their cost model, grammars as constraints, and the batch that
-steps requests' rounds together. Token ids in, token ids out: nothing here knows text,
-files or HTTP."""
+draft trees, the drafter protocol (`drafter`), γ policies and their cost model, grammars as
+constraints, the batch that steps requests' rounds together, and the per-sequence caches
+with exact rollback (`cache/`). Token ids in, token ids out: nothing here knows text or HTTP."""

@@ -16,9 +16,9 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from mlx_spec.core.drafter import Draft
 from mlx_spec.core.grammar import Matcher
 from mlx_spec.core.sampling import one_hot
-from mlx_spec.drafters.base import Draft
 
 
 class Constraint:

@@ -35,17 +35,17 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache.layers import KVQuantization
-from mlx_spec.cache.sequence import PromptCache
 from mlx_spec.core.batch import PREFILLING, RAN_ALONE
+from mlx_spec.core.cache.layers import KVQuantization
+from mlx_spec.core.cache.sequence import PromptCache
 from mlx_spec.core.constraint import Constraint
+from mlx_spec.core.drafter import Draft, Drafter
 from mlx_spec.core.grammar import Matcher, constrain
 from mlx_spec.core.passes import TargetPass, run_alone
 from mlx_spec.core.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.core.sampling import UNDECIDED, LogitProcessor, SamplingParams, likeliest, make_key
 from mlx_spec.core.stats import Stats
 from mlx_spec.core.verify import Verdict, verify_block
-from mlx_spec.drafters.base import Draft, Drafter
 from mlx_spec.errors import MlxSpecError
 
 
@@ -113,7 +113,7 @@ class Engine:
         vision: the target's `mlx_spec.models.vision.Vision`, for prompts with images; None: it
             reads none.
         kv, draft_kv: quantize the target's / the draft model's K/V cache (None: full
-            precision); see `mlx_spec.cache`.
+            precision); see `mlx_spec.core.cache`.
     """
 
     pipeline_plain_rounds = True

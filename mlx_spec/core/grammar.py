@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_spec.cache.sequence import common_prefix_length
+from mlx_spec.core.cache.sequence import common_prefix_length
 from mlx_spec.errors import MlxSpecError, UsageError
 
 KINDS = ("json_schema", "json_object", "regex", "lark")

@@ -29,12 +29,12 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.cache.forward import Hidden, forward_model, ropes_replaced
-from mlx_spec.cache.sequence import SequenceCache
-from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.core.cache.forward import Hidden, forward_model, ropes_replaced
+from mlx_spec.core.cache.sequence import SequenceCache
+from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.core.steps import drive
 from mlx_spec.core.tree import TreeShape
-from mlx_spec.runtime import blas
+from mlx_spec.platform import blas
 
 
 class Pass:

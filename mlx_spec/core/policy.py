@@ -25,8 +25,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 
 from mlx_spec.core.cost_model import CostCurve, LiveCosts
+from mlx_spec.core.drafter import Draft
 from mlx_spec.core.tree import TreeShape
-from mlx_spec.drafters.base import Draft
 
 MAX_GAMMA = 16  # the largest γ anywhere; caches keep MAX_GAMMA + 1 positions of rollback slack
 

@@ -1,13 +1,13 @@
 """Drafters: who proposes the γ tokens the target verifies.
 
-`base` declares the protocol (`Drafter`, `Draft`); each family is one module, and
-`DRAFTERS` below, the registry the CLI, presets, server and runner read, maps the name a
-user types (`--drafter NAME`) to its class. "none" (plain decoding) is no drafter.
+`mlx_spec.core.drafter` declares the protocol the engine calls (`Drafter`, `Draft`); each
+family here is one module, and `DRAFTERS` below, the registry the CLI, presets, server and
+runner read, maps the name a user types (`--drafter NAME`) to its class. "none" (plain decoding) is no drafter.
 """
 
 from __future__ import annotations
 
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.core.drafter import Draft, Drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.drafters.dspark import DSparkDrafter
 from mlx_spec.drafters.eagle3 import Eagle3Drafter

@@ -17,7 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.drafters.base import Draft
+from mlx_spec.core.drafter import Draft
 from mlx_spec.core.grammar import constrain
 from mlx_spec.core.passes import Pass
 from mlx_spec.core.sampling import LogitProcessor, draw

@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.drafters.base import Draft, Drafter
+from mlx_spec.core.drafter import Draft, Drafter
 
 
 class BroadcastDrafter(Drafter):

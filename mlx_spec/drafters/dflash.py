@@ -19,7 +19,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
+from mlx_spec.core.drafter import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.block import BlockPass, draw_block
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.dflash import Context, Model, TargetHead, is_dflash_config, sequence_mask, target_mismatch

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from mlx_spec.core.grammar import constrain
 from mlx_spec.core.sampling import draw
-from mlx_spec.drafters.base import Draft, require_draft_model
+from mlx_spec.core.drafter import Draft, require_draft_model
 from mlx_spec.drafters.block import BlockPass
 from mlx_spec.drafters.dflash import DFlashDrafter
 from mlx_spec.errors import MlxSpecError, UsageError

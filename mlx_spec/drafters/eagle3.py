@@ -23,8 +23,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache.forward import text_model
-from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
+from mlx_spec.core.cache.forward import text_model
+from mlx_spec.core.drafter import Draft, Drafter, require_draft_model
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.core.grammar import constrain
 from mlx_spec.models.eagle3 import Model, is_eagle3_config, target_mismatch

@@ -6,15 +6,15 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache.sequence import common_prefix_length
+from mlx_spec.core.cache.sequence import common_prefix_length
+from mlx_spec.core.drafter import Draft, Drafter, require_draft_model
 from mlx_spec.core.grammar import constrain
 from mlx_spec.core.passes import DraftPass, run_alone
 from mlx_spec.core.sampling import draw, likeliest
-from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.broadcast import BroadcastDrafter
 from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
 from mlx_spec.errors import UsageError
-from mlx_spec.loading.drafts import draft_family
+from mlx_spec.models.drafts import draft_family
 
 
 class ModelDrafter(Drafter):

@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.errors import ModelLoadError
-from mlx_spec.loading import derived, drafts, gguf_import
+from mlx_spec.loading import derived, gguf_import
 from mlx_spec.loading.arrays import evaluate_all
-from mlx_spec.models import gemma4_assistant
+from mlx_spec.models import drafts, gemma4_assistant
 
 
 def context_length(config: dict) -> int | None:
@@ -53,7 +53,7 @@ def _load_imported(path: Path, *, lazy: bool, float32: bool = False) -> tuple[nn
     """What mlx-lm's `load_model` does for a folder our GGUF import wrote (one architecture
     mlx-lm has or our MTP assistant, float16 or per-layer quantized safetensors, no remote
     code), without importing `mlx_lm.utils`
-    and with it transformers (~1 s of a warm run; `mlx_spec.runtime.mlx_lm_import`)."""
+    and with it transformers (~1 s of a warm run; `mlx_spec.platform.mlx_lm_import`)."""
     import importlib
 
     config = json.loads((path / "config.json").read_text())

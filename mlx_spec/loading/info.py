@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.loading import hub
 from mlx_spec.loading.chat_templates import GEMMA_CHAT_TEMPLATE
-from mlx_spec.loading.drafts import draft_facts, draft_family
+from mlx_spec.models.drafts import draft_facts, draft_family
 from mlx_spec.loading.checkpoints import context_length, load_folder
 from mlx_spec.loading.sources import DEFAULT_SOURCE, resolve_source
 from mlx_spec.loading.tokenizer_loading import load_tokenizer

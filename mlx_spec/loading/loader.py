@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.errors import UsageError
-from mlx_spec.loading import checkpoints, drafts, gguf_import, sources
+from mlx_spec.loading import checkpoints, gguf_import, sources
+from mlx_spec.models import drafts
 from mlx_spec.loading.arrays import evaluate_all
 from mlx_spec.loading.fast_tokenizer import fast_loadable
 from mlx_spec.loading.sharding import shard_model

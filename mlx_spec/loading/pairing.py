@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
-from mlx_spec.loading.drafts import draft_family
+from mlx_spec.models.drafts import draft_family
 from mlx_spec.loading.loader import LoadedModel, load_model
 from mlx_spec.loading.sources import DEFAULT_SOURCE, assistant_as_target
 from mlx_spec.models import dflash, dspark, eagle3

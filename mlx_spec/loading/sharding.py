@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
-from mlx_spec.cache.forward import text_model
+from mlx_spec.core.cache.forward import text_model
 from mlx_spec.errors import MlxSpecError
 
 SHARDABLE = ("gemma3_text", "gemma3", "gemma4_text", "gemma4")

@@ -173,7 +173,7 @@ def _folder_entry(source: str, store: str, folder: Path, size: int) -> LocalMode
 def _runs_model_type(config: dict) -> bool:
     import importlib.util
 
-    from mlx_spec.loading.drafts import draft_family
+    from mlx_spec.models.drafts import draft_family
 
     if draft_family(config) is not None:
         return True

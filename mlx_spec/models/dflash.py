@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from mlx_spec.cache.forward import text_model
+from mlx_spec.core.cache.forward import text_model
 
 
 def is_dflash_config(config: dict) -> bool:

@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from mlx_spec.cache.forward import text_model
+from mlx_spec.core.cache.forward import text_model
 from mlx_spec.models.dflash import Context
 
 

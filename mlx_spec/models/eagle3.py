@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from mlx_spec.cache.forward import text_model
+from mlx_spec.core.cache.forward import text_model
 
 ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "gelu": nn.gelu, "gelu_new": nn.gelu_approx,
                "gelu_pytorch_tanh": nn.gelu_approx, "gelu_approx": nn.gelu_approx}

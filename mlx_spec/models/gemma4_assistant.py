@@ -25,8 +25,8 @@ import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs
 
-from mlx_spec.cache.forward import text_model
-from mlx_spec.cache.layers import QuantizedKVReader
+from mlx_spec.core.cache.forward import text_model
+from mlx_spec.core.cache.layers import QuantizedKVReader
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 

@@ -66,6 +66,7 @@ class ThinkingConfig(StrictModel):
 
 class MessagesRequest(RequestBody):
     MAX_TEMPERATURE: ClassVar[float] = 1.0  # Anthropic's API range
+    FORMAT_PARAM: ClassVar[str] = "output_config.format"
     max_tokens: int = Field(ge=1)  # required by the Messages API
     messages: Items(AnthropicMessage, MAX_MESSAGES, min_length=1)
     system: Union[str, Items(Block, MAX_CONTENT_PARTS), None] = None

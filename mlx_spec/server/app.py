@@ -1,6 +1,6 @@
 """The app: `create_app` builds the serving objects over one `serving.ServingContext` and
 mounts their routes (`/v1/chat/completions` and `/v1/completions`: `serving_openai`;
-Anthropic's `/v1/messages`: `serving_anthropic`; `/health`, `/metrics`, `/v1/models`:
+Anthropic's `/v1/messages`: `serving_anthropic`; OpenAI's `/v1/responses`: `serving_responses`; `/health`, `/metrics`, `/v1/models`:
 `ServerStatus`), behind the guards.
 
 Every request first passes `guards.RequestGuards` (Host, API key, content type, body
@@ -25,10 +25,11 @@ from mlx_spec.server.options import ServerOptions
 from mlx_spec.server.serving import Serving, ServingContext
 from mlx_spec.server.serving_anthropic import AnthropicServing
 from mlx_spec.server.serving_openai import OpenAIServing
+from mlx_spec.server.serving_responses import ResponsesServing
 
 __all__ = ["ServerOptions", "create_app"]
 
-APIS = (OpenAIServing, AnthropicServing)  # each API's serving class, its routes mounted in order
+APIS = (OpenAIServing, AnthropicServing, ResponsesServing)  # each API's serving class, its routes mounted in order
 
 
 class ServerStatus(Serving):
@@ -84,7 +85,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     if options.cors_origins:
         app.add_middleware(CorsGuard, error_bodies=error_bodies,
                            allow_origins=list(options.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600)
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"], max_age=600)
     app.add_middleware(CountResponses, metrics=context.worker.metrics)
 
     def error_response(request, error: ApiError) -> JSONResponse:

@@ -8,7 +8,7 @@ conversation grown by a turn, perhaps re-rendered a little differently at its en
 used as it is, rolling back what differs; if it holds much more (another conversation that
 shares a system prompt, or an answer being regenerated), a fork of it is used, so the
 conversation it holds survives. A fork shares the arrays until it writes. Every cache
-is exact on its own (`mlx_spec.cache`), so which one serves a request never changes an
+is exact on its own (`mlx_spec.core.cache`), so which one serves a request never changes an
 answer.
 """
 
@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 
 import mlx.core as mx
 
-from mlx_spec.cache.sequence import PromptCache, common_prefix_length
+from mlx_spec.core.cache.sequence import PromptCache, common_prefix_length
 
 FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 

@@ -10,7 +10,6 @@ from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.server.guards import BODY_TIMEOUT_S
 from mlx_spec.server.worker import FOREVER
 
-
 # The server bounds every answer by the context: for a model whose config names no context
 # length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
 DEFAULT_CONTEXT = 8192

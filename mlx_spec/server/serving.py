@@ -1,7 +1,7 @@
 """What every API's routes share, after vLLM's `OpenAIServing`: a `Serving` base class over
 one `ServingContext` (the options, the generation `worker`, the `ServedModel`'s tokenizer
 facts, the tokenizer and parsing threads), which each API subclasses with its routes
-(`serving_openai`, `serving_anthropic`; a Responses API would be one more).
+(`serving_openai`, `serving_anthropic`, `serving_responses`).
 
 A request goes through the same steps in every API. Its body is parsed, checked and turned
 into template messages on the parsing thread (a 16 MiB body is up to a second of CPU work):
@@ -243,8 +243,7 @@ class Serving:
             wanted = body.output_format()
             if wanted is None:
                 return None
-            (kind, source), param = wanted, ("response_format" if hasattr(body, "response_format")
-                                             else "output_config.format")
+            (kind, source), param = wanted, body.FORMAT_PARAM
         if (template_kwargs or {}).get("enable_thinking"):
             raise ApiError(400, f"{param}: structured output cannot be combined with thinking yet (the "
                                 "grammar would hold from the first token, the thought's); turn thinking off",

@@ -51,8 +51,8 @@ import mlx.core as mx
 from mlx_spec.apps.runner import Gamma, gamma_policy
 from mlx_spec.apps.stream import Response, stream_request
 from mlx_spec.apps.thinking import PhaseAcceptance, ThoughtSplitter
-from mlx_spec.cache.files import cache_key
 from mlx_spec.core.batch import Batch
+from mlx_spec.core.cache.files import cache_key
 from mlx_spec.core.engine import Request, in_company
 from mlx_spec.core.policy import BatchShare
 from mlx_spec.core.stats import Stats

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.models.cache import KVCache
 
-from mlx_spec.cache.forward import logits_and_hidden
+from mlx_spec.core.cache.forward import logits_and_hidden
 from mlx_spec.models.gemma4_assistant import last_kv_layers, target_text_model
 
 

@@ -80,7 +80,7 @@ def test_chat_and_bench_take_bad_bytes_too(models, tmp_path):
 
 def test_a_prompt_longer_than_the_context_is_refused_up_front(models, monkeypatch):
     """The tiny models take 4096 positions; a 5000-token prompt is refused before prefill."""
-    import mlx_spec.cache.sequence as cache
+    import mlx_spec.core.cache.sequence as cache
 
     def prefill(*args, **kwargs):
         raise AssertionError("prefill started")

@@ -22,8 +22,8 @@ from grammar_support import PROMPT as ADDRESS_PROMPT
 from trees_support import BRANCHING_PROMPT
 
 import mlx_spec.core.verify as verify_module
-from mlx_spec.cache.layers import KVQuantization
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.layers import KVQuantization
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.batch import Batch
 from mlx_spec.core.cost_model import CostCurve
 from mlx_spec.core.engine import Engine

@@ -8,7 +8,7 @@ import pytest
 from conftest import greedy_reference
 
 from mlx_spec.apps.calibration import _fill_context, measure_costs
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.cost_model import CostCurve
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.policy import AutoGamma, GammaPolicy, expected_tokens

@@ -13,7 +13,7 @@ from distribution_support import BROKEN_DRAWS, DRAWS, PARAMS, PROMPT, VOCAB, chi
 from trees_support import BRANCHING_PROMPT, LONG_BRANCHING, SecondSiblingDrafter, flat_policy  # noqa: F401
 
 import mlx_spec.core.verify as verify_module
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.cost_model import CostCurve
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.policy import TreePolicy

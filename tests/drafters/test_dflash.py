@@ -20,8 +20,8 @@ from mlx_vlm.speculative.drafters import load_drafter
 import mlx_spec.core.verify as verify_module
 from conftest import chat_turn_matches_plain_decoding, greedy_reference
 from mlx_spec.core.batch import Batch
-from mlx_spec.cache.forward import final_hidden, forward_model
-from mlx_spec.cache.sequence import SequenceCache
+from mlx_spec.core.cache.forward import final_hidden, forward_model
+from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.cost_model import CostCurve
 from mlx_spec.apps.calibration import measure_costs
 from mlx_spec.apps.conversation import ChatSession

@@ -20,7 +20,7 @@ from mlx_vlm.speculative.eagle3 import _eagle3_hot_logits_from_hidden, _eagle3_h
 
 import mlx_spec.core.verify as verify_module
 from conftest import chat_turn_matches_plain_decoding, greedy_reference
-from mlx_spec.cache.forward import final_hidden
+from mlx_spec.core.cache.forward import final_hidden
 from mlx_spec.apps.conversation import ChatSession
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.core.engine import Engine

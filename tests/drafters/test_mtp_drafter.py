@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_spec.apps.calibration import measure_costs
 from mlx_spec.apps.conversation import ChatSession
 from mlx_spec.apps.runner import build_engine
-from mlx_spec.cache.forward import logits_and_hidden
+from mlx_spec.core.cache.forward import logits_and_hidden
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.stats import Stats
 from mlx_spec.drafters.mtp import MtpDrafter, shared_kv
@@ -373,7 +373,7 @@ def test_trees_hand_the_assistant_the_accepted_paths_hidden_state(distilled):
     committed position but one, read from the tree row on the accepted path (not block row
     i): equal to the target's own, computed on the committed sequence fed whole without a
     cache. Some accepted paths run through siblings, whose rows are off the block prefix."""
-    from mlx_spec.cache.forward import final_hidden
+    from mlx_spec.core.cache.forward import final_hidden
 
     engine = build_engine(distilled)
     drafter, target = engine.drafter, distilled.target.model

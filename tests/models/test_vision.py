@@ -14,7 +14,7 @@ from vision_support import (  # noqa: F401
     random_image,
 )
 
-from mlx_spec.cache.sequence import PromptCache
+from mlx_spec.core.cache.sequence import PromptCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.core.stats import Stats

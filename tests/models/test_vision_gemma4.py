@@ -21,7 +21,7 @@ from PIL import Image
 from vision_support import QUESTION, image_prompt
 from vision_support import greedy as greedy_for
 
-from mlx_spec.cache.sequence import PromptCache
+from mlx_spec.core.cache.sequence import PromptCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.stats import Stats
 from mlx_spec.drafters.mtp import MtpDrafter

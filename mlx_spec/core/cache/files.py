@@ -31,9 +31,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as theirs
 
-from mlx_spec.cache.layers import LAYER_CLASSES, make_cache
-from mlx_spec.cache.sequence import PromptCache, SequenceCache
-from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.core.cache.layers import LAYER_CLASSES, make_cache
+from mlx_spec.core.cache.sequence import PromptCache, SequenceCache
+from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.errors import UsageError
 
 FORMAT = "mlx-spec/prompt-cache/1"

@@ -6,7 +6,7 @@ biases) layout once its sequence holds `start` tokens (and at least one), checke
 each forward as mlx-lm's `maybe_quantize_kv_cache` checks after one: the same switch points,
 so a prompt's first prefill chunk is full precision even with start 0 (`SequenceCache`).
 The layers then carry `bits` / `group_size`, so mlx-lm's attention runs on them through
-`mx.quantized_matmul` (`mlx_spec.cache.attention`). Sliding-window layers quantize positions
+`mx.quantized_matmul` (`mlx_spec.core.cache.attention`). Sliding-window layers quantize positions
 one by one (`QuantizedWindowKVCache`); global layers keep their keys by channel
 (`ChannelQuantizedKVCache`), which gives the scores MLX's faster non-transposed quantized
 matmul.
@@ -19,8 +19,8 @@ from typing import Optional
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_spec.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache, TreeKVCache
-from mlx_spec.cache.window_layers import QuantizedWindowKVCache, WindowKVCache
+from mlx_spec.core.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache, TreeKVCache
+from mlx_spec.core.cache.window_layers import QuantizedWindowKVCache, WindowKVCache
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ from distribution_support import PARAMS, VOCAB, chi_square, exact_joint, sampled
 from distribution_support import PROMPT as SHORT_PROMPT
 from trees_support import LONG_BRANCHING, SecondSiblingDrafter, flat_policy
 
-from mlx_spec.cache.attention import quantized_attention
-from mlx_spec.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache
-from mlx_spec.cache.layer_base import PackedKV
-from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
-from mlx_spec.cache.sequence import SequenceCache, _fork_layer
-from mlx_spec.cache.window_layers import QuantizedWindowKVCache
+from mlx_spec.core.cache.attention import quantized_attention
+from mlx_spec.core.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache
+from mlx_spec.core.cache.layer_base import PackedKV
+from mlx_spec.core.cache.layers import KVQuantization, QuantizedKVReader, make_cache
+from mlx_spec.core.cache.sequence import SequenceCache, _fork_layer
+from mlx_spec.core.cache.window_layers import QuantizedWindowKVCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.drafters import ModelDrafter, NgramDrafter

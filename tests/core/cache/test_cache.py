@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from mlx_spec.cache.global_layers import TreeKVCache
-from mlx_spec.cache.sequence import PromptCache, SequenceCache
-from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.core.cache.global_layers import TreeKVCache
+from mlx_spec.core.cache.sequence import PromptCache, SequenceCache
+from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.core.engine import Engine
 from mlx_spec.drafters import ModelDrafter
 from mlx_spec.testing.tiny import TINY_VOCAB

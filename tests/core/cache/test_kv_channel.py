@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_spec.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache
-from mlx_spec.cache.layers import KVQuantization
-from mlx_spec.cache.sequence import SequenceCache, _fork_layer
+from mlx_spec.core.cache.global_layers import ChannelKeys, ChannelQuantizedKVCache
+from mlx_spec.core.cache.layers import KVQuantization
+from mlx_spec.core.cache.sequence import SequenceCache, _fork_layer
 from mlx_spec.core.tree import TreeShape
 from mlx_spec.testing.tiny import tiny_gemma3
 

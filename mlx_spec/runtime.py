@@ -3,7 +3,7 @@
 `install()` makes the first three, once, in this order; `mlx_spec/__init__.py` calls it, so
 they are in place before any `import mlx_spec...` returns.
 
-1. An optimised BLAS, loaded with RTLD_GLOBAL before `mlx.core` (`mlx_spec.runtime.blas.load`):
+1. An optimised BLAS, loaded with RTLD_GLOBAL before `mlx.core` (`mlx_spec.platform.blas.load`):
    `ctypes.CDLL(libmkl_rt | libopenblas, RTLD_GLOBAL)` wins the symbol lookup of MLX's
    `libmlx.so`, and the library's thread count is set to half the cores (unless the user set
    one). Why: the `mlx[cpu]` Linux wheel bundles the netlib reference BLAS, whose naive
@@ -11,7 +11,7 @@ they are in place before any `import mlx_spec...` returns.
    270M decodes 2.45x faster and n-gram `auto` 1.90x its plain decoding, against 1.05x
    under the reference BLAS (`bench/blas.py`, docs/performance.md). Nothing is loaded on
    macOS or beside CUDA.
-2. `mlx_lm`'s package `__init__` deferred (`mlx_spec.runtime.mlx_lm_import.defer_package_init`): a module
+2. `mlx_lm`'s package `__init__` deferred (`mlx_spec.platform.mlx_lm_import.defer_package_init`): a module
    object in `sys.modules["mlx_lm"]` and a finder first on `sys.meta_path`, which run the
    real `__init__` the first time anything but mlx-lm's model, kernel and version modules
    is imported or a package attribute is read. Why: that `__init__` imports transformers
@@ -19,7 +19,7 @@ they are in place before any `import mlx_spec...` returns.
    (`bench/startup.py`, tests/runtime/test_startup.py.py). Nothing changes when mlx-lm came first.
 3. mlx-lm's quantized attention routed through ours: the module global
    `mlx_lm.models.base.quantized_scaled_dot_product_attention`, which mlx-lm's attention
-   calls for every quantized cache, becomes `mlx_spec.cache.attention.dispatch_quantized_attention`.
+   calls for every quantized cache, becomes `mlx_spec.core.cache.attention.dispatch_quantized_attention`.
    Our quantized cache layers hand attention `PackedKV` / `ChannelKeys`, which run our
    kernels; anything else (mlx-lm's own `QuantizedKVCache`) still runs mlx-lm's function.
    Why: folding the query heads that share a KV head into one matmul gives the same result
@@ -48,8 +48,8 @@ Changed by one command while it runs: `distributed.follow_quietly` sends ranks o
 
 from __future__ import annotations
 
-from mlx_spec.runtime.blas import load as load_blas
-from mlx_spec.runtime.mlx_lm_import import defer_package_init
+from mlx_spec.platform.blas import load as load_blas
+from mlx_spec.platform.mlx_lm_import import defer_package_init
 
 
 def install() -> None:
@@ -64,6 +64,6 @@ def route_quantized_attention() -> None:
     # Imported here, not above: mlx.core (which it loads) must come after blas.load().
     import mlx_lm.models.base as mlx_lm_base
 
-    from mlx_spec.cache.attention import dispatch_quantized_attention
+    from mlx_spec.core.cache.attention import dispatch_quantized_attention
 
     mlx_lm_base.quantized_scaled_dot_product_attention = dispatch_quantized_attention

@@ -11,15 +11,14 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlx_spec.runtime import blas
-
+from mlx_spec.platform import blas
 LINUX_X86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
 HAS_MKL = bool(blas._mkl_paths())
 
 PROBE = r"""
 import json, numpy as np
 import mlx_spec, mlx.core as mx
-from mlx_spec.runtime import blas
+from mlx_spec.platform import blas
 rng = np.random.default_rng(0)
 w, x = rng.standard_normal((512, 640), dtype=np.float32), rng.standard_normal((8, 640), dtype=np.float32)
 y = np.array(mx.array(x) @ mx.array(w).T)
@@ -141,7 +140,7 @@ def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
 def test_prefill_chunks_and_batched_forwards_are_evaluated_on_the_wide_threads(tiny_target, monkeypatch):
     """Where a wide forward is evaluated, the BLAS runs on `wide_threads`; a decode step
     keeps the default (the switch is recorded, whatever this machine's BLAS)."""
-    from mlx_spec.cache.sequence import SequenceCache
+    from mlx_spec.core.cache.sequence import SequenceCache
     from mlx_spec.core.passes import ModelPass, run_passes
 
     calls = []

@@ -15,8 +15,8 @@ from mlx_lm import generate, load
 from scripted_model import InProcessServer
 from server_support import wait_for
 
-from mlx_spec.cache.files import CacheFileError, cache_key, load_prompt_cache, save_prompt_cache
-from mlx_spec.cache.layers import KVQuantization
+from mlx_spec.core.cache.files import CacheFileError, cache_key, load_prompt_cache, save_prompt_cache
+from mlx_spec.core.cache.layers import KVQuantization
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.drafters.model import ModelDrafter
@@ -237,7 +237,7 @@ WRITER = textwrap.dedent("""
     import mlx_spec
     import mlx.core as mx
     from mlx_lm import load
-    from mlx_spec.cache.files import cache_key
+    from mlx_spec.core.cache.files import cache_key
     from mlx_spec.drafters.model import ModelDrafter
     from mlx_spec.core.engine import Engine
     from mlx_spec.core.sampling import SamplingParams

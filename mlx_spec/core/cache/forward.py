@@ -14,8 +14,8 @@ from typing import Callable, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
-from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.core.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
+from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.core.tree import TreeShape
 
 

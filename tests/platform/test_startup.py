@@ -104,7 +104,7 @@ def test_cli_import_leaves_heavy_modules_out():
 def test_mlx_lm_package_init_runs_when_anything_else_needs_it():
     code = """
 import sys, types
-import mlx_spec.cache.sequence, mlx_lm.models.gemma3_text  # model classes: no __init__, no transformers
+import mlx_spec.core.cache.sequence, mlx_lm.models.gemma3_text  # model classes: no __init__, no transformers
 assert "transformers" not in sys.modules and "mlx_lm.generate" not in sys.modules
 import mlx_lm.generate  # any other module: the package __init__ first, as usual
 assert "mlx_lm.utils" in sys.modules

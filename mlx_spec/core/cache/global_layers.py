@@ -1,6 +1,6 @@
 """Global (full-attention) layers: mlx-lm's `KVCache` with draft-tree masks (`TreeKVCache`),
 and its `--kv-bits` twin, which keeps the keys quantized by channel (`ChannelQuantizedKVCache`,
-read through `ChannelKeys` by `mlx_spec.cache.attention.channel_attention`)."""
+read through `ChannelKeys` by `mlx_spec.core.cache.attention.channel_attention`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mlx_spec.cache.layer_base import (
+from mlx_spec.core.cache.layer_base import (
     ExactTrim,
     PackedKV,
     Restorable,

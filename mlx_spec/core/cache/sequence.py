@@ -3,7 +3,7 @@ and exact rollback.
 
 Speculation writes γ+1 positions into the target's cache and keeps only the accepted ones,
 so every layer must be able to forget its last few positions exactly: mlx-lm's plain
-`KVCache` can, and our layers (`mlx_spec.cache.layers`) replace those that cannot. After a
+`KVCache` can, and our layers (`mlx_spec.core.cache.layers`) replace those that cannot. After a
 draft tree, `settle(kept, rows=...)` moves the accepted rows' K/V into place before the rest
 is rolled back. A verify pass never straddles the switch to quantized K/V (`draft_room`):
 each row sees keys of the precision plain decoding would have given it.
@@ -20,14 +20,15 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from mlx_spec.cache.forward import Hidden, feeding_tree, forward_model, images_opened, text_model, tree_capable
-from mlx_spec.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
-from mlx_spec.cache.layer_base import buffer_parts
-from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
-from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.core.cache.forward import Hidden, feeding_tree, forward_model, images_opened, text_model, tree_capable
+from mlx_spec.core.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
+from mlx_spec.core.cache.layer_base import buffer_parts
+from mlx_spec.core.cache.layers import KVQuantization, QuantizedKVReader, make_cache
+from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.core.steps import drive
 from mlx_spec.core.tree import TreeShape
-from mlx_spec.runtime import blas
+from mlx_spec.platform import blas
+
 MAX_ROOM = 1 << 30  # no limit on a verify pass's draft tokens
 
 
@@ -51,7 +52,7 @@ class SequenceCache:
     than the target); such ids are fed as id 0 (MLX does not bounds-check gathers). `ids`
     keeps the real ids, so prefix reuse still compares what was said.
 
-    `kv`: quantize the K/V (see `mlx_spec.cache.layers`), or None for full precision.
+    `kv`: quantize the K/V (see `mlx_spec.core.cache.layers`), or None for full precision.
     """
 
     def __init__(self, model, slack: int, vocab: Optional[int] = None,

@@ -24,11 +24,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache
 
-from mlx_spec.cache.files import CacheFileError, _digest, _mismatch, write_safetensors
-from mlx_spec.cache.global_layers import TreeKVCache
-from mlx_spec.cache.layers import make_cache
-from mlx_spec.cache.sequence import PromptCache, SequenceCache
-from mlx_spec.cache.window_layers import WindowKVCache
+from mlx_spec.core.cache.files import CacheFileError, _digest, _mismatch, write_safetensors
+from mlx_spec.core.cache.global_layers import TreeKVCache
+from mlx_spec.core.cache.layers import make_cache
+from mlx_spec.core.cache.sequence import PromptCache, SequenceCache
+from mlx_spec.core.cache.window_layers import WindowKVCache
 
 PLACEHOLDER = -1  # the id of a cached position whose id a file made by mlx-lm does not say
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx_lm.models.base as mlx_lm_base
 
-from mlx_spec.cache.global_layers import ChannelKeys, quantize_by_channel
-from mlx_spec.cache.layer_base import PackedKV
+from mlx_spec.core.cache.global_layers import ChannelKeys, quantize_by_channel
+from mlx_spec.core.cache.layer_base import PackedKV
 
 
 def quantized_attention(queries, q_keys, q_values, scale: float, mask, group_size: int = 64, bits: int = 8):

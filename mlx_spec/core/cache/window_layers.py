@@ -16,7 +16,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from mlx_spec.cache.layer_base import (
+from mlx_spec.core.cache.layer_base import (
     ExactTrim,
     PackedKV,
     Restorable,
