@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 import re
 import socket
 import sys
@@ -51,6 +52,8 @@ from mlx_spec.cli.common import (
 )
 from mlx_spec.errors import MlxSpecError, UsageError
 
+API_KEY_ENV = "MLX_SPEC_API_KEY"
+
 SERVER = "Server"
 @app.command()
 def serve(
@@ -62,10 +65,21 @@ def serve(
     port: Annotated[int, typer.Option(
         "--port", "-p", rich_help_panel=SERVER, min=0, max=65535,
         help="TCP port; 0 picks a free one (printed at start).")] = 8080,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", rich_help_panel=SERVER, envvar="MLX_SPEC_API_KEY",
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        "--api-key", rich_help_panel=SERVER, metavar="KEY",
         help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but "
-             "/health (or set MLX_SPEC_API_KEY); printable ASCII.")] = None,
+             "/health (or set MLX_SPEC_API_KEY, one key); printable ASCII. Repeat it for "
+             "several keys, any of which will do (see --draft-memory key).")] = None,
+    draft_memory: Annotated[str, typer.Option(
+        "--draft-memory", rich_help_panel=SERVER, metavar="server|key|off",
+        help="Whose earlier requests the suffix drafter drafts from: 'server' (default: "
+             "every request this server answered), 'key' (only the same API key's, so no "
+             "key's answers speed up, and so reveal, another's), or 'off' (this request's "
+             "own text only).")] = "server",
+    draft_memory_tokens: Annotated[int, typer.Option(
+        "--draft-memory-tokens", rich_help_panel=SERVER, min=0, metavar="N",
+        help="Tokens of earlier requests each draft memory holds, the oldest evicted "
+             "(~20 bytes each, plus 16 MB).")] = 1 << 20,
     allowed_hosts: Annotated[Optional[str], typer.Option(
         "--allowed-hosts", rich_help_panel=SERVER, metavar="NAME,...",
         help="Host header names to answer, comma-separated, besides loopback ones and, with "
@@ -122,6 +136,10 @@ def serve(
         "--allow-image-urls", rich_help_panel=SERVER,
         help="Fetch images that requests name by http(s) URL. Off by default: such a request "
              "is answered 400; data: URLs and base64 are read either way.")] = False,
+    allow_private_image_urls: Annotated[bool, typer.Option(
+        "--allow-private-image-urls", rich_help_panel=SERVER,
+        help="With --allow-image-urls, fetch from loopback, private and link-local addresses "
+             "too. Off by default: a client could otherwise reach services behind the server.")] = False,
     allow_image_files: Annotated[bool, typer.Option(
         "--allow-image-files", rich_help_panel=SERVER,
         help="Read images that requests name by a local path or file: URL, from this "
@@ -184,6 +202,10 @@ def serve(
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise UsageError(f"unknown --log-level {log_level!r}: use warning, info or debug")
+    if not api_key and os.environ.get(API_KEY_ENV):
+        # one key, read here: Click would split a list option's variable at spaces, and
+        # a key with a space must be refused, not taken as two keys
+        api_key = [os.environ[API_KEY_ENV]]
     check_api_key(api_key)
     if served_model_name is not None and not served_model_name.strip():
         raise UsageError("--served-model-name needs a name")
@@ -191,7 +213,10 @@ def serve(
         if not re.fullmatch(r"\*|https?://[^/\s]+", origin):
             raise UsageError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] "
                                "(e.g. http://localhost:3000) or *")
-    from mlx_spec.server.worker import keep_alive_seconds
+    from mlx_spec.server.worker import MEMORY_SCOPES, keep_alive_seconds
+
+    if draft_memory not in MEMORY_SCOPES:
+        raise UsageError(f"--draft-memory {draft_memory!r}: use {', '.join(MEMORY_SCOPES)}")
 
     try:
         idle_seconds = keep_alive_seconds(keep_alive)
@@ -201,7 +226,7 @@ def serve(
         from mlx_spec.core.cache.files import writable_folder
 
         writable_folder(prompt_cache_dir, "--prompt-cache-dir")
-    sock = _bind(host, port, keyed=api_key is not None)  # before loading models: a taken port fails fast
+    sock = _bind(host, port, keyed=bool(api_key))  # before loading models: a taken port fails fast
     served_hosts = _served_hosts(allowed_hosts, host, sock.getsockname()[0])
     if served_hosts is not None and not _loopback(sock.getsockname()[0]):
         print(f"answering requests for {', '.join(served_hosts)} and loopback names (more: "
@@ -238,17 +263,19 @@ def serve(
         context_length=setup.pair.target.context_length or DEFAULT_CONTEXT,
         queue_size=queue_size,
         parallel=parallel,
-        api_key=api_key,
+        api_key=tuple(api_key) if api_key else None,
         allowed_hosts=served_hosts,
         cache_budget=None if cache_memory is None else int(cache_memory * 2**30),
         cors_origins=tuple(cors_origin or ()),
         parse_special_in_text=parse_special_in_text,
-        allow_image_urls=allow_image_urls,
+        allow_image_urls=allow_image_urls, allow_private_image_urls=allow_private_image_urls,
         allow_image_files=allow_image_files,
         body_timeout=body_timeout,
         keep_alive=idle_seconds,
         prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
         prompt_cache_disk=int(prompt_cache_disk * 2**30),
+        draft_memory=draft_memory,
+        draft_memory_tokens=draft_memory_tokens,
     )
     application = create_app(engine, setup.pair.tokenizer, options, load=load)
     bound_host, bound_port = sock.getsockname()[:2]

@@ -56,7 +56,8 @@ class Constraint:
             q = q[: len(x)]
             if forced:
                 q = mx.concatenate([q, one_hot(mx.array(forced), q.shape[-1], q.dtype)])
-        return (Draft(mx.array(path, dtype=mx.uint32), q, forwards=draft.forwards), len(x),
+        sources = None if draft.sources is None else draft.sources[: len(x)]
+        return (Draft(mx.array(path, dtype=mx.uint32), q, forwards=draft.forwards, sources=sources), len(x),
                 lambda: grammar.path_masks(path))
 
     def until_complete(self, emitted: list[int]) -> list[int]:

@@ -11,7 +11,11 @@ engine uses declared here, so it never has to probe a drafter:
   propose_tree(γ, branches, history, key) -> Draft    a draft tree (where `can_branch`)
   accept(committed, target_hidden)                    the tokens the round committed; the
                                                       drafter rolls back the rest of its state
-  fork()                                              a drafter of its own for another request
+  fork(memory)                                        a drafter of its own for another request
+                                                      (`memory`: the earlier requests it may
+                                                      draft from, where it `remembers`)
+  end()                                               the request is over (finished or
+                                                      abandoned): one that remembers keeps it
 
 Capabilities, as class attributes (besides `name`, what --drafter takes, and `summary`):
   needs_draft_model  it drafts with the pair's draft model (so one is loaded for it)
@@ -31,6 +35,8 @@ Capabilities, as class attributes (besides `name`, what --drafter takes, and `su
                      at `accept` the round's pass's rows [γ+1, k·H]
   can_branch         it implements `propose_tree`
   rollbackable       its state can roll back exactly (a recurrent draft model's cannot)
+  remembers          it drafts from a memory of earlier requests (`token_memory.Memory`),
+                     shared by its forks; `fork(memory=...)` picks another, None for none
 
 q: a drafter that samples from a distribution returns it ([γ, V] after the same processing
 as the target's p); a deterministic one (argmax, lookup) returns q = None, which the
@@ -59,10 +65,14 @@ class Draft:
     q: Optional[mx.array] = None  # [γ', V] processed draft distributions; None = one-hot
     tree: Optional[TreeShape] = None  # the tokens' tree; None = a chain
     forwards: Optional[int] = None  # draft model forwards it took; None: one per token and pass
+    sources: Optional[tuple[str, ...]] = None  # per token, where the drafter found it (stats only)
 
     @staticmethod
     def empty() -> "Draft":
         return Draft(mx.array([], dtype=mx.uint32))
+
+
+KEEP = object()  # `Drafter.fork`'s memory: the same as this drafter's
 
 
 class Drafter:
@@ -81,6 +91,7 @@ class Drafter:
     tap_layers: tuple[int, ...] = ()
     can_branch: bool = False
     rollbackable: bool = True
+    remembers: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -103,9 +114,10 @@ class Drafter:
     def reset(self) -> None:
         """Forget the request in progress (called by `fork`; `begin` starts each request)."""
 
-    def fork(self) -> "Drafter":
+    def fork(self, memory=KEEP) -> "Drafter":
         """A drafter of its own for a request decoded beside others: the same models, no
-        state shared with this one."""
+        state shared with this one but its memory of earlier requests (where it
+        `remembers`; `memory` another one, or None)."""
         twin = copy.copy(self)
         twin.reset()
         return twin
@@ -126,6 +138,9 @@ class Drafter:
 
     def accept(self, committed: list[int], target_hidden: Optional[mx.array] = None) -> None:
         pass
+
+    def end(self) -> None:
+        """The request begun last is over (finished, failed or closed)."""
 
 
 def require_draft_model(name: str, pair) -> None:

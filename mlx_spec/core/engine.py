@@ -39,7 +39,7 @@ from mlx_spec.core.batch import PREFILLING, RAN_ALONE
 from mlx_spec.core.cache.layers import KVQuantization
 from mlx_spec.core.cache.sequence import PromptCache
 from mlx_spec.core.constraint import Constraint
-from mlx_spec.core.drafter import Draft, Drafter
+from mlx_spec.core.drafter import KEEP, Draft, Drafter
 from mlx_spec.core.grammar import Matcher, constrain
 from mlx_spec.core.passes import TargetPass, run_alone
 from mlx_spec.core.policy import MAX_GAMMA, GammaPolicy, as_policy
@@ -154,11 +154,13 @@ class Engine:
         # layers': `Drafter.hidden_wanted`) only for drafters that read them
         self.wants_hidden = drafter.hidden_wanted() if drafter is not None else False
 
-    def for_request(self) -> "Engine":
+    def for_request(self, memory=KEEP) -> "Engine":
         """This engine with a drafter of its own (drafters keep one request's state between
-        begin and accept), for a request decoded beside others; models are shared."""
+        begin and accept), for a request decoded beside others; models are shared, and so
+        is a drafter's memory of earlier requests unless `memory` names another (or None:
+        `Drafter.fork`)."""
         twin = copy.copy(self)
-        twin.drafter = None if self.drafter is None else self.drafter.fork()
+        twin.drafter = None if self.drafter is None else self.drafter.fork(memory)
         return twin
 
     def make_prompt_cache(self) -> PromptCache:
@@ -223,27 +225,31 @@ class Engine:
         """`rounds` for a `Request`. `company`: None decoding alone; in a batch, asked at each
         round's start whether other requests share this round's forwards (`in_company`)."""
         g = Generation(self, request, prompt_cache, stats, company)
-        yield from g.prefill(prefill_progress)
-        while g.generated < g.max_tokens:
-            start = perf_counter()
-            scored = g.take_queued()  # steps 1-3 of a plain round queued by the last round
-            together = scored is None and g.in_company()  # this round's passes go to the batch
-            if scored is None:
-                key_draft, key_verify = g.keys(2)
-                branching = g.can_branch and not together
-                gamma = g.choose_gamma(branching)  # 1
-                proposal = yield from g.draft(gamma, key_draft, together, branching)  # 2
-                scored = yield from g.score(proposal, key_verify, together)  # 3
-            drafted = perf_counter()
-            g.queue_plain_round(scored)  # 3b
-            verdict = g.decide(scored)  # 4
-            rnd, path = g.commit(scored, verdict)  # 5
-            g.observe(scored, rnd, path, start, drafted)  # 6
-            yield rnd
-            if rnd.finish_reason:
-                return
-            if company is not None and not together:  # the batch's step is over for this request
-                yield RAN_ALONE
+        try:
+            yield from g.prefill(prefill_progress)
+            while g.generated < g.max_tokens:
+                start = perf_counter()
+                scored = g.take_queued()  # steps 1-3 of a plain round queued by the last round
+                together = scored is None and g.in_company()  # this round's passes go to the batch
+                if scored is None:
+                    key_draft, key_verify = g.keys(2)
+                    branching = g.can_branch and not together
+                    gamma = g.choose_gamma(branching)  # 1
+                    proposal = yield from g.draft(gamma, key_draft, together, branching)  # 2
+                    scored = yield from g.score(proposal, key_verify, together)  # 3
+                drafted = perf_counter()
+                g.queue_plain_round(scored)  # 3b
+                verdict = g.decide(scored)  # 4
+                rnd, path = g.commit(scored, verdict)  # 5
+                g.observe(scored, rnd, path, start, drafted)  # 6
+                yield rnd
+                if rnd.finish_reason:
+                    return
+                if company is not None and not together:  # the batch's step is over for this request
+                    yield RAN_ALONE
+        finally:  # finished, failed, or closed between rounds
+            if g.drafter is not None:
+                g.drafter.end()
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Refuse, in one line, a prompt the target cannot take (empty, or past its context)."""
@@ -506,6 +512,8 @@ class Generation:
         if self.drafting:
             stats.draft_forwards += (draft.forwards if draft.forwards is not None
                                      else drafted_by * self.drafter.passes_per_token)
+        if draft.sources is not None:
+            stats.observe_sources(draft.sources[:drafted_by], path if draft.tree is not None else range(accepted))
         stats.peak_memory = max(stats.peak_memory, mx.get_peak_memory())
 
 

@@ -32,6 +32,11 @@ KINDS = ("json_schema", "json_object", "regex", "lark")
 # JSON as json.dumps writes it, no other whitespace: key names, ": " and ", " become forced
 # runs (free drafts) rather than choices. A schema's "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_GRAMMAR_CHARS = 128 * 1024  # a schema's JSON or a grammar's text: compiling grows faster than its size
+# (10k Lark alternatives, 100 kB: 1 s; 40k, 430 kB: 14 s); OpenAI allows ~120k of names and values
+ERROR_CHARS = 300  # of an llguidance error in ours: its dumps can hold the whole grammar
+INT64 = (-(2**63), 2**63 - 1)  # llguidance's integers: a bound past them is clamped, not refused
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _LLG_TOKENIZERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, LLTokenizer): ~3 s to build for Gemma
 
 
@@ -48,16 +53,49 @@ def _tokenizer_json(tokenizer) -> str:
 
 
 def llg_tokenizer(tokenizer, eos_ids: Iterable[int] = ()):
-    """llguidance's view of `tokenizer`, built once per tokenizer (per process)."""
+    """llguidance's view of `tokenizer`, built once per tokenizer (per process).
+
+    llguidance tokenizes the text a grammar forces (free drafts) with the tokenizer it is
+    given. Read from tokenizer.json, that is Hugging Face's, which turns control-token text
+    ("<eos>", "<start_of_turn>") inside a forced string into the control token, a token the
+    grammar itself never allows (a control token is not its text): the draft left the
+    grammar mid-generation. So llguidance gets the same vocabulary (every token's bytes
+    and which are special, as it reads them from tokenizer.json) with an encoder that reads
+    control-token text as plain text: HTML, markup and chat transcripts can be generated."""
     import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+    from tokenizers import Tokenizer
 
     cached = _LLG_TOKENIZERS.get(id(tokenizer))
     if cached is not None and cached[0] is tokenizer:
         return cached[1]
     eos = sorted(set(eos_ids) | set(getattr(tokenizer, "eos_token_ids", None) or []))
-    llt = llguidance.LLTokenizer(_tokenizer_json(tokenizer), eos_token=eos or None)
+    text = _tokenizer_json(tokenizer)
+    llt = llguidance.LLTokenizer(text, eos_token=eos or None)
+    plain = Tokenizer.from_str(text)
+    plain.encode_special_tokens = True  # "<eos>" in text is five characters, not EOS
+    plain.no_padding()
+    plain.no_truncation()
+    llt = llguidance.LLTokenizer(TokenizerWrapper(_PlainText(llt, plain)), eos_token=eos or None)
     _LLG_TOKENIZERS[id(tokenizer)] = (tokenizer, llt)
     return llt
+
+
+class _PlainText:
+    """What llguidance's `TokenizerWrapper` reads: `llt`'s tokens (bytes) and special ids,
+    and `plain` (a `tokenizers.Tokenizer` that never matches control-token text) to encode."""
+
+    def __init__(self, llt, plain):
+        self.tokens = [llt.decode_bytes([i]) for i in range(llt.vocab_size)]
+        self.special_token_ids = [i for i in range(llt.vocab_size) if llt.is_special_token(i)]
+        self.eos_token_id = llt.eos_token
+        self.bos_token_id = None
+        self._plain = plain
+
+    def __call__(self, text):
+        if not isinstance(text, str):  # the wrapper probes with bytes: it then sends str
+            raise TypeError("text only")
+        return self._plain.encode(text, add_special_tokens=False).ids
 
 
 @dataclass(frozen=True)
@@ -80,8 +118,10 @@ def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -
         source: for json_schema a dict or JSON text; for regex / lark their text; ignored
             for json_object (any JSON object).
     Raises:
-        UsageError: a schema that is not JSON, or one llguidance cannot compile or does not
-            support (its message names the feature, e.g. 'Unimplemented keys: ["not"]').
+        UsageError (one line, never echoing the source): a schema that is not JSON; one over
+            `MAX_GRAMMAR_CHARS`; one llguidance cannot compile or does not support (its
+            message names the feature, e.g. 'Unimplemented keys: ["not"]'); an integer
+            bound it cannot enforce; one no text satisfies (the start state allows nothing).
     """
     import llguidance
 
@@ -91,6 +131,8 @@ def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -
              "lark": "grammar"}[kind]
     if kind == "json_object":
         source = {"type": "object"}
+    if isinstance(source, str) and len(source) > MAX_GRAMMAR_CHARS:
+        raise UsageError(f"the {label} is too large: {len(source):,} characters, at most {MAX_GRAMMAR_CHARS:,}")
     if kind in ("json_schema", "json_object"):
         if isinstance(source, str):
             try:
@@ -100,23 +142,69 @@ def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -
         if not isinstance(source, dict):
             raise UsageError("the JSON schema must be a JSON object")
         text = json.dumps(source)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
-        except ValueError as e:
-            raise UsageError(f"the JSON schema cannot be used: {_one_line(e)}") from None
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise UsageError(f"the JSON schema is too large: {len(text):,} characters, at most {MAX_GRAMMAR_CHARS:,}")
+        _check_integer_bounds(source)
+        make = lambda: llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)  # noqa: E731
     elif kind == "regex":
-        text, grammar = source, llguidance.LLMatcher.grammar_from_regex(source)
+        text, make = source, lambda: llguidance.LLMatcher.grammar_from_regex(source)
     else:
-        text, grammar = source, llguidance.LLMatcher.grammar_from_lark(source)
+        text, make = source, lambda: llguidance.LLMatcher.grammar_from_lark(source)
     llt = llg_tokenizer(tokenizer, eos_ids)
-    matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+    try:
+        grammar = make()
+        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+    except ValueError as e:
+        raise UsageError(f"the {label} cannot be used: {_one_line(e)}") from None
+    except BaseException as e:  # llguidance's Rust panics reach Python as pyo3's PanicException
+        if type(e).__name__ != "PanicException":
+            raise
+        raise UsageError(f"the {label} cannot be used: it is too large or complex to compile") from None
     if matcher.is_error():
         raise UsageError(f"the {label} cannot be used: {_one_line(matcher.get_error())}")
+    if not _satisfiable(matcher):
+        raise UsageError(f"the {label} is unsatisfiable: no text matches it (a $ref to itself, "
+                         "a $ref loop, an empty language)")
     return Grammar(kind, text, matcher, llt.vocab_size)
 
 
+def _check_integer_bounds(schema) -> None:
+    """UsageError for an integer's bound outside int64: llguidance would clamp it and answer
+    9223372036854775807 for a minimum of 1e300 (a value that breaks the schema)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+        elif isinstance(node, dict):
+            kinds = node.get("type")
+            if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+                for bound in _BOUNDS:
+                    value = node.get(bound)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                            and not INT64[0] <= value <= INT64[1]:
+                        raise UsageError(f"the JSON schema's integer {bound} {value:g} is outside what it can "
+                                         f"enforce ({INT64[0]} to {INT64[1]})")
+            stack += node.values()
+
+
+def _satisfiable(matcher) -> bool:
+    """Whether anything can follow the start state: some token allowed, or the value
+    already complete. A schema that only refers to itself compiles, then fails at the first
+    mask; this asks for that mask now, on a copy."""
+    probe = matcher.deep_copy()
+    mask = probe.compute_bitmask()
+    if probe.is_error():
+        return False
+    return probe.is_accepting() or any(mask)
+
+
 def _one_line(message) -> str:
-    return " ".join(str(message).split())
+    """llguidance's message on one line, its state dump left out and cut short: what a
+    client sees must not echo a schema of megabytes back."""
+    text = str(message).split("\n<state>")[0]
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 1] + "…"
 
 
 class Matcher:
@@ -210,7 +298,7 @@ class Matcher:
         rest = path[common:]
         if rest:
             if not self.llm.consume_tokens(rest):
-                raise MlxSpecError(f"a draft path left the grammar: {self.llm.get_error()}")
+                raise MlxSpecError(f"a draft path left the grammar: {_one_line(self.llm.get_error())}")
             self.ahead += rest
 
 

@@ -392,7 +392,9 @@ class TreePolicy(AutoGamma):
         index = mx.array(keep) if keep else None
         tokens = draft.tokens[index] if keep else draft.tokens[:0]
         q = None if draft.q is None or not keep else draft.q[index]
-        return Draft(tokens, q, tree=None if shape == TreeShape.chain(len(keep)) else shape, forwards=draft.forwards)
+        sources = None if draft.sources is None else tuple(draft.sources[i] for i in keep)
+        return Draft(tokens, q, tree=None if shape == TreeShape.chain(len(keep)) else shape, forwards=draft.forwards,
+                     sources=sources)
 
     def observe(self, gamma: int, accepted: int, seconds: Optional[float] = None) -> None:
         if gamma == 0:

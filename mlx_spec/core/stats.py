@@ -10,6 +10,9 @@ Definitions (as vLLM and llama.cpp use them, so numbers compare across tools):
   decode tok/s              generated tokens / decode time (prompt processing excluded)
   grammar-forced share      grammar_forced / generated: tokens a grammar admitted alone,
                             drafted for free (drafted / accepted count the drafter's only)
+  by source                 drafted_from / accepted_from: draft tokens by where the
+                            drafter found them (the suffix drafter: "context", this
+                            request's prompt and output; "memory", earlier requests only)
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class Stats:
     tree_rounds: int = 0  # rounds that verified a draft tree (position counters then count depth)
     tried_at_rank: list[int] = field(default_factory=list)  # [k]: tree nodes of rank k whose turn came
     accepted_at_rank: list[int] = field(default_factory=list)  # [k]: of those, accepted
+    drafted_from: dict[str, int] = field(default_factory=dict)  # source -> draft tokens proposed
+    accepted_from: dict[str, int] = field(default_factory=dict)  # source -> draft tokens accepted
 
     def observe_prefill(self, prompt_tokens: int, processed: int, seconds: float) -> None:
         self.prompt_tokens += prompt_tokens
@@ -86,6 +91,13 @@ class Stats:
                 self.accepted_at_rank += [0] * grow
             self.tried_at_rank[rank] += 1
             self.accepted_at_rank[rank] += ok
+
+    def observe_sources(self, sources, accepted) -> None:
+        """A round's draft tokens' sources (one per token) and the accepted ones' indexes."""
+        for source in sources:
+            self.drafted_from[source] = self.drafted_from.get(source, 0) + 1
+        for i in accepted:
+            self.accepted_from[sources[i]] = self.accepted_from.get(sources[i], 0) + 1
 
     def retract(self, tokens: int) -> None:
         """Tokens generated past a stop string are not part of the answer: uncount them."""

@@ -14,6 +14,7 @@ from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
+from mlx_spec.drafters.suffix import SuffixDrafter
 from mlx_spec.errors import UsageError
 
 # name -> class: a new drafter family adds one line here
@@ -21,6 +22,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     ModelDrafter.name: ModelDrafter,  # a small draft model (Leviathan's Mq)
     MtpDrafter.name: MtpDrafter,  # Gemma 4's MTP assistant, over the target's states
     NgramDrafter.name: NgramDrafter,  # prompt lookup, no model
+    SuffixDrafter.name: SuffixDrafter,  # suffix lookup here and in earlier requests, no model
     DFlashDrafter.name: DFlashDrafter,  # z-lab's DFlash: a block per forward from the target's taps
     Eagle3Drafter.name: Eagle3Drafter,  # EAGLE-3 (speculators format) over three target layers
     DSparkDrafter.name: DSparkDrafter,  # Gemma 4 DSpark: DFlash's block, Markov-corrected
@@ -41,4 +43,4 @@ def drafter_class(name: str) -> type[Drafter] | None:
 
 
 __all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "DFlashDrafter",
-           "DSparkDrafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter"]
+           "DSparkDrafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter", "SuffixDrafter"]

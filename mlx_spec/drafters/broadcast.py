@@ -6,7 +6,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.core.drafter import Draft, Drafter
+from mlx_spec.core.drafter import KEEP, Draft, Drafter
 
 
 class BroadcastDrafter(Drafter):
@@ -36,8 +36,8 @@ class BroadcastDrafter(Drafter):
     def rollbackable(self) -> bool:
         return True if self.inner is None else self.inner.rollbackable
 
-    def fork(self) -> "BroadcastDrafter":
-        return BroadcastDrafter(self.world, None if self.inner is None else self.inner.fork(), self.name)
+    def fork(self, memory=KEEP) -> "BroadcastDrafter":
+        return BroadcastDrafter(self.world, None if self.inner is None else self.inner.fork(memory), self.name)
 
     def begin(self, prompt_ids, prompt_cache, processor) -> int:
         return self.inner.begin(prompt_ids, prompt_cache, processor) if self.inner else 0

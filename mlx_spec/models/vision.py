@@ -28,6 +28,9 @@ import base64
 import binascii
 import hashlib
 import io
+import ipaddress
+import socket
+import time
 import urllib.parse
 import warnings
 from dataclasses import dataclass
@@ -40,6 +43,11 @@ from mlx_spec.errors import ModelLoadError, UsageError
 
 MAX_IMAGE_BYTES = 20 * 2**20  # an encoded image (OpenAI's limit per image)
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a small file can decode huge
+MAX_IMAGES = 100  # per request (Anthropic's API limit)
+MAX_IMAGE_URLS = 16  # http(s) images fetched per request
+FETCH_DEADLINE_S = 30.0  # for all of a request's image URLs together: a slow server cannot hold the thread
+FETCH_READ_S = 5.0  # the most one socket read may wait: past the deadline by at most this
+MAX_REQUEST_PIXELS = 64_000_000  # all of a request's images, decoded: ~200 MB as RGB, checked before decoding
 INSTALL_HINT = "pip install 'mlx-spec[vision]'"
 
 
@@ -98,6 +106,12 @@ class ImagePrompter:
         # One crop per image: pan-and-scan's extra crops would each need their own sequence.
         pixels = self.processor.image_processor(images, return_tensors="np", do_pan_and_scan=False)["pixel_values"]
         return list(pixels), [self.sequence] * len(images)
+
+    @property
+    def min_tokens(self) -> int:
+        """Prompt tokens an image takes at the least (Gemma 3: its fixed sequence; Gemma 4:
+        its markers and one soft token), known before any image is decoded."""
+        return 3 if self.sized else len(self.sequence)
 
     def prompt(self, ids: list[int], images: list) -> ImagePrompt:
         """`ids` (a rendered prompt, one placeholder per image) with `images` (PIL images,
@@ -208,8 +222,9 @@ def load_vision(path: Path, config: dict, target) -> Optional[Vision]:
     return Vision(vlm, ImagePrompter(processor), bidirectional)
 
 
-def open_image(data: bytes, where: str):
-    """`data` as an RGB PIL image, or an `ImageError` naming `where` and the limit broken."""
+def open_image(data: bytes, where: str, lazy: bool = False):
+    """`data` as an RGB PIL image, or an `ImageError` naming `where` and the limit broken.
+    `lazy`: only its header read (its size known, nothing decoded); `decode_image` then."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > MAX_IMAGE_BYTES:
@@ -219,14 +234,24 @@ def open_image(data: bytes, where: str):
         if image.width * image.height > MAX_IMAGE_PIXELS:
             raise ImageError(f"{where}: the image is {image.width}x{image.height} pixels, over the limit of "
                              f"{MAX_IMAGE_PIXELS:,} pixels")
-        return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
         if isinstance(error, ImageError):
             raise
         raise ImageError(f"{where}: not an image PIL can read") from None
+    return image if lazy else decode_image(image, where)
 
 
-def read_image_file(path: str, where: str):
+def decode_image(image, where: str):
+    """A lazily opened image (`open_image(lazy=True)`) decoded as RGB."""
+    from PIL import Image
+
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError):
+        raise ImageError(f"{where}: not an image PIL can read") from None
+
+
+def read_image_file(path: str, where: str, lazy: bool = False):
     """An image file as a PIL image (`open_image`)."""
     file = Path(path).expanduser()
     where = f"{where} {path}"
@@ -234,10 +259,10 @@ def read_image_file(path: str, where: str):
         raise ImageError(f"{where}: no such file")
     if file.stat().st_size > MAX_IMAGE_BYTES:
         raise ImageError(f"{where}: the file is {file.stat().st_size:,} bytes, over the limit of {MAX_IMAGE_BYTES:,}")
-    return open_image(file.read_bytes(), where)
+    return open_image(file.read_bytes(), where, lazy)
 
 
-def decode_base64_image(data: str, where: str):
+def decode_base64_image(data: str, where: str, lazy: bool = False):
     """A base64 image (`open_image`); malformed base64 is refused in one line."""
     if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise ImageError(f"{where}: the image is over the limit of {MAX_IMAGE_BYTES:,} bytes")
@@ -245,15 +270,17 @@ def decode_base64_image(data: str, where: str):
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(f"{where}: the image data is not valid base64") from None
-    return open_image(raw, where)
+    return open_image(raw, where, lazy)
 
 
-def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True):
+def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files: bool = True, lazy: bool = False,
+                   deadline: Optional[float] = None, allow_private: bool = False):
     """An image from a data: URL, (when `allow_files`) a file: URL or local path, or (when
-    `allow_remote`, i.e. `serve --allow-image-urls`) an http(s) URL; anything else is refused
-    in one line. A server reads local files only with `serve --allow-image-files`: whoever
-    may call it could otherwise probe the server's disk (a missing file and a file that is
-    no image answer differently)."""
+    `allow_remote`, i.e. `serve --allow-image-urls`) an http(s) URL (`fetch_image`, by
+    `deadline`, a `time.monotonic()`; private addresses only with `allow_private`); anything
+    else is refused in one line. A server reads local files only with `serve
+    --allow-image-files`: whoever may call it could otherwise probe the server's disk (a
+    missing file and a file that is no image answer differently)."""
     import urllib.request  # ~20 ms of imports, for requests with image URLs only
 
     scheme = urllib.parse.urlsplit(url).scheme.lower()
@@ -261,23 +288,71 @@ def image_from_url(url: str, where: str, allow_remote: bool = False, allow_files
         head, comma, data = url.partition(",")
         if not comma or not head.endswith(";base64"):
             raise ImageError(f"{where}: a data URL must be data:<media type>;base64,<data>")
-        return decode_base64_image(data, where)
+        return decode_base64_image(data, where, lazy)
     if scheme == "file" or not scheme or len(scheme) == 1:  # C:\\... is a path, not a scheme
         if not allow_files:
             raise ImageError(f"{where}: local image files are not read unless the server is started "
                              "with --allow-image-files; send the image as a data: URL or base64")
     if scheme == "file":
-        return read_image_file(urllib.request.url2pathname(urllib.parse.urlsplit(url).path), where)
+        return read_image_file(urllib.request.url2pathname(urllib.parse.urlsplit(url).path), where, lazy)
     if scheme in ("http", "https"):
         if not allow_remote:
             raise ImageError(f"{where}: image URLs are not fetched unless the server is started with "
                              "--allow-image-urls")
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                data = response.read(MAX_IMAGE_BYTES + 1)
-        except OSError as error:
-            raise ImageError(f"{where}: cannot fetch {url}: {error}") from None
-        return open_image(data, where)
-    if scheme and len(scheme) > 1:  # C:\... is a path, not a scheme
+        deadline = time.monotonic() + FETCH_DEADLINE_S if deadline is None else deadline
+        return fetch_image(url, where, deadline, allow_private, lazy)
+    if scheme and len(scheme) > 1:  # C:\\... is a path, not a scheme
         raise ImageError(f"{where}: image URLs with scheme '{scheme}' are not read")
-    return read_image_file(url, where)
+    return read_image_file(url, where, lazy)
+
+
+def fetch_image(url: str, where: str, deadline: float, allow_private: bool = False, lazy: bool = False):
+    """The image at an http(s) URL, fetched by `deadline` (`time.monotonic()`; the whole
+    body, not each socket read), following redirects to http(s) only, and (unless
+    `allow_private`) never from a loopback, private, link-local or reserved address. Every
+    failure (refused, not found, too slow, private, not an image) is the same one-line
+    `ImageError`: the answer must not map which hosts and ports exist behind the server."""
+    import http.client  # as in `image_from_url` (urllib.request imports it anyway)
+    import urllib.request
+
+    class CheckedRedirects(urllib.request.HTTPRedirectHandler):
+        """Redirects to public http(s) URLs only (urllib's own also follows ftp://)."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            _check_host(newurl, allow_private)
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    refused = ImageError(f"{where}: the image at that URL could not be fetched")
+    try:
+        _check_host(url, allow_private)
+        if time.monotonic() >= deadline:
+            raise TimeoutError
+        # urlopen's timeout bounds each socket operation, not the body: the loop checks the
+        # deadline after every read, none of which waits longer than FETCH_READ_S.
+        with urllib.request.build_opener(CheckedRedirects()).open(url, timeout=FETCH_READ_S) as response:
+            data = bytearray()
+            while len(data) <= MAX_IMAGE_BYTES:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                chunk = response.read1(65536)
+                if not chunk:
+                    break
+                data += chunk
+        return open_image(bytes(data), where, lazy)
+    except (OSError, ValueError, ImageError, http.client.HTTPException):
+        raise refused from None
+
+
+def _check_host(url: str, allow_private: bool) -> None:
+    """ValueError unless `url` is http(s) and (unless `allow_private`) every address its host
+    resolves to is public. (A name may resolve otherwise when connecting: this stops the
+    plain cases, a link to 127.0.0.1 or 169.254.169.254, not DNS rebinding.)"""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) URL")
+    if allow_private:
+        return
+    for *_, address in socket.getaddrinfo(parts.hostname, parts.port or 80, proto=socket.IPPROTO_TCP):
+        ip = ipaddress.ip_address(address[0].split("%")[0])
+        if not ip.is_global or ip.is_multicast:
+            raise ValueError("a private address")

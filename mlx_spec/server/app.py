@@ -41,9 +41,17 @@ class ServerStatus(Serving):
         app.get("/v1/models")(self.models)
 
     async def health(self):
-        return {"status": "ok", "model": self.options.public_name or self.options.model_name,
-                "drafter": self.model.drafter, "gamma": str(self.worker.gamma),
-                "tokenizing": self.tokenizing.now, **self.worker.health()}
+        """200 with the worker's counts; 503 ("unhealthy", and why) when the generation
+        thread has ended or a running job has made no progress for a long time, so a load
+        balancer or supervisor takes this server out instead of queueing on it forever."""
+        problem = self.worker.problem()
+        status = {"status": "ok" if problem is None else "unhealthy",
+                  "model": self.options.public_name or self.options.model_name,
+                  "drafter": self.model.drafter, "gamma": str(self.worker.gamma),
+                  "tokenizing": self.tokenizing.now, **self.worker.health()}
+        if problem is not None:
+            return JSONResponse({**status, "problem": problem}, status_code=503)
+        return status
 
     async def metrics(self):
         return PlainTextResponse(self.worker.metrics.render(self.worker.health()),

@@ -14,6 +14,7 @@ answer.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable, Iterable, Optional
 
@@ -21,6 +22,7 @@ import mlx.core as mx
 
 from mlx_spec.core.cache.sequence import PromptCache, common_prefix_length
 
+log = logging.getLogger("mlx_spec.server")
 FORK_SURPLUS = 32  # held tokens past the shared prefix worth keeping in a cache of their own
 
 
@@ -62,7 +64,7 @@ class CachePool:
             n = common_prefix_length(cache.target.ids, held)
             if n > common:
                 best, common = cache, n
-        stored = self.disk.find(self.engine, held, common) if self.disk is not None else None
+        stored = self._find(held, common)
         if stored is not None:  # its file keeps the conversation it holds: no fork needed
             self.hits += 1
             self.caches.append(stored)
@@ -79,6 +81,18 @@ class CachePool:
         self.caches.append(chosen)
         return chosen
 
+    def _find(self, held: list[int], better_than: int) -> Optional[PromptCache]:
+        """`disk.find`, with anything it raises a warning and no cache (the request is served
+        from memory or cold)."""
+        if self.disk is None:
+            return None
+        try:
+            return self.disk.find(self.engine, held, better_than)
+        except Exception as error:  # noqa: BLE001 - as in `_store`
+            log.warning("could not read the prompt cache folder (%s: %s); serving from memory",
+                        type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+            return None
+
     def fit(self, busy: Iterable[PromptCache] = (), used: Optional[PromptCache] = None) -> None:
         """Drop least recently used caches until the pool is within its budget, never one of
         `busy` (a running request's: evicting it would lose what it goes on to decode, and
@@ -93,14 +107,25 @@ class CachePool:
             if self.nbytes <= self.budget:
                 break
             self.caches.remove(cache)
-            if self.disk is not None:
-                self.disk.store(cache)
+            self._store(cache)
 
     def persist(self) -> None:
-        """Write every cached conversation to disk (when the server stops)."""
-        if self.disk is not None:
-            for cache in self.caches:  # the most recent last: the newest on disk, kept longest
-                self.disk.store(cache)
+        """Write every cached conversation to disk (when the server stops or unloads); one
+        that cannot be written is a warning and the rest are still tried."""
+        for cache in list(self.caches):  # the most recent last: the newest on disk, kept longest
+            self._store(cache)
+
+    def _store(self, cache: PromptCache) -> None:
+        """`disk.store`, which warns of the errors it expects; anything else it raises is a
+        warning here too: a disk cache is an optimisation and must never fail a request or
+        end the worker."""
+        if self.disk is None:
+            return
+        try:
+            self.disk.store(cache)
+        except Exception as error:  # noqa: BLE001 - see above
+            log.warning("could not write a cached conversation to disk (%s: %s)", type(error).__name__,
+                        str(error).splitlines()[0][:200] if str(error) else "")
 
     def discard(self, cache: PromptCache) -> None:
         if cache in self.caches:

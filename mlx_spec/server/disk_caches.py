@@ -9,8 +9,10 @@ The index is changed under an exclusive `flock` on `.lock` and replaced atomical
 files are written beside it atomically (`cache.files.write_safetensors`) before the index
 names them, so two processes sharing the folder never see half a file or a lost entry.
 The folder's files stay within a byte budget, least recently used out first. A file that
-cannot be used (damaged, or made by another model) is skipped with a warning and deleted,
-and a failed write (a full disk) is a warning; neither ever stops a request.
+cannot be used (damaged, made by another model, not a regular file) is skipped with a
+warning and its entry dropped; an index entry of the wrong shape (another version's, or
+edited) is ignored; and a failed read or write (a full disk, a folder turned read-only) is
+a warning: the request is served from memory or cold. None of them ever stops a request.
 """
 
 from __future__ import annotations
@@ -52,6 +54,23 @@ def block_hashes(ids: list[int]) -> list[str]:
     return hashes
 
 
+def _is(value, kind) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def valid_entry(entry) -> bool:
+    """Whether an index entry has every field, each of its type: a plain file name in the
+    folder (never a path out of it), key, token and byte counts, hashes and a time."""
+    return (isinstance(entry, dict)
+            and isinstance(name := entry.get("file"), str) and name.endswith(".safetensors")
+            and "/" not in name and "\\" not in name and not name.startswith(".")
+            and isinstance(entry.get("key"), str) and isinstance(entry.get("ids"), str)
+            and _is(entry.get("tokens"), int) and entry["tokens"] >= 0
+            and _is(entry.get("bytes"), int) and entry["bytes"] >= 0
+            and _is(entry.get("used"), (int, float))
+            and isinstance(entry.get("blocks"), list) and all(isinstance(b, str) for b in entry["blocks"]))
+
+
 class DiskCaches:
     """A folder of cached conversations for one model (`key`: `cache.files.cache_key`),
     at most `budget` bytes of cache files (other models' files in the folder count too)."""
@@ -77,22 +96,34 @@ class DiskCaches:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _read_index(self) -> list[dict]:
+        """The index's well-formed entries (`valid_entry`); one unreadable is an empty one."""
         try:
             entries = json.loads((self.folder / INDEX).read_text())["entries"]
-            return [e for e in entries if isinstance(e, dict) and {"file", "key", "tokens", "bytes"} <= set(e)]
+            if not isinstance(entries, list):
+                raise TypeError("entries is not a list")
         except FileNotFoundError:
             return []
         except (OSError, ValueError, KeyError, TypeError) as error:
             log.warning("prompt cache index %s unreadable (%s); starting a new one",
                         self.folder / INDEX, type(error).__name__)
             return []
+        kept = [e for e in entries if valid_entry(e)]
+        if len(kept) < len(entries):
+            log.warning("prompt cache index %s: ignoring %d malformed entries", self.folder / INDEX,
+                        len(entries) - len(kept))
+        return kept
 
     def _write_index(self, entries: list[dict]) -> None:
         write_text_atomically(self.folder / INDEX, json.dumps({"entries": entries}))
 
     def _drop(self, entries: list[dict], entry: dict) -> None:
+        """Remove `entry` from `entries` and its file from the folder if it can (a directory
+        or a read-only folder keeps it: the entry goes all the same)."""
         entries.remove(entry)
-        (self.folder / entry["file"]).unlink(missing_ok=True)
+        try:
+            (self.folder / entry["file"]).unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def _sweep_temps(self) -> None:
         now = time.time()
@@ -107,31 +138,47 @@ class DiskCaches:
 
     def find(self, engine, held: list[int], better_than: int) -> Optional[PromptCache]:
         """The stored conversation sharing the longest prefix with `held`, read from its
-        file, if that prefix is longer than `better_than` tokens; else None."""
+        file, if that prefix is longer than `better_than` tokens; else None (also when the
+        folder cannot be read: a warning)."""
+        try:
+            return self._find(engine, held, better_than)
+        except OSError as error:
+            log.warning("prompt cache folder %s unusable (%s); serving from memory", self.folder,
+                        error.strerror or error)
+            return None
+
+    def _find(self, engine, held: list[int], better_than: int) -> Optional[PromptCache]:
         entries = [e for e in self._read_index() if e["key"] == self.id]
         ours = block_hashes(held)
         best, best_n = None, better_than
-        for entry in sorted(entries, key=lambda e: -e.get("used", 0)):  # the most recent wins a tie
-            n = BLOCK * common_prefix_length(ours, entry.get("blocks", []))
-            if entry["tokens"] <= len(held) and _ids_hash(held[: entry["tokens"]]) == entry.get("ids"):
+        for entry in sorted(entries, key=lambda e: -e["used"]):  # the most recent wins a tie
+            n = BLOCK * common_prefix_length(ours, entry["blocks"])
+            if entry["tokens"] <= len(held) and _ids_hash(held[: entry["tokens"]]) == entry["ids"]:
                 n = entry["tokens"]  # the whole stored conversation is a prefix of the prompt
             if n > best_n:
                 best, best_n = entry, n
         if best is None:
             return None
-        path = self.folder / best["file"]
         try:
-            cache, _ = load_prompt_cache(path, engine, self.key)
+            cache, _ = load_prompt_cache(self.folder / best["file"], engine, self.key)
         except CacheFileError as error:
             log.warning("skipping a cached conversation: %s", error)
-            with self._locked():
-                entries = self._read_index()
-                for entry in [e for e in entries if e["file"] == best["file"]]:
-                    self._drop(entries, entry)
-                self._write_index(entries)
+            try:
+                with self._locked():
+                    entries = self._read_index()
+                    for entry in [e for e in entries if e["file"] == best["file"]]:
+                        self._drop(entries, entry)
+                    self._write_index(entries)
+            except OSError as error:
+                log.warning("could not drop it from the prompt cache index in %s: %s", self.folder,
+                            error.strerror or error)
             return None
         self.hits += 1
-        self._touch(best["file"])
+        try:
+            self._touch(best["file"])
+        except OSError as error:  # the file was read: serve it, however stale its "used" stays
+            log.warning("could not update the prompt cache index in %s: %s", self.folder,
+                        error.strerror or error)
         return cache
 
     def _touch(self, name: str) -> None:
@@ -153,11 +200,11 @@ class DiskCaches:
             return
         digest = _ids_hash(ids)
         name = f"{self.id}-{digest[:16]}.safetensors"
-        if any(e["file"] == name and e["key"] == self.id for e in self._read_index()) \
-                and (self.folder / name).exists():
-            self._touch(name)
-            return
         try:
+            if any(e["file"] == name and e["key"] == self.id for e in self._read_index()) \
+                    and (self.folder / name).is_file():
+                self._touch(name)
+                return
             size = save_prompt_cache(self.folder / name, cache, self.key)
         except (OSError, CacheFileError) as error:
             log.warning("could not write a cached conversation to %s: %s", self.folder,
@@ -169,10 +216,10 @@ class DiskCaches:
             with self._locked():
                 entries = [e for e in self._read_index() if e["file"] != name]
                 for old in [e for e in entries if e["key"] == self.id and e["tokens"] <= len(ids)
-                            and _ids_hash(ids[: e["tokens"]]) == e.get("ids")]:
+                            and _ids_hash(ids[: e["tokens"]]) == e["ids"]]:
                     self._drop(entries, old)  # a prefix of this conversation: it serves no prompt better
                 entries.append(entry)
-                entries.sort(key=lambda e: e.get("used", 0))
+                entries.sort(key=lambda e: e["used"])
                 while entries and sum(e["bytes"] for e in entries) > self.budget:
                     self._drop(entries, entries[0])
                 self._write_index(entries)

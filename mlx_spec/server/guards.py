@@ -9,7 +9,8 @@ shape (Anthropic's under /v1/messages):
    served (the CLI's: this machine's own names beyond loopback, and `--allowed-hosts`);
 2. the API key on every route but /health (401), compared as bytes in constant time, from
    "Authorization: Bearer <key>" (OpenAI's clients) or "x-api-key: <key>" (Anthropic's),
-   whatever the method: CORS preflights, which never carry a key, are answered before the
+   any of the keys where there are several (the request's `state.tenant` says which:
+   a digest of it, for what must not be shared between keys), whatever the method: CORS preflights, which never carry a key, are answered before the
    guards by CORSMiddleware (with `--cors-origin`), so no method needs an exemption;
 3. the content type of a request with a body (415): browsers send a cross-origin
    `text/plain` POST without a CORS preflight, so only `application/json` is read;
@@ -29,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
 import hmac
 import ipaddress
 import logging
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
@@ -65,15 +67,23 @@ ANY_HOST = "*"
 OPEN_PATHS = ("/health",)  # load balancers and supervisors probe it without a key
 
 
-def check_api_key(key: Optional[str]) -> Optional[bytes]:
-    """The key as the bytes a client sends, or a one-line error for a key no HTTP client
-    can send (headers are ASCII; spaces and control characters do not survive them)."""
+def check_api_key(key: "Optional[str | Sequence[str]]") -> "Optional[bytes | tuple[bytes, ...]]":
+    """The key as the bytes a client sends (several keys: a tuple of them), or a one-line
+    error for a key no HTTP client can send (headers are ASCII; spaces and control
+    characters do not survive them)."""
     if key is None:
         return None
+    if not isinstance(key, str):
+        return tuple(check_api_key(k) for k in key) or None
     if not key or not all("!" <= ch <= "~" for ch in key):
         raise UsageError("--api-key (or MLX_SPEC_API_KEY) must be printable ASCII without "
                            "spaces, as it travels in an HTTP header")
     return key.encode("ascii")
+
+
+def tenant(key: bytes) -> str:
+    """Who sent a request, as its API key's digest (the key itself is kept out of jobs)."""
+    return hashlib.sha256(key).hexdigest()[:16]
 
 
 def host_name(host: str) -> str:
@@ -112,7 +122,8 @@ class RequestGuards:
 
     Args:
         allowed_hosts: Host names served besides loopback ones; None (or "*") serves any.
-        api_key: bytes every request but /health must send (see the module docstring).
+        api_key: bytes every request but /health must send (see the module docstring), or
+            a tuple of such keys, any of which will do.
         max_body: the largest request body read, in bytes.
         body_timeout: seconds the whole body may take to arrive, from the request's head.
         error_bodies: path -> the error body for a refusal on that path or under it (an
@@ -120,14 +131,14 @@ class RequestGuards:
     """
 
     def __init__(self, app, allowed_hosts: Optional[Iterable[str]] = (),
-                 api_key: Optional[bytes] = None, max_body: int = MAX_BODY_BYTES,
+                 api_key: "Optional[bytes | tuple[bytes, ...]]" = None, max_body: int = MAX_BODY_BYTES,
                  body_timeout: float = BODY_TIMEOUT_S,
                  error_bodies: Mapping[str, Callable[[ApiError], dict]] = {}):
         self.app = app
         self.error_bodies = dict(error_bodies)
         self.allowed = None if allowed_hosts is None else frozenset(
             host_name(h) if h != ANY_HOST else h for h in allowed_hosts)
-        self.api_key = api_key
+        self.api_keys = (api_key,) if isinstance(api_key, bytes) else tuple(api_key or ())
         self.max_body = max_body
         self.body_timeout = body_timeout
 
@@ -139,8 +150,8 @@ class RequestGuards:
             headers.setdefault(name.lower(), value)
         try:
             self._check_host(headers)
-            if scope["path"] not in OPEN_PATHS:
-                self._check_key(headers)
+            if scope["path"] not in OPEN_PATHS and self.api_keys:
+                scope.setdefault("state", {})["tenant"] = tenant(self._check_key(headers))
             body = None
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 self._check_content_type(headers)
@@ -182,14 +193,19 @@ class RequestGuards:
                                 "machine's names are, against DNS rebinding; start with "
                                 "--allowed-hosts to add names)", code="host_not_allowed")
 
-    def _check_key(self, headers: dict) -> None:
-        if self.api_key is None:
-            return
+    def _check_key(self, headers: dict) -> bytes:
+        """The key the request sent, one of `api_keys`, else a 401. Every key is compared
+        (in constant time), so how long it takes tells nothing of which matched."""
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-        if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), self.api_key):
+        sent = None
+        for key in self.api_keys:
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+            if bearer | hmac.compare_digest(headers.get(b"x-api-key", b""), key):
+                sent = key
+        if sent is None:
             raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key: <key>)",
                            code="invalid_api_key")
+        return sent
 
     def _check_content_type(self, headers: dict) -> None:
         kind = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()

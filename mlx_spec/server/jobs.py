@@ -64,6 +64,7 @@ class Job:
     images: Optional[ImagePrompt] = None  # the prompt's images (its ids are prompt_ids)
     grammar: Optional[object] = None  # a compiled `mlx_spec.core.grammar.Grammar` the answer follows
     batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
+    tenant: Optional[str] = None  # its API key's digest (`guards.tenant`); None without keys
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -49,6 +49,9 @@ class Metrics:
                 mine += [0] * (len(theirs) - len(mine))
                 for i, n in enumerate(theirs):
                     mine[i] += n
+            for mine, theirs in ((t.drafted_from, stats.drafted_from), (t.accepted_from, stats.accepted_from)):
+                for source, n in theirs.items():
+                    mine[source] = mine.get(source, 0) + n
             self.cached_tokens += cached_tokens
             self.cache_hits += cached_tokens > 0
 
@@ -94,6 +97,11 @@ class Metrics:
             metric("accepted_tokens", "counter", "Draft tokens accepted.", [({}, t.accepted)])
             metric("grammar_forced_tokens", "counter", "Tokens a grammar forced, drafted free (structured output).",
                    [({}, t.grammar_forced)])
+            metric("source_drafted_tokens", "counter", "Draft tokens proposed, by where the drafter found them "
+                   "(suffix: context, this request's text; memory, earlier requests').",
+                   [({"source": k}, n) for k, n in sorted(t.drafted_from.items())])
+            metric("source_accepted_tokens", "counter", "Draft tokens accepted, by where the drafter found them.",
+                   [({"source": k}, n) for k, n in sorted(t.accepted_from.items())])
             positions = [{"position": str(i + 1)} for i in range(len(t.drafted_at))]
             metric("position_drafted", "counter", "Rounds that drafted at least this many tokens.",
                    zip(positions, t.drafted_at))

@@ -33,7 +33,8 @@ class ServerOptions:
         queue_size: requests that may wait while `parallel` generate.
         parallel: requests decoded together (`worker.Worker`); 1: one at a time.
         api_key: if set, every request but /health needs "Authorization: Bearer <key>" (or
-            "x-api-key: <key>"); printable ASCII (`guards.check_api_key`).
+            "x-api-key: <key>"); printable ASCII (`guards.check_api_key`); a tuple: any of
+            these keys (tenants, as `draft_memory` "key" tells apart).
         allowed_hosts: Host names served besides loopback ones; None serves any.
         cache_budget: bytes of KV the cached conversations may hold (None: from the
             device's free memory; see `worker.Worker`).
@@ -45,9 +46,14 @@ class ServerOptions:
         keep_alive: idle seconds before the models are unloaded (`worker.FOREVER`: never);
             needs `create_app`'s `load`.
         allow_image_urls: fetch images that requests name by http(s) URL (off: a 400).
+        allow_private_image_urls: fetch them from loopback, private and link-local addresses
+            too (off: refused like any URL that cannot be fetched).
         allow_image_files: read images that requests name by local path or file: URL (off: a 400).
         prompt_cache_dir: a folder for cached conversations that outlive the server (None:
             memory only); prompt_cache_disk: the bytes its files may take.
+        draft_memory: whose earlier requests a drafter that remembers (the suffix drafter)
+            drafts from: "server" (everyone's), "key" (the same API key's only) or "off";
+            draft_memory_tokens: tokens each such memory holds, the oldest evicted.
     """
 
     model_name: str
@@ -58,7 +64,7 @@ class ServerOptions:
     context_length: int = DEFAULT_CONTEXT
     queue_size: int = 8
     parallel: int = 1  # `serve` defaults to 4
-    api_key: Optional[str] = None
+    api_key: Optional[str | tuple[str, ...]] = None
     allowed_hosts: Optional[tuple[str, ...]] = ()
     public_name: Optional[str] = None
     cache_budget: Optional[int] = None
@@ -67,6 +73,9 @@ class ServerOptions:
     body_timeout: float = BODY_TIMEOUT_S
     keep_alive: float = FOREVER
     allow_image_urls: bool = False
+    allow_private_image_urls: bool = False
     allow_image_files: bool = False
     prompt_cache_dir: Optional[str] = None
     prompt_cache_disk: int = 10 * 2**30
+    draft_memory: str = "server"
+    draft_memory_tokens: int = 1 << 20

@@ -46,7 +46,7 @@ class RequestBody(StrictModel):
     """The fields both APIs take: the model, sampling, stops, streaming, keep-alive."""
 
     MAX_TEMPERATURE: ClassVar[float] = 2.0  # OpenAI's API range (Anthropic's: 1)
-    FORMAT_PARAM: ClassVar[str] = "response_format"  # the field `output_format` reads
+    FORMAT_PARAM: ClassVar[str] = "response_format"  # the field `output_format` reads, for errors
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar, Optional
 
 from fastapi import FastAPI, Request
@@ -36,7 +36,7 @@ from mlx_spec.loading.fast_tokenizer import trims_first_space
 from mlx_spec.models.vision import ImageError, ImagePrompt, ImagePrompter
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.chat_prompt import ChatPrompts
-from mlx_spec.server.images import content_texts, take_images
+from mlx_spec.server.images import content_texts, has_images, take_images
 from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
@@ -94,10 +94,11 @@ def refusal(error: Exception, queue_size: int) -> ApiError:
 class TokenizerThread:
     """The one thread that tokenizes prompts (the tokenizer is not shared between request
     threads, only with the worker), with its backlog kept bounded: the executor's own
-    queue has none."""
+    queue has none. A second one compiles grammars (`Serving.compiled`), so a costly
+    schema never holds the parsing thread, which every request passes through."""
 
-    def __init__(self, worker: Worker, queue_size: int):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-tokenize")
+    def __init__(self, worker: Worker, queue_size: int, name: str = "tokenize"):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mlx-spec-{name}")
         self._worker, self._queue_size = worker, queue_size
         # Prompts on or waiting for the thread, and how many of them are for the queue
         # (changed on the event loop only).
@@ -121,6 +122,10 @@ class TokenizerThread:
         finally:
             self.now, self.queued = self.now - 1, self.queued - queued
 
+    def warm(self, function, *args) -> None:
+        """Run `function(*args)` on the thread now, ahead of any request (counted nowhere)."""
+        self._executor.submit(function, *args)
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -135,27 +140,34 @@ class ServingContext:
     model: ServedModel
     tokenizing: TokenizerThread
     parsing: ThreadPoolExecutor  # reads bodies (`Serving.parsed`)
+    compiling: TokenizerThread  # compiles grammars (`Serving.compiled`)
+    imaging: TokenizerThread  # reads, decodes and processes images (`Serving.chat_ids`)
 
     @classmethod
     def of(cls, engine, tokenizer, options: ServerOptions, load=None) -> ServingContext:
         worker = Worker(engine, tokenizer, options.gamma, options.queue_size, options.cache_budget,
                         load=load, keep_alive=options.keep_alive, cache_dir=options.prompt_cache_dir,
-                        cache_disk=options.prompt_cache_disk, parallel=options.parallel)
+                        cache_disk=options.prompt_cache_disk, parallel=options.parallel,
+                        draft_memory=options.draft_memory, draft_memory_tokens=options.draft_memory_tokens)
         # One parsing thread: parsing holds the GIL for most of its work, so more would not be
         # faster, only hold more parsed bodies at once.
         parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-spec-parse")
         return cls(options, worker, ServedModel.of(engine, tokenizer, options.parse_special_in_text),
-                   TokenizerThread(worker, options.queue_size), parsing)
+                   TokenizerThread(worker, options.queue_size), parsing,
+                   TokenizerThread(worker, options.queue_size, name="compile"),
+                   TokenizerThread(worker, options.queue_size, name="images"))
 
     def start(self) -> None:
         self.worker.start()
         # llguidance's view of the tokenizer takes seconds to build (Gemma's 262k ids): built
-        # now, on the parsing thread, rather than by the first structured request.
-        self.parsing.submit(llg_tokenizer, self.model.tokenizer, self.model.eos_ids)
+        # now, on the compiling thread, rather than by the first structured request.
+        self.compiling.warm(llg_tokenizer, self.model.tokenizer, self.model.eos_ids)
 
     def stop(self) -> None:
         self.worker.stop()
         self.tokenizing.shutdown()
+        self.compiling.shutdown()
+        self.imaging.shutdown()
         self.parsing.shutdown(wait=False, cancel_futures=True)
 
 
@@ -171,7 +183,17 @@ class CheckedRequest:
     keep_alive: Optional[float]  # idle seconds after it before unloading; None: the server's
     max_tokens: Optional[int]  # as asked; `completion_budget` fits it to the prompt
     plan: ToolPlan = field(default_factory=ToolPlan)  # what its tools make of prompt and answer
-    grammar: Optional[Grammar] = None  # the compiled grammar its answer follows
+    wanted: Optional[WantedGrammar] = None  # the grammar its answer must follow, to compile
+    grammar: Optional[Grammar] = None  # that grammar compiled (`Serving.compiled`)
+
+
+@dataclass(frozen=True)
+class WantedGrammar:
+    """A grammar a request asks for, before it is compiled, and the field that asked."""
+
+    kind: str
+    source: object
+    param: str
 
 
 @dataclass(frozen=True)
@@ -195,7 +217,8 @@ class Serving:
 
     def __init__(self, context: ServingContext):
         self.options, self.worker, self.model = context.options, context.worker, context.model
-        self.tokenizing, self.parsing = context.tokenizing, context.parsing
+        self.tokenizing, self.parsing, self.compiling = context.tokenizing, context.parsing, context.compiling
+        self.imaging = context.imaging
 
     def add_routes(self, app: FastAPI) -> None:
         raise NotImplementedError
@@ -231,27 +254,38 @@ class Serving:
         return CheckedRequest(body, sampling, stops, logprobs, keep_alive, body.requested_tokens())
 
     def output_grammar(self, body: RequestBody, plan: ToolPlan = ToolPlan(),
-                       template_kwargs: Optional[dict] = None) -> Optional[Grammar]:
-        """The compiled grammar the answer must follow: a forced strict call's
-        (`tools.forced_call_grammar`), else the body's output format, else None. One that
-        cannot compile is a 400 naming the feature, and so is a grammar with thinking on
-        (`template_kwargs`' enable_thinking): it would hold from the first token, so the
-        thought would be forced into the answer's shape or not be written."""
+                       template_kwargs: Optional[dict] = None) -> Optional[WantedGrammar]:
+        """The grammar the answer must follow (compiled later, off this thread: `compiled`):
+        a forced strict call's (`tools.forced_call_grammar`), else the body's output format,
+        else None. A grammar with thinking on (`template_kwargs`' enable_thinking) is a 400:
+        it would hold from the first token, so the thought would be forced into the answer's
+        shape or not be written."""
         if plan.grammar is not None:
-            kind, source, param = "lark", plan.grammar, "tools"
+            wanted = WantedGrammar("lark", plan.grammar, "tools")
         else:
-            wanted = body.output_format()
-            if wanted is None:
+            output = body.output_format()
+            if output is None:
                 return None
-            (kind, source), param = wanted, body.FORMAT_PARAM
+            wanted = WantedGrammar(*output, body.FORMAT_PARAM)
         if (template_kwargs or {}).get("enable_thinking"):
-            raise ApiError(400, f"{param}: structured output cannot be combined with thinking yet (the "
+            raise ApiError(400, f"{wanted.param}: structured output cannot be combined with thinking yet (the "
                                 "grammar would hold from the first token, the thought's); turn thinking off",
-                           param=param, code="thinking_with_structured_output")
+                           param=wanted.param, code="thinking_with_structured_output")
+        return wanted
+
+    async def compiled(self, checked: CheckedRequest) -> CheckedRequest:
+        """`checked` with its wanted grammar compiled, on the compiling thread (a 503 when
+        the queue, or that thread's backlog, is full). One that cannot compile is a 400
+        naming the field that asked for it."""
+        wanted = checked.wanted
+        if wanted is None:
+            return checked
         try:
-            return compile_grammar(self.model.tokenizer, kind, source, self.model.eos_ids)
+            grammar = await self.compiling.run(compile_grammar, self.model.tokenizer, wanted.kind, wanted.source,
+                                               self.model.eos_ids)
         except UsageError as error:
-            raise ApiError(400, f"{param}: {error}", param=param, code="invalid_value") from None
+            raise ApiError(400, f"{wanted.param}: {error}", param=wanted.param, code="invalid_value") from None
+        return replace(checked, grammar=grammar)
 
     # -- the prompt (on the tokenizer thread) ---------------------------------------------
 
@@ -259,23 +293,29 @@ class Serving:
                        queued: bool = True) -> tuple[list[int], Optional[ImagePrompt]]:
         """The conversation's prompt ids (`ChatPrompts.ids`) and, if it has images, its
         `ImagePrompt` (whose ids they are), made off the event loop once its text could fit
-        the context (and, `queued`, once the queue has room: `TokenizerThread.run`)."""
+        the context (and, `queued`, once the queue has room: `TokenizerThread.run`). Images
+        are read, decoded and processed on a thread of their own, so a request's images never
+        hold another request's tokenizing."""
         self.check_length(sum(len(text) for m in conversation.messages
                               for text in content_texts(m["content"])), "messages")
-        return await self.tokenizing.run(self._chat_prompt, conversation, plan, queued=queued)
-
-    def _chat_prompt(self, conversation: Conversation, plan: ToolPlan):
-        messages, images = take_images(conversation.messages, self.model.prompter,
-                                       self.options.allow_image_urls, self.options.allow_image_files)
-        ids = self.model.prompts.ids(messages, plan, conversation.continue_final,
-                                     conversation.generation_prompt, conversation.template_kwargs)
+        messages, images = conversation.messages, []
+        if has_images(messages):
+            messages, images = await self.imaging.run(
+                take_images, messages, self.model.prompter, self.options.allow_image_urls,
+                self.options.allow_image_files, self.options.context_length, self.options.allow_private_image_urls,
+                queued=queued)
+        ids = await self.tokenizing.run(self.model.prompts.ids, messages, plan, conversation.continue_final,
+                                        conversation.generation_prompt, conversation.template_kwargs, queued=queued)
         if not images:
             return ids, None
+        image_prompt = await self.imaging.run(self._image_prompt, ids, images, queued=queued)
+        return image_prompt.ids, image_prompt
+
+    def _image_prompt(self, ids: list[int], images: list) -> ImagePrompt:
         try:
-            image_prompt = self.model.prompter.prompt(ids, images)
+            return self.model.prompter.prompt(ids, images)
         except ImageError as error:
             raise ApiError(400, f"messages: {error}", param="messages") from None
-        return image_prompt.ids, image_prompt
 
     def check_length(self, characters: int, param: str) -> None:
         """Refuse, before templating or tokenizing it, text that cannot fit the context:
@@ -289,16 +329,19 @@ class Serving:
     # -- the generation --------------------------------------------------------------------
 
     def submit(self, request: CheckedRequest, prompt_ids: list[int], param: str,
-               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None) -> Job:
+               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None,
+               sender: Optional[Request] = None) -> Job:
         """Queue the generation `request` asks for, once its prompt fits with its answer; a
-        chat's (`param` "messages") thoughts are split from its answer (`thinking`)."""
+        chat's (`param` "messages") thoughts are split from its answer (`thinking`).
+        `sender`: the HTTP request, whose API key (`guards`' tenant) the job carries."""
         max_tokens = completion_budget(len(prompt_ids), request.max_tokens, self.options, param)
         chat, think = param == "messages", self.model.think
         job = Job(prompt_ids, request.sampling, max_tokens, request.stops, asyncio.get_running_loop(),
                   logprobs=request.logprobs, think=think if chat else None,
                   thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
                   thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
-                  grammar=request.grammar)
+                  grammar=request.grammar,
+                  tenant=getattr(sender.state, "tenant", None) if sender is not None else None)
         try:
             self.worker.submit(job)
         except (Busy, ShuttingDown) as error:

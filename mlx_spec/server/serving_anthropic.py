@@ -54,7 +54,7 @@ class AnthropicServing(Serving):
     async def messages(self, request: Request):
         checked, ids, images = await self._prompt(request, MessagesRequest, queued=True)
         job = self.submit(checked, ids, "messages", thought_budget=checked.body.thought_budget(),
-                          images=images)
+                          images=images, sender=request)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if checked.body.stream:
             return StreamingResponse(self._stream(job, mid, checked.plan), media_type="text/event-stream",
@@ -72,6 +72,8 @@ class AnthropicServing(Serving):
     async def _prompt(self, request: Request, model: type, queued: bool) -> tuple:
         """(the checked request, None unless `queued`; prompt ids; `ImagePrompt` or None)."""
         checked, plan, conversation = await self.parsed(request, self._read, model, queued)
+        if queued:
+            checked = await self.compiled(checked)
         return (checked, *await self.chat_ids(conversation, plan, queued))
 
     def _read(self, raw: bytes, model: type,
@@ -86,7 +88,7 @@ class AnthropicServing(Serving):
         plan = tool_plan(body, self.model.tool_syntax)
         kwargs = body.template_kwargs(self.model.think)
         if queued:
-            checked = replace(checked, plan=plan, grammar=self.output_grammar(body, plan, kwargs))
+            checked = replace(checked, plan=plan, wanted=self.output_grammar(body, plan, kwargs))
         messages, prefill = template_messages(body)
         return checked, plan, Conversation(messages, continue_final=prefill, template_kwargs=kwargs)
 

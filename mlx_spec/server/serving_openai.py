@@ -39,6 +39,7 @@ class OpenAIServing(Serving):
 
     async def chat_completions(self, request: Request):
         checked, conversation = await self.parsed(request, self._read_chat)
+        checked = await self.compiled(checked)
         ids, images = await self.chat_ids(conversation, checked.plan)
         return await self._answer(request, checked, ids, chat=True, images=images)
 
@@ -49,12 +50,12 @@ class OpenAIServing(Serving):
         kwargs = body.template_kwargs()
         messages = template_messages(body.messages, self.model.tool_syntax)
         continue_final, generation_prompt = body.prompt_mode()
-        grammar = self.output_grammar(body, plan, kwargs)
-        return (replace(checked, plan=plan, grammar=grammar),
+        wanted = self.output_grammar(body, plan, kwargs)
+        return (replace(checked, plan=plan, wanted=wanted),
                 Conversation(messages, continue_final, generation_prompt, kwargs))
 
     async def completions(self, request: Request):
-        checked = await self.parsed(request, self._read_completion)
+        checked = await self.compiled(await self.parsed(request, self._read_completion))
         prompt = checked.body.single_prompt()
         if isinstance(prompt, str):
             self.check_length(len(prompt), "prompt")
@@ -69,12 +70,12 @@ class OpenAIServing(Serving):
     def _read_completion(self, raw: bytes) -> CheckedRequest:
         body = parse_body(raw, CompletionRequest)
         checked = self.validate(body)
-        return replace(checked, grammar=self.output_grammar(body))
+        return replace(checked, wanted=self.output_grammar(body))
 
     async def _answer(self, request: Request, checked: CheckedRequest, prompt_ids: list[int],
                       chat: bool, images: Optional[ImagePrompt] = None):
         """The generation's answer, whole or (`stream`) as a stream of chunks."""
-        job = self.submit(checked, prompt_ids, "messages" if chat else "prompt", images=images)
+        job = self.submit(checked, prompt_ids, "messages" if chat else "prompt", images=images, sender=request)
         rid = new_id("chatcmpl" if chat else "cmpl")
         body = checked.body
         if body.stream:

@@ -63,7 +63,8 @@ class ResponsesServing(Serving):
 
     async def create(self, request: Request):
         call: ResponsesCall = await self.parsed(request, self._read)
-        checked = call.checked
+        checked = await self.compiled(call.checked)
+        call = replace(call, checked=checked)
         try:
             ids, images = await self.chat_ids(call.conversation, checked.plan)
             job = self.submit(checked, ids, "messages", images=images)
@@ -105,7 +106,7 @@ class ResponsesServing(Serving):
         body.refuse_unsupported()
         plan, namespaces = tool_plan(body, self.model.tool_syntax)
         kwargs = body.template_kwargs(self.model.think)
-        checked = replace(checked, plan=plan, grammar=self.output_grammar(body, plan, kwargs))
+        checked = replace(checked, plan=plan, wanted=self.output_grammar(body, plan, kwargs))
         history = []
         if body.previous_response_id is not None:
             stored = self.store.get(body.previous_response_id)

@@ -56,6 +56,7 @@ from mlx_spec.core.cache.files import cache_key
 from mlx_spec.core.engine import Request, in_company
 from mlx_spec.core.policy import BatchShare
 from mlx_spec.core.stats import Stats
+from mlx_spec.drafters.token_memory import Memories
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.server.cache_pool import CachePool, default_budget
 from mlx_spec.server.disk_caches import DiskCaches
@@ -66,13 +67,18 @@ log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
 MAX_RETRY_AFTER_S = 60
 FOREVER = math.inf  # a keep-alive that never unloads
+STUCK_S = 300.0  # a running job with no progress this long: `/health` calls the worker stuck
+ERROR_PAUSE_S = 0.1  # after an error the worker loop survived, so a lasting one cannot spin it
+MEMORY_SCOPES = ("server", "key", "off")  # `Worker`'s draft_memory
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def keep_alive_seconds(value) -> float:
     """Ollama's keep-alive as seconds: a number of seconds, or a Go duration such as "5m",
-    "30s", "1h30m", "500ms"; a negative one (or "forever") is `FOREVER`, 0 unloads at once.
+    "30s", "1h30m", "500ms"; a negative one (or "forever") is `FOREVER`, 0 unloads at once,
+    and so is one longer than a thread can wait (`threading.TIMEOUT_MAX`, about 292 years):
+    an idle wait of 1e10 s would raise OverflowError in the worker thread.
     Raises ValueError with a one-line message."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
@@ -96,7 +102,7 @@ def keep_alive_seconds(value) -> float:
         raise ValueError(f"{value!r} is not a duration")
     if math.isnan(seconds):
         raise ValueError(f"{value!r} is not a duration")
-    return FOREVER if seconds < 0 else seconds
+    return FOREVER if seconds < 0 or seconds >= threading.TIMEOUT_MAX else seconds
 
 
 @dataclass
@@ -133,15 +139,19 @@ class Worker:
         parallel: jobs decoded together (`mlx_spec.core.batch`): each round one target forward
             verifies every running job's block; jobs join and leave between rounds. 1: one
             job at a time, as `Engine.rounds` decodes alone.
+        draft_memory: for a drafter that `remembers` (the suffix drafter), whose earlier
+            requests a job drafts from: "server" (every job's), "key" (its API key's:
+            `Job.tenant`), "off" (none). The memories live as long as the worker, across
+            keep-alive unloads; draft_memory_tokens bounds each.
     """
 
     def __init__(self, engine, tokenizer, gamma: Gamma | str = "auto", queue_size: int = 8,
                  cache_budget: Optional[int] = None, load: Optional[Callable] = None,
                  keep_alive: float = FOREVER, cache_dir=None, cache_disk: int = 10 * 2**30,
-                 parallel: int = 1):
+                 parallel: int = 1, draft_memory: str = "server", draft_memory_tokens: int = 1 << 20):
         self.engine = engine
         self.load = load
-        self.keep_alive = keep_alive if load is not None else FOREVER
+        self.keep_alive = keep_alive_seconds(keep_alive) if load is not None else FOREVER
         self._idle_for = self.keep_alive  # the last job's keep-alive, or the server's
         self._idle_since = time.monotonic()
         self.tokenizer = tokenizer
@@ -150,6 +160,10 @@ class Worker:
         if parallel < 1:
             raise ValueError("parallel must be at least 1")
         self.parallel = parallel
+        if draft_memory not in MEMORY_SCOPES:
+            raise ValueError(f"draft_memory must be one of {', '.join(MEMORY_SCOPES)}")
+        self.draft_memory = draft_memory
+        self.memories = Memories(0 if draft_memory == "off" else draft_memory_tokens)
         self.gamma = Gamma.parse(gamma) if engine.drafter is not None else Gamma.OFF
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
@@ -167,6 +181,9 @@ class Worker:
         self._busy: dict[Job, object] = {}  # running jobs' prompt caches (worker thread only)
         self._share = BatchShare()  # the running jobs' γ choices, for auto γ in a batch
         self._alone = None  # the running batch's `Batch.alone` (worker thread only)
+        self._beat = time.monotonic()  # the worker's last sign of progress (`health`)
+        self.stuck_after = STUCK_S
+        self.errors = 0  # exceptions the worker loop survived
 
     # -- the request side (event-loop thread) ---------------------------------------------
 
@@ -231,6 +248,18 @@ class Worker:
         self.shut_down()
         self._thread.join(timeout if self.cache_dir is None else max(timeout, 120.0))
 
+    def problem(self) -> Optional[str]:
+        """Why the worker cannot serve (its thread has ended, or a running job has made no
+        progress for `stuck_after` seconds), in words; None when it can."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping:
+            return "the generation thread has ended"
+        with self._changed:
+            running = bool(self.running)
+        silent = time.monotonic() - self._beat
+        if running and silent > self.stuck_after:
+            return f"the generation thread has made no progress for {silent:.0f} s"
+        return None
+
     def health(self) -> dict:
         with self._changed:
             self._drop_cancelled()
@@ -239,7 +268,8 @@ class Worker:
                 "parallel": self.parallel, "queued": queued, "queue_size": self.queue_size, **self.counts,
                 "prompt_caches": len(self.caches.caches), "prompt_cache_bytes": self.caches.nbytes,
                 "prompt_cache_budget": self.caches.budget,
-                "prompt_cache_disk_hits": self.disk.hits if self.disk is not None else 0}
+                "prompt_cache_disk_hits": self.disk.hits if self.disk is not None else 0,
+                "worker_errors": self.errors}
 
     def _drop_cancelled(self) -> None:  # with _changed held
         kept = deque(job for job in self._waiting if not job.cancelled.is_set())
@@ -249,31 +279,71 @@ class Worker:
     # -- the device side (worker thread) -------------------------------------------------
 
     def _run(self) -> None:
+        """The worker loop. It survives any exception: the jobs it was running fail (in their
+        API's error shape), one line is logged, and it goes on with the next."""
         self._open_disk()
         # With parallel 1 a job's steps never yield a pass: `step` runs it to its end.
         batch, jobs = Batch(), {}  # jobs: each running job's steps -> the job
         self._alone = batch.alone  # a job's round asks it whether it decodes alone
         while True:
-            while len(batch) < self.parallel:
-                job = self._next_job(wait=not batch)
-                if job is None:
+            try:
+                if not self._step(batch, jobs):
                     break
-                if job is UNLOAD:
-                    self._unload()
-                    continue
-                steps = self._serve(job, batched=self.parallel > 1)
-                batch.add(steps)
-                jobs[steps] = job
-            if not batch:  # stopping: `_next_job` waits while there is nothing to do
-                self.caches.persist()
-                return
-            rows = batch.step()
-            if rows:
-                self.metrics.observe_batch(len(rows))
-            for steps in rows:
-                jobs[steps].batch_size = max(jobs[steps].batch_size, len(rows))
-            for steps in [s for s in jobs if s not in batch.active]:
-                del jobs[steps]
+            except Exception as error:  # noqa: BLE001 - nothing may end this thread silently
+                self.errors += 1
+                log.error("the generation worker survived %s: %s", type(error).__name__, _first_line(error))
+                log.debug("the worker's error", exc_info=True)
+                self._fail_all(jobs, error)
+                batch, jobs = Batch(), {}
+                self._alone = batch.alone
+                time.sleep(ERROR_PAUSE_S)
+        self.caches.persist()
+
+    def _step(self, batch: Batch, jobs: dict) -> bool:
+        """Admit waiting jobs while there is room, then run one step of the batch; False once
+        the server stops (`_next_job` waits while there is nothing to do)."""
+        self._beat = time.monotonic()
+        while len(batch) < self.parallel:
+            job = self._next_job(wait=not batch)
+            self._beat = time.monotonic()
+            if job is None:
+                break
+            if job is UNLOAD:
+                self._unload()
+                continue
+            steps = self._serve(job, batched=self.parallel > 1)
+            batch.add(steps)
+            jobs[steps] = job
+        if not batch:
+            return False
+        rows = batch.step()
+        if rows:
+            self.metrics.observe_batch(len(rows))
+        for steps in rows:
+            jobs[steps].batch_size = max(jobs[steps].batch_size, len(rows))
+        for steps in [s for s in jobs if s not in batch.active]:
+            del jobs[steps]
+        return True
+
+    def _fail_all(self, jobs: dict, error: Exception) -> None:
+        """After an error outside any one job (a shared forward, the pool): each job still
+        running fails with a 500, its cache is dropped (whatever state the error left), and
+        it leaves."""
+        for steps, job in jobs.items():
+            job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
+            job.cancelled.set()
+            self.counts["failed"] += 1
+            cache = self._busy.get(job)
+            if cache is not None:
+                self.caches.discard(cache)
+            try:
+                steps.close()  # its `finally` releases the job (`_serve`)
+            except Exception:  # noqa: BLE001 - a generator that fails while closing is gone anyway
+                log.debug("closing a failed job", exc_info=True)
+            with self._changed:
+                if job in self.running:  # `_serve`'s finally did not get to it
+                    self._durations.append(time.perf_counter() - self.running.pop(job))
+        self._busy.clear()
 
     def _open_disk(self) -> None:
         if self.cache_dir is None:
@@ -297,7 +367,9 @@ class Worker:
                     left = self._idle_since + self._idle_for - time.monotonic()
                     if self.engine is not None and left <= 0:
                         return UNLOAD
-                    self._changed.wait(None if math.isinf(left) or self.engine is None else left)
+                    # capped: a wait longer than TIMEOUT_MAX raises OverflowError
+                    self._changed.wait(None if math.isinf(left) or self.engine is None
+                                       else min(left, threading.TIMEOUT_MAX))
                 if self._stopping:
                     return None
                 self._drop_cancelled()  # clients that left while they waited
@@ -325,7 +397,7 @@ class Worker:
             return
         self._busy[job] = cache
         try:
-            engine = self.engine.for_request() if batched else self.engine
+            engine = self._engine_for(job, batched)
             yield from self._generate(job, engine, cache, load_seconds, batched)
         except MlxSpecError as error:
             self.counts["failed"] += 1
@@ -336,13 +408,21 @@ class Worker:
             self.caches.discard(cache)  # whatever state the error left, start clean
             job.emit(Failed(500, f"internal error during generation ({type(error).__name__})"))
         finally:
-            del self._busy[job]
-            self.caches.fit(busy=self._busy.values(), used=cache)
+            self._busy.pop(job, None)
+            self.caches.fit(busy=self._busy.values(), used=cache)  # disk errors are its warnings
             self._finish(job)
+
+    def _engine_for(self, job: Job, batched: bool):
+        """The engine a job decodes with: its drafter drafts from the job's memory (where it
+        remembers), and is its own in a batch."""
+        drafter = self.engine.drafter
+        if drafter is not None and drafter.remembers:
+            return self.engine.for_request(self.memories.get(job.tenant if self.draft_memory == "key" else None))
+        return self.engine.for_request() if batched else self.engine
 
     def _finish(self, job: Job) -> None:
         with self._changed:
-            self._durations.append(time.perf_counter() - self.running.pop(job))
+            self._durations.append(time.perf_counter() - self.running.pop(job, time.perf_counter()))
             self._idle_for = self.keep_alive if job.keep_alive is None or self.load is None else job.keep_alive
             self._idle_since = time.monotonic()
 
@@ -425,6 +505,7 @@ class Worker:
 
         def on_prefill(done: int, total: int) -> None:  # called by the target's prefill only
             run.prefilled = total
+            self._beat = time.monotonic()
 
         responses = stream_request(engine, self.tokenizer, request, stop=job.stop, prompt_cache=cache, stats=stats,
                                    prefill_progress=on_prefill if first else None,
@@ -432,6 +513,7 @@ class Worker:
         scored: list = []  # (id, log-prob, alternatives) of committed tokens not yet released
         try:
             for response in responses:
+                self._beat = time.monotonic()
                 if not isinstance(response, Response):  # for the batch (`_run`)
                     yield response
                     continue
@@ -461,3 +543,8 @@ def job_request(job: Job, prompt: list[int], max_tokens: int, policy, constraint
     that continued by its own tokens (past a thought budget), whose images keep their places."""
     images = job.images if job.images is None or prompt is job.prompt_ids else job.images.extended(prompt)
     return Request(prompt, job.params, policy, max_tokens, job.logprobs, images, constraint)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__

@@ -125,14 +125,14 @@ def test_color_drafts_piped_has_no_escapes(models):
 
 
 def test_preset_supplies_defaults_and_flags_override(models, tiny_dirs, monkeypatch):
-    import mlx_spec.loading as loader
+    import mlx_spec.apps.runner as runner
     from mlx_spec.loading import Preset
 
     target, draft = tiny_dirs
     preset = Preset(name="tiny", target=target, draft=draft, drafter="model", gamma=2,
                     temperature=0.0, top_p=0.9, top_k=0, min_p=0.0, description="tiny test pair")
-    real = loader.get_preset
-    monkeypatch.setattr(loader, "get_preset", lambda name: preset if name == "tiny" else real(name))
+    real = runner.get_preset  # where the runner reads presets from
+    monkeypatch.setattr(runner, "get_preset", lambda name: preset if name == "tiny" else real(name))
     out = invoke_json(["generate", "Hello", "--preset", "tiny", "-n", "8", "--raw"])
     assert out["models"] == {"target": target, "draft": draft, "preset": "tiny"}
     assert out["gamma"] == 2 and out["sampling"]["top_p"] == 0.9

@@ -26,7 +26,7 @@ import mlx_spec.core.verify as verify_module
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import SamplingParams, draw
 from mlx_spec.core.verify import Verdict, accepted_prefix, verify_sampled
-from mlx_spec.drafters import ModelDrafter, NgramDrafter
+from mlx_spec.drafters import ModelDrafter, NgramDrafter, SuffixDrafter
 
 
 @pytest.mark.parametrize(
@@ -36,12 +36,15 @@ from mlx_spec.drafters import ModelDrafter, NgramDrafter
         ("none", 0),  # plain rounds, the second queued while the first is computed
         pytest.param("model", 1, marks=pytest.mark.slow),
         pytest.param("ngram", 3, marks=pytest.mark.slow),
+        # drafts what earlier draws (requests) continued with most often: q one-hot
+        pytest.param("suffix", 3, marks=pytest.mark.slow),
     ],
 )
 def test_speculative_sampling_matches_target_distribution(models, drafter_kind, gamma):
     target, draft = models
     params = SamplingParams(**PARAMS)
-    drafters = {"model": lambda: ModelDrafter(draft, VOCAB), "ngram": lambda: NgramDrafter(min_ngram=1), "none": lambda: None}
+    drafters = {"model": lambda: ModelDrafter(draft, VOCAB), "ngram": lambda: NgramDrafter(min_ngram=1),
+                "suffix": SuffixDrafter, "none": lambda: None}
     engine = Engine(target, drafters[drafter_kind]())
     draws = DRAWS if gamma else DRAWS // 2  # plain rounds are cheaper to check
     stat, critical = chi_square(sampled_joint(engine, params, gamma, draws), exact_joint(target, params))

@@ -6,10 +6,13 @@ scalars kept in the metadata), and the token ids each cache holds. It is safeten
 mlx-lm's `save_prompt_cache` writes, so `mx.load` reads it.
 
 A file is valid only for what made it, so it carries a key (`cache_key`): the weights' and
-tokenizer's fingerprints, dtype, kv-bits, windows and rollback slack. Reading checks the key,
-a digest of every array's bytes, and that the layers are the ones this model makes; anything
-else raises `CacheFileError` (one line), so a damaged, truncated, foreign or mismatched file
-never feeds the model a wrong state. The draft's part has a key of its own: a draft that
+tokenizer's fingerprints, dtype, kv-bits, windows and rollback slack. Reading opens regular
+files only (never blocking on a FIFO or a device), checks the key, one digest over the
+metadata (classes, scalars, vocab, key) and every array's bytes, that the layers are the ones
+this model makes, and every restored scalar against the arrays and the model (positions
+against K/V shapes, windows, quantization); anything else raises `CacheFileError` (one
+line), so a damaged, truncated, edited, foreign or mismatched file never feeds the model a
+wrong state. The draft's part has a key of its own: a draft that
 changed loses only that part (it is prefilled again; output never depends on it).
 
 Writes are atomic (a temp file with a unique name in the same folder, fsync, `os.replace`),
@@ -23,6 +26,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import struct
 from pathlib import Path
 from typing import Optional
@@ -31,12 +35,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import cache as theirs
 
+from mlx_spec.core.cache.layer_base import buffer_parts
+from mlx_spec.core.cache.global_layers import ChannelQuantizedKVCache
 from mlx_spec.core.cache.layers import LAYER_CLASSES, make_cache
 from mlx_spec.core.cache.sequence import PromptCache, SequenceCache
 from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.errors import UsageError
 
-FORMAT = "mlx-spec/prompt-cache/1"
+FORMAT = "mlx-spec/prompt-cache/2"  # 2: the digest covers the metadata too
 SAMPLES = 64  # elements per weight array in a fingerprint
 
 _CODES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64: "F64",
@@ -46,6 +52,10 @@ _CODES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64:
 
 class CacheFileError(Exception):
     """A cache file that cannot be used; the message is one line."""
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0][:200]
 
 
 # -- keys ------------------------------------------------------------------------------
@@ -149,8 +159,9 @@ def _bytes(array: mx.array) -> memoryview:
     return memoryview(array)
 
 
-def _digest(arrays: dict) -> str:
-    digest = hashlib.sha256()
+def _digest(arrays: dict, metadata: str = "") -> str:
+    """sha256 of `metadata` (text) and of every array's name, shape, dtype and bytes."""
+    digest = hashlib.sha256(f"{len(metadata)}:{metadata};".encode())
     for name in sorted(arrays):
         array = arrays[name]
         digest.update(f"{name}:{array.shape}:{array.dtype};".encode())
@@ -220,11 +231,21 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def read_safetensors(path: Path) -> tuple[dict, dict]:
-    """(arrays, metadata) of a safetensors file; CacheFileError if it cannot be read."""
+    """(arrays, metadata) of a safetensors file; CacheFileError if it cannot be read or is
+    not a regular file. It is opened without blocking and checked on the open descriptor:
+    `mx.load` on a FIFO would block holding the GIL, freezing the whole process."""
     try:
-        arrays, metadata = mx.load(str(path), return_metadata=True)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise CacheFileError(f"no such file: {path}") from None
+    except OSError as error:
+        raise CacheFileError(f"{path} cannot be opened ({error.strerror or error})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheFileError(f"{path} is not a regular file")
+    try:
+        with os.fdopen(fd, "rb") as file:
+            arrays, metadata = mx.load(file, format="safetensors", return_metadata=True)
     except Exception as error:  # mx.load's RuntimeError / ValueError for damaged files
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise CacheFileError(f"{path} is not a readable safetensors file ({first})") from None
@@ -278,7 +299,10 @@ def _cache_class(name: str):
 def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict, kv=None) -> SequenceCache:
     """A `SequenceCache` of `model` (K/V quantized as `kv`) from what `sequence_arrays`
     stored; CacheFileError if its layers are not the ones `model` makes."""
-    seq = SequenceCache(model, slack, info.get("vocab"), kv=kv)
+    vocab = info.get("vocab")
+    if vocab is not None and not (type(vocab) is int and vocab > 0):
+        raise CacheFileError(f"its vocab {vocab!r} is not a positive integer")
+    seq = SequenceCache(model, slack, vocab, kv=kv)
     fresh, stored = seq.cache, info["layers"]
     if len(stored) != len(fresh):
         raise CacheFileError(f"it holds {len(stored)} cache layers, the model makes {len(fresh)}")
@@ -309,9 +333,43 @@ def restore_sequence(model, slack: int, arrays: dict, prefix: str, info: dict, k
         offset = getattr(layer, "offset", len(seq.ids))
         if offset != len(seq.ids):
             raise CacheFileError(f"layer {i} holds {offset} positions but the file {len(seq.ids)} ids")
+        _check_layer(i, layer, kv)
         layers.append(layer)
     seq.cache = layers
     return seq
+
+
+def _slots(buffer) -> int:
+    return buffer_parts(buffer)[0].shape[2]
+
+
+def _check_layer(i: int, layer, kv) -> None:
+    """CacheFileError unless `layer`'s restored scalars agree with its arrays and the model:
+    the positions its K and V hold (a window's start, a channel-quantized layer's groups),
+    and the quantization (`kv`). Arrays of the wrong rank or shape raise IndexError or
+    ValueError here, which `load_prompt_cache` reports as damage too."""
+    offset = layer.offset
+    if isinstance(layer, ChannelQuantizedKVCache):
+        if layer.values is None:
+            holds = offset == 0
+        else:
+            groups = buffer_parts(layer.keys_t)[1].shape[-1]
+            holds = (0 <= layer.quantized <= offset and layer.quantized % layer.group_size == 0
+                     and groups * layer.group_size == layer.quantized and _slots(layer.values) == offset
+                     and layer.tail.shape[2] == offset - layer.quantized)
+    elif hasattr(layer, "keys") and hasattr(layer, "values"):  # a window's, or mlx-lm's KVCache
+        start = getattr(layer, "start", 0)
+        if layer.keys is None or layer.values is None:
+            holds = layer.keys is layer.values and offset == start == 0
+        else:
+            holds = 0 <= start <= offset and _slots(layer.keys) == _slots(layer.values) == offset - start
+    else:
+        holds = True  # a class of mlx-lm's we do not make: its own `from_state` checks
+    if not holds:
+        raise CacheFileError(f"layer {i}'s positions do not match its arrays")
+    if hasattr(layer, "bits") and (kv is None or (layer.bits, layer.group_size) != (kv.bits, kv.group_size)):
+        raise CacheFileError(f"layer {i} is quantized to {layer.bits} bits in groups of {layer.group_size}, "
+                             f"not as this model's cache")
 
 
 # -- whole prompt caches ---------------------------------------------------------------
@@ -324,7 +382,8 @@ def save_prompt_cache(path: Path, cache: PromptCache, key: dict, extra: Optional
             "draft": None, "extra": extra}
     if cache.draft is not None and cache.draft.ids and key.get("draft") is not None:
         info["draft"] = sequence_arrays(cache.draft, "draft", arrays)
-    metadata = {"format": FORMAT, "mlx_spec": json.dumps(info), "digest": _digest(arrays)}
+    text = json.dumps(info)
+    metadata = {"format": FORMAT, "mlx_spec": text, "digest": _digest(arrays, text)}
     return write_safetensors(path, arrays, metadata)
 
 
@@ -333,26 +392,31 @@ def load_prompt_cache(path: Path, engine, key: dict) -> tuple[PromptCache, Optio
     `extra`. Raises CacheFileError, with one line saying why, for a file that is damaged,
     truncated, foreign or made with another model, tokenizer, dtype, kv-bits or window."""
     arrays, metadata = read_safetensors(path)
-    if metadata.get("format") != FORMAT or "mlx_spec" not in metadata:
-        raise CacheFileError(f"{path} is not an mlx-spec prompt cache")
+    if metadata.get("format") != FORMAT or not isinstance(metadata.get("mlx_spec"), str):
+        raise CacheFileError(f"{path} is not an mlx-spec prompt cache of this version ({FORMAT})")
     try:
         info = json.loads(metadata["mlx_spec"])
     except ValueError:
         raise CacheFileError(f"{path} is damaged (its metadata is not JSON)") from None
+    if not isinstance(info, dict) or not isinstance(info.get("key") or {}, dict):
+        raise CacheFileError(f"{path} is damaged (its metadata is not an object)")
     why = _mismatch(info.get("key") or {}, key)
     if why:
         raise CacheFileError(f"{path} does not fit this model: {why}")
-    if metadata.get("digest") != _digest(arrays):
-        raise CacheFileError(f"{path} is damaged (its arrays do not match their digest)")
+    if metadata.get("digest") != _digest(arrays, metadata["mlx_spec"]):
+        raise CacheFileError(f"{path} is damaged (its metadata or arrays do not match their digest)")
     try:
         cache = engine.make_prompt_cache()
+        vocab = cache.target.vocab  # the target's own cache feeds every id (None)
         cache.target = restore_sequence(engine.target, cache.slack, arrays, "target", info["target"], engine.kv)
+        if cache.target.vocab != vocab:
+            raise CacheFileError(f"its target vocab {cache.target.vocab} is not {vocab}")
         draft_model = None if engine.drafter is None else engine.drafter.model
         if info.get("draft") and key.get("draft") is not None and info["key"].get("draft") == key["draft"]:
             cache.draft = restore_sequence(draft_model, cache.slack, arrays, "draft", info["draft"],
                                            engine.draft_kv)
     except CacheFileError as error:
         raise CacheFileError(f"{path} does not fit this model: {error}") from None
-    except (KeyError, TypeError, ValueError) as error:
-        raise CacheFileError(f"{path} is damaged ({type(error).__name__}: {error})") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise CacheFileError(f"{path} is damaged ({type(error).__name__}: {_first_line(error)})") from None
     return cache, info.get("extra")

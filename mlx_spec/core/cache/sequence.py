@@ -343,9 +343,11 @@ class PromptCache:
         self.draft: Optional[SequenceCache] = None
 
     def draft_for(self, draft_model, vocab: Optional[int] = None) -> SequenceCache:
-        """The draft model's cache, created on first use (`vocab` as in `SequenceCache`)."""
+        """The draft model's cache, created on first use (`vocab` as in `SequenceCache`: set
+        on every call, as the drafter knows it, never kept from a cache file)."""
         if self.draft is None or self.draft.model is not draft_model:
             self.draft = SequenceCache(draft_model, self.slack, vocab, kv=self.draft_kv)
+        self.draft.vocab = vocab
         return self.draft
 
     def reset(self) -> None:
