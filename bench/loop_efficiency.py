@@ -8,12 +8,14 @@ run (at the run's middle context), and runs alternate γ order, so both sides of
 see the same machine state: this machine is shared, and its load drifts within minutes.
 
     python bench/loop_efficiency.py --pair gemma270m-q8 --gammas 1 2 3 4 5
+    python bench/loop_efficiency.py --pair tiny-gemma4-dflash --gammas 1 3 7
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,9 +50,10 @@ def main() -> None:
     per_gamma = {g: {"measured": [], "predicted": [], "lengths": [], "verify": []} for g in args.gammas}
     for run in range(args.repeats + 1):  # run 0 warms up
         for gamma in (args.gammas if run % 2 == 0 else reversed(args.gammas)):
-            curve = curve_now(gamma)
             stats = Stats()
             engine = Engine(pair.target, pair.make_drafter())
+            # a block drafter's round drafts in one forward: priced per forward (CostCurve.block)
+            curve = replace(curve_now(gamma), block=engine.drafter.passes_per_block > 0)
             rounds = list(engine.rounds(pair.prompt, SamplingParams(), gamma=gamma, max_tokens=args.max_tokens,
                                         stats=stats))
             if run == 0:

@@ -104,6 +104,12 @@ PAIRS = {
     "layered-tiny-ngram": "the same 12-layer tiny target with the n-gram drafter",
     "layered-tiny-loose": "a 12-layer tiny target whose late blocks matter more (0.3), its 2-block truncation as "
                           "draft: top-1 the target's ~78% of the time, its second guess ~9%",
+    "tiny-gemma4-dflash": "tiny Gemma 4 (6 layers, d=64, window 16) with a random 2-layer DFlash draft "
+                          "(blocks of 8, taps 1/3/5; built by mlx-vlm's class): overhead-bound, few accepted",
+    "tiny-gemma4-eagle3": "tiny Gemma 4 with a random 1-layer EAGLE-3 draft (64-token draft vocabulary; "
+                          "built by mlx-vlm's class): overhead-bound, few accepted",
+    "tiny-gemma4-dspark": "tiny Gemma 4 with a random 2-layer Gemma 4 DSpark draft (K = V, proposals of 7, "
+                          "rank-8 Markov head; mlx-vlm's weights): overhead-bound, few accepted",
     "gemma270m-q8": "Gemma 3 270M float32 with its own 8-bit copy as draft",
     "gemma270m-q4": "Gemma 3 270M float32 with its own 4-bit copy as draft",
     "gemma270m-self": "Gemma 3 270M float32 drafting for itself",
@@ -119,6 +125,8 @@ def build(name: str, prompt: str = "long") -> Pair:
 
     if name not in PAIRS:
         raise SystemExit(f"unknown pair {name!r}; choose from {', '.join(PAIRS)}")
+    if name.startswith("tiny-gemma4"):
+        return block_draft_pair(name)
     if name.startswith("gemma270m"):
         loaded = gemma270m("bfloat16" if "-bf16-" in name else "float32")
         target, ids = loaded.model, gemma_prompt_ids(loaded.tokenizer, prompt)
@@ -134,4 +142,35 @@ def build(name: str, prompt: str = "long") -> Pair:
             draft = None if name.endswith("ngram") else draft
     width = target(mx.array([ids[:1]])).shape[-1]
     make = (lambda: ModelDrafter(draft, width)) if draft is not None else NgramDrafter
+    return Pair(target, draft, make, ids, PAIRS[name])
+
+
+def block_draft_pair(name: str) -> Pair:
+    """The tiny Gemma 4 target with a DFlash, EAGLE-3 or DSpark draft (`mlx_spec.testing.tiny_block_drafts`)."""
+    from mlx_spec.drafters import DFlashDrafter, DSparkDrafter, Eagle3Drafter
+    from mlx_spec.models import dflash, dspark, eagle3
+    from mlx_spec.testing import tiny_block_drafts as drafts
+    from mlx_spec.testing.tiny_gemma4 import tiny_gemma4
+
+    target = tiny_gemma4(seed=0)
+    ids = [2] + [10 + (i * 7) % 50 for i in range(60)] + list(range(100, 140))
+    if name.endswith("dflash"):
+        config = drafts.tiny_dflash_config(target.config)
+        draft = dflash.Model(dflash.ModelArgs.from_dict(config))
+        draft.load_weights(list(tree_flatten(drafts.reference_dflash(config).parameters())))
+        make = lambda: DFlashDrafter(draft, target)  # noqa: E731
+    elif name.endswith("dspark"):
+        config = drafts.tiny_dspark_config(target.config, k_eq_v=True)
+        weights = tree_flatten(drafts.reference_dspark({**config, "attention_k_eq_v": False}).parameters())
+        draft = dspark.Model(dspark.ModelArgs.from_dict(config))
+        draft.load_weights([(k, v) for k, v in weights if ".v_proj." not in k])
+        make = lambda: DSparkDrafter(draft, target)  # noqa: E731
+    else:
+        config = drafts.tiny_eagle3_config(target.config)
+        vocab = drafts.draft_vocabulary(config["draft_vocab_size"], config["transformer_layer_config"]["vocab_size"])
+        draft = eagle3.Model(eagle3.ModelArgs.from_dict(config))
+        reference = drafts.reference_eagle3(config, vocab, embed=target.model.embed_tokens.weight)
+        draft.load_weights(list(tree_flatten(reference.parameters())))
+        make = lambda: Eagle3Drafter(draft, target)  # noqa: E731
+    mx.eval(draft.parameters())
     return Pair(target, draft, make, ids, PAIRS[name])

@@ -166,6 +166,14 @@ def measure_costs(
         draft_step2 = draft_step
         if progress:
             progress(total, total)
+    elif hasattr(draft, "step_timer"):
+        # A draft of ours that reads the target's states (DFlash, EAGLE-3): one draft forward
+        # as its drafter takes it, after `context` positions of its own context K/V; it
+        # feeds nothing to catch up.
+        draft_step = _median_times([draft.step_timer(target, context)], repeats, BUDGET_S / 2)[0]
+        draft_step2 = draft_step
+        if progress:
+            progress(total, total)
     elif draft is not None:
         draft_seq = SequenceCache(draft, slack=3)
         _fill_context(draft_seq, context)

@@ -8,7 +8,7 @@ Typer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ClassVar, Optional, Union
 
 from mlx_spec.apps.calibration import BATCH_WIDTH, load_or_measure
@@ -22,8 +22,8 @@ from mlx_spec.drafters import DRAFTER_NAMES, NO_DRAFTER, drafter_class
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.loading import get_preset
 from mlx_spec.loading.loader import GROUP_SIZES
-from mlx_spec.loading.pairing import is_assistant
 from mlx_spec.loading.stores import drafting_defaults as store_drafting
+from mlx_spec.models.drafts import draft_family
 
 MAX_AUTO_GAMMA = 6
 AUTO = "auto"  # --gamma auto: γ chosen each round from the cost curve (`AutoGamma`)
@@ -194,12 +194,12 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
             drafts there and its tokens are broadcast (`distributed.load_pair`).
         kv, draft_kv: quantize the target's / draft model's K/V cache (None: full precision).
     """
-
     w = world or this_world()
     if drafter is None:
         # Across ranks with the draft on rank 0, the other ranks know of it by its vocabulary.
         remote_draft = w.active and pair.draft is None and pair.vocab_size_draft is not None
-        drafter = ("mtp" if is_assistant(pair.draft) else
+        family = draft_family(pair.draft.config) if pair.draft is not None else None
+        drafter = (family if family is not None else
                    "model" if pair.draft is not None or remote_draft else "ngram")
     chosen_class = drafter_class(drafter)
     chosen = None if chosen_class is None else chosen_class.for_pair(pair, w)
@@ -264,7 +264,7 @@ def gamma_policy(
         return FixedGamma(gamma.fixed)
     if engine.drafter is None:
         return FixedGamma(0)
-    max_gamma = min(MAX_AUTO_GAMMA, engine.max_gamma)
+    max_gamma = auto_gamma_limit(engine)
     draft_model = None if engine.drafter is None else engine.drafter.model
     batch = None if reproducible else batch
     # in a batch, priced up to the rows the batch's forward reaches (a seeded request reads
@@ -274,7 +274,18 @@ def gamma_policy(
         context=context_bucket(context), refresh=refresh, progress=progress,
         batch_width=BATCH_WIDTH if batch is not None else 0,
     )
+    costs = replace(costs, block=engine.drafter.passes_per_block > 0)  # priced per draft forward
     return AutoGamma(costs, max_gamma=max_gamma, learn_costs=_learn_costs(reproducible), batch=batch)
+
+
+def auto_gamma_limit(engine: Engine) -> int:
+    """The largest γ auto γ weighs: MAX_AUTO_GAMMA, or a block drafter's whole block (its
+    draft costs one forward whatever γ, so only the verify's width and the acceptance
+    measured limit γ)."""
+    limit = MAX_AUTO_GAMMA
+    if engine.drafter.passes_per_block:
+        limit = max(limit, engine.drafter.model.block_size - 1)
+    return min(limit, engine.max_gamma)
 
 
 def _learn_costs(reproducible: bool) -> bool:
@@ -296,5 +307,6 @@ def tree_policy(engine: Engine, *, context: int = 256, refresh: bool = False,
     nodes = min(TREE_NODES, engine.max_gamma)
     costs = load_or_measure(engine.target, draft_model, max_width=nodes + 1, context=context_bucket(context),
                             refresh=refresh, progress=progress)
+    costs = replace(costs, block=engine.drafter.passes_per_block > 0)
     return TreePolicy(costs, max_gamma=min(MAX_AUTO_GAMMA, engine.max_gamma), branches=TREE_BRANCHES,
                       max_nodes=nodes, learn_costs=_learn_costs(reproducible))

@@ -23,6 +23,9 @@ class CostCurve:
 
     The two-token step happens after a fully accepted round: the draft has not yet seen its
     own last token x_γ and feeds it together with the bonus token.
+
+    `block`: one draft step proposes the whole block (a block drafter, `passes_per_block`),
+    so a round's draft costs one step whatever γ, not γ of them.
     """
 
     verify: list[float]
@@ -30,6 +33,13 @@ class CostCurve:
     context: int
     draft_step2: float = 0.0
     wide: list = field(default_factory=list)
+    block: bool = False
+
+    def draft_time(self, gamma: int) -> float:
+        """Seconds of drafting γ tokens: γ steps, or one for a block drafter."""
+        if gamma == 0:
+            return 0.0
+        return self.draft_step if self.block else gamma * self.draft_step
 
     @property
     def catch_up(self) -> float:
@@ -56,7 +66,7 @@ class CostCurve:
         draft step feeds two tokens."""
         if gamma == 0:
             return self.verify_time(1)
-        return gamma * self.draft_step + full_acceptance * self.catch_up + self.verify_time(gamma + 1)
+        return self.draft_time(gamma) + full_acceptance * self.catch_up + self.verify_time(gamma + 1)
 
     @property
     def c(self) -> float:

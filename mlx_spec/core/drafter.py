@@ -19,12 +19,20 @@ engine uses declared here, so it never has to probe a drafter:
 
 Capabilities, as class attributes (besides `name`, what --drafter takes, and `summary`):
   needs_draft_model  it drafts with the pair's draft model (so one is loaded for it)
-  passes_per_token   draft model forwards per proposed token (0: model-free)
+  passes_per_token   draft model forwards per proposed token (0: model-free, or a block drafter)
+  passes_per_block   draft model forwards per proposed block, whatever its length (a block
+                     drafter: 1); the cost model then prices a round's draft per forward,
+                     not per token (`CostCurve.block`)
   model              the draft model whose forwards the cost curve times; None: model-free
   own_cache          it keeps a K/V cache of its own (so the draft K/V quantization applies)
   wants_hidden       it reads the target's final hidden states: at `begin` the last
                      prefilled position's (prompt_cache.target.prefill_hidden), at `accept`
                      the round's pass's [γ+1, H] (a tree's: the accepted path's rows)
+  tap_layers         with wants_hidden: the target's decoder layers whose outputs it reads
+                     instead of the final hidden states (a block drafter's taps), handed
+                     over concatenated [rows, len(tap_layers)·H], out of the same passes:
+                     at `begin` every position the prefill fed (prefill_hidden [1, fed, k·H]),
+                     at `accept` the round's pass's rows [γ+1, k·H]
   can_branch         it implements `propose_tree`
   rollbackable       its state can roll back exactly (a recurrent draft model's cannot)
   remembers          it drafts from a memory of earlier requests (`token_memory.Memory`),
@@ -76,9 +84,11 @@ class Drafter:
     summary: str = ""  # what drafts, for --drafter's help
     needs_draft_model: bool = False
     passes_per_token: int = 0
+    passes_per_block: int = 0
     model = None
     own_cache: bool = False
     wants_hidden: bool = False
+    tap_layers: tuple[int, ...] = ()
     can_branch: bool = False
     rollbackable: bool = True
     remembers: bool = False
@@ -93,6 +103,13 @@ class Drafter:
         """This drafter for a loaded `models.ModelPair`, where the target is sharded over
         `world` (a `distributed.World`); a one-line `UsageError` where it cannot draft."""
         raise UsageError(f"the {cls.name} drafter cannot be built from loaded models")
+
+    def hidden_wanted(self):
+        """What the target's passes must hand over (`cache.forward.Hidden`): False, True
+        (final hidden states) or the tap layers' ids."""
+        if not self.wants_hidden:
+            return False
+        return tuple(self.tap_layers) or True
 
     def reset(self) -> None:
         """Forget the request in progress (called by `fork`; `begin` starts each request)."""

@@ -88,7 +88,7 @@ class Scored:
     draft: Draft
     drafted_by: int  # of the draft's tokens, those the drafter proposed (the rest a grammar forced)
     verdict: Verdict  # or a `TreeVerdict`
-    hidden: Optional[mx.array]  # the target's final hidden states [rows, H], for drafters that read them
+    hidden: Optional[mx.array]  # the target's hidden states [rows, H] (or taps [rows, k·H]), for drafters that read them
     scores: Optional[mx.array]  # the target's log-probs [rows, V], with `logprobs`
     settle: Optional[Callable[[], Verdict]]  # greedy: the exact decision, for a near-tie
 
@@ -155,8 +155,9 @@ class Engine:
         self.context_length = context_length
         self.vision = vision
         self.kv, self.draft_kv = kv, draft_kv
-        # the target pass computes its final hidden states only for drafters that read them
-        self.wants_hidden = drafter is not None and drafter.wants_hidden
+        # the target pass computes hidden states (final ones, or a block drafter's tap
+        # layers': `Drafter.hidden_wanted`) only for drafters that read them
+        self.wants_hidden = drafter.hidden_wanted() if drafter is not None else False
 
     def for_request(self, memory=KEEP) -> "Engine":
         """This engine with a drafter of its own (drafters keep one request's state between

@@ -29,7 +29,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_spec.core.cache.forward import forward_model, ropes_replaced
+from mlx_spec.core.cache.forward import Hidden, forward_model, ropes_replaced
 from mlx_spec.core.cache.sequence import SequenceCache
 from mlx_spec.core.cache.window_layers import WindowKVCache
 from mlx_spec.core.steps import drive
@@ -57,11 +57,12 @@ class Pass:
 @dataclass
 class ModelPass(Pass):
     """One forward of a request's model over `block` ([n] ids) into its `cache`, and what it
-    gave (lazy): logits [n, V] and, with `hidden`, final hidden states [n, H]."""
+    gave (lazy): logits [n, V] and, with `hidden`, final hidden states [n, H] (or, for
+    hidden=(layer ids), those layers' outputs [n, k·H]: `cache.forward.Hidden`)."""
 
     cache: SequenceCache
     block: mx.array
-    hidden: bool = False
+    hidden: Hidden = False
     tree: Optional[TreeShape] = None
     logits: Optional[mx.array] = None
     hidden_states: Optional[mx.array] = None

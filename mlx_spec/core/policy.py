@@ -225,7 +225,7 @@ class AutoGamma(GammaPolicy):
         # request's, so it teaches LiveCosts nothing (`observe`)
         curve = self.calibrated
         acceptance = _padded(acceptance, gamma)
-        seconds = (gamma * curve.draft_step + full_acceptance(acceptance, gamma) * curve.catch_up + drafting
+        seconds = (curve.draft_time(gamma) + full_acceptance(acceptance, gamma) * curve.catch_up + drafting
                    + curve.verify_time(rows + gamma + 1))
         return (expected_tokens(acceptance, gamma) + tokens) / seconds
 
@@ -267,7 +267,7 @@ class AutoGamma(GammaPolicy):
         self.last_choice = gamma
         if self.batch is not None:
             acceptance = self.acceptance()
-            draft_seconds = gamma * self.calibrated.draft_step
+            draft_seconds = self.calibrated.draft_time(gamma)
             self.batch.record(self, gamma + 1, expected_tokens(acceptance, gamma), draft_seconds)
         return gamma
 
@@ -424,8 +424,9 @@ def tree_round_time(costs, nodes: int, forwards: Optional[int]) -> float:
     time = costs.round_time(nodes)
     if forwards is None or nodes == 0:
         return time
-    draft_step = getattr(costs, "prior", costs).draft_step
-    return time + (forwards - nodes) * draft_step
+    prior = getattr(costs, "prior", costs)
+    priced = 1 if prior.block else nodes  # the draft steps round_time counted
+    return time + (forwards - priced) * prior.draft_step
 
 
 def as_policy(gamma: "int | GammaPolicy") -> GammaPolicy:

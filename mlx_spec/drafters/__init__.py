@@ -8,6 +8,9 @@ runner read, maps the name a user types (`--drafter NAME`) to its class. "none" 
 from __future__ import annotations
 
 from mlx_spec.core.drafter import Draft, Drafter
+from mlx_spec.drafters.dflash import DFlashDrafter
+from mlx_spec.drafters.dspark import DSparkDrafter
+from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.model import ModelDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 from mlx_spec.drafters.ngram import NgramDrafter
@@ -20,6 +23,9 @@ DRAFTERS: dict[str, type[Drafter]] = {
     MtpDrafter.name: MtpDrafter,  # Gemma 4's MTP assistant, over the target's states
     NgramDrafter.name: NgramDrafter,  # prompt lookup, no model
     SuffixDrafter.name: SuffixDrafter,  # suffix lookup here and in earlier requests, no model
+    DFlashDrafter.name: DFlashDrafter,  # z-lab's DFlash: a block per forward from the target's taps
+    Eagle3Drafter.name: Eagle3Drafter,  # EAGLE-3 (speculators format) over three target layers
+    DSparkDrafter.name: DSparkDrafter,  # Gemma 4 DSpark: DFlash's block, Markov-corrected
 }
 NO_DRAFTER = "none"
 # What `--drafter` accepts.
@@ -36,5 +42,5 @@ def drafter_class(name: str) -> type[Drafter] | None:
     return DRAFTERS[name]
 
 
-__all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "ModelDrafter",
-           "MtpDrafter", "NgramDrafter", "SuffixDrafter"]
+__all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "DFlashDrafter",
+           "DSparkDrafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter", "SuffixDrafter"]

@@ -14,7 +14,7 @@ from mlx_spec.core.sampling import draw, likeliest
 from mlx_spec.drafters.broadcast import BroadcastDrafter
 from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
 from mlx_spec.errors import UsageError
-from mlx_spec.models.gemma4_assistant import is_assistant_config
+from mlx_spec.models.drafts import draft_family
 
 
 class ModelDrafter(Drafter):
@@ -59,9 +59,13 @@ class ModelDrafter(Drafter):
         remote = world.active and pair.draft is None and pair.vocab_size_draft is not None
         if not remote:
             require_draft_model(cls.name, pair)
-        if pair.draft is not None and is_assistant_config(pair.draft.config):
+        family = draft_family(pair.draft.config) if pair.draft is not None else None
+        if family == "mtp":
             raise UsageError("the draft is a Gemma 4 MTP assistant, which drafts from the target's "
                              "own states: use --drafter mtp (or leave --drafter out)")
+        if family is not None:
+            raise UsageError(f"the draft is a {family} draft, which drafts from the target's "
+                             f"own states: use --drafter {family} (or leave --drafter out)")
         drafter = cls(pair.draft.model, pair.vocab_size_target) if pair.draft is not None else None
         if world.active and (drafter is None or (world.is_root and pair.draft_on == "root")):
             return BroadcastDrafter(world, drafter)

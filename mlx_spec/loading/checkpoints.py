@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.loading import derived, gguf_import
 from mlx_spec.loading.arrays import evaluate_all
-from mlx_spec.models import gemma4_assistant
+from mlx_spec.models import drafts, gemma4_assistant
 
 
 def context_length(config: dict) -> int | None:
@@ -39,11 +39,11 @@ def load_folder(path: Path, *, lazy: bool = True, dtype: str | None = None) -> t
     try:
         if gguf_import.is_imported(path):
             return _load_imported(path, lazy=lazy, float32=dtype == "float32")
-        # Gemma 4 MTP assistants are not an mlx-lm architecture: our class, mlx-lm's loading
-        # (quantized checkpoints included).
+        # Gemma 4 MTP assistants and block drafts are not mlx-lm architectures: our classes,
+        # mlx-lm's loading (quantized checkpoints included).
         from mlx_lm.utils import load_model as mlx_lm_load_model
 
-        return mlx_lm_load_model(path, lazy=lazy, get_model_classes=gemma4_assistant.assistant_classes)
+        return mlx_lm_load_model(path, lazy=lazy, get_model_classes=drafts.draft_classes)
     except (ValueError, KeyError, OSError, RuntimeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelLoadError(f"cannot load the model in {path}: {reason}") from None

@@ -12,10 +12,10 @@ from mlx.utils import tree_flatten
 
 from mlx_spec.loading import hub
 from mlx_spec.loading.chat_templates import GEMMA_CHAT_TEMPLATE
+from mlx_spec.models.drafts import draft_facts, draft_family
 from mlx_spec.loading.checkpoints import context_length, load_folder
 from mlx_spec.loading.sources import DEFAULT_SOURCE, resolve_source
 from mlx_spec.loading.tokenizer_loading import load_tokenizer
-from mlx_spec.models.gemma4_assistant import is_assistant_config
 
 
 def model_info(source: str | None, *, progress: bool = True, download: bool = True) -> dict:
@@ -34,7 +34,7 @@ def model_info(source: str | None, *, progress: bool = True, download: bool = Tr
         with hub.forced_offline():
             path, kind = resolve_source(source, progress=progress)
     model, config = load_folder(path, lazy=True)
-    tokenizer = load_tokenizer(path, config, optional=is_assistant_config(config))
+    tokenizer = load_tokenizer(path, config, optional=draft_family(config) is not None)
     return describe(model, tokenizer, config, source=source or DEFAULT_SOURCE, path=path,
                     kind=kind)
 
@@ -77,6 +77,9 @@ def describe(model, tokenizer, config: dict, *, source: str, path: Path, kind: s
         "chat_template": _chat_template_kind(tokenizer) if tokenizer else None,
         "eos_token_ids": sorted(tokenizer.eos_token_ids) if tokenizer else [],
     }
+    draft = draft_facts(config)
+    if draft is not None:  # drafts that read the target: family, block size, taps
+        info["draft"] = draft
     source_file = path / "mlx_spec_source.json"
     if source_file.exists():
         info["gguf"] = json.loads(source_file.read_text())

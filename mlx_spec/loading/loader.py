@@ -20,11 +20,11 @@ import mlx.nn as nn
 
 from mlx_spec.errors import UsageError
 from mlx_spec.loading import checkpoints, gguf_import, sources
+from mlx_spec.models import drafts
 from mlx_spec.loading.arrays import evaluate_all
 from mlx_spec.loading.fast_tokenizer import fast_loadable
 from mlx_spec.loading.sharding import shard_model
 from mlx_spec.loading.tokenizer_loading import read_tokenizer, with_turn_ends
-from mlx_spec.models import gemma4_assistant
 from mlx_spec.models.vision import Vision, load_vision
 from mlx_spec.progress import StderrProgress
 
@@ -123,7 +123,7 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
     with StderrProgress("bars" if progress and sys.stderr.isatty() else "off") as display:
         display.task(f"loading {source or sources.DEFAULT_SOURCE}").phase()
         model, config = checkpoints.load_folder(path, dtype=dtype)
-        optional = gemma4_assistant.is_assistant_config(config)
+        optional = drafts.draft_family(config) is not None  # drafts may ship no tokenizer
         templates_now = for_chat is True or chat_template is not None
         if not templates_now and gguf_import.is_imported(path) and fast_loadable(path) is not None:
             # Reading its tokenizer (from its index ~0.1 s; a first load parses tokenizer.json

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
+from mlx_spec.models.drafts import draft_family
 from mlx_spec.loading.loader import LoadedModel, load_model
 from mlx_spec.loading.sources import DEFAULT_SOURCE, assistant_as_target
+from mlx_spec.models import dflash, dspark, eagle3
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
@@ -90,6 +92,8 @@ def load_pair(target: str | None, draft: str | None = None, *,
             draft_model = _load_as("draft model", draft, draft_kwargs)
         if is_assistant(draft_model):
             check_assistant(target_model, draft_model)
+        elif is_block_draft(draft_model):
+            check_block_draft(target_model, draft_model)
         else:
             check_compatible(target_model, draft_model)
     return ModelPair(
@@ -159,6 +163,27 @@ def is_assistant(loaded: LoadedModel | None) -> bool:
     return loaded is not None and is_assistant_config(loaded.config)
 
 
+# families of drafts that read the target's tap layers -> why one cannot draft for a target
+TAPPING = {"dflash": dflash.target_mismatch, "eagle3": eagle3.target_mismatch, "dspark": dspark.target_mismatch}
+
+
+def is_block_draft(loaded: LoadedModel | None) -> bool:
+    """Whether `loaded` is a draft that reads the target's tap layers (DFlash, EAGLE-3),
+    over the target's vocabulary."""
+    return loaded is not None and draft_family(loaded.config) in TAPPING
+
+
+def check_block_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """Such a draft reads its target's layer outputs (and its embedding and head, or ids):
+    IncompatibleModelsError (one line) unless its hidden size, vocabulary and tap layers
+    fit this target."""
+    mismatch = TAPPING[draft_family(draft.config)](draft.model.args, target.model)
+    if mismatch:
+        raise IncompatibleModelsError(mismatch)
+    if draft.tokenizer is not None:  # a release that ships the tokenizer: same ids?
+        check_compatible(target, draft)
+
+
 def check_assistant(target: LoadedModel, assistant: LoadedModel) -> None:
     """An MTP assistant reads its target's hidden state, embeddings and K/V: raise
     IncompatibleModelsError unless the target is a Gemma 4 of the sizes it was built for."""
@@ -185,6 +210,8 @@ def output_width(loaded: LoadedModel) -> int:
     on where they keep it, and padded heads make the tokenizer size unreliable)."""
     if is_assistant(loaded):  # no forward of its own: its logits are over its vocabulary
         return loaded.model.vocab_size
+    if is_block_draft(loaded):  # its drafts are target ids
+        return loaded.model.args.vocab_size
     token = loaded.tokenizer.bos_token_id or 0
     logits = loaded.model(mx.array([[token]]))
     return int(logits.shape[-1])

@@ -20,7 +20,7 @@ from pathlib import Path
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.loading import hub, lmstudio, ollama
 from mlx_spec.loading.gguf_header import gguf_problem, read_gguf_header
-from mlx_spec.models.gemma4_assistant import is_assistant_config
+from mlx_spec.models.drafts import draft_family
 
 OLLAMA_PREFIX, LMSTUDIO_PREFIX = ollama.PREFIX, lmstudio.PREFIX
 
@@ -173,8 +173,7 @@ def _folder_entry(source: str, store: str, folder: Path, size: int) -> LocalMode
 def _runs_model_type(config: dict) -> bool:
     import importlib.util
 
-
-    if is_assistant_config(config):
+    if draft_family(config) is not None:
         return True
     from mlx_lm.utils import MODEL_REMAPPING  # imports transformers (~1 s); listing only
 

@@ -20,7 +20,7 @@ def test_every_model_preset_names_hub_models():
     assert len({p.name for p in presets}) == len(presets)
     for preset in presets:
         assert isinstance(preset, Preset) and preset.description
-        if preset.drafter in ("model", "mtp"):
+        if preset.drafter in ("model", "mtp", "dflash", "eagle3", "dspark"):
             assert looks_like_repo_id(preset.target) and looks_like_repo_id(preset.draft)
             assert preset.gamma == "auto" or preset.gamma >= 1
         assert 0 <= preset.top_p <= 1 and preset.top_k >= 0 and preset.temperature >= 0

@@ -9,7 +9,7 @@ and RoPE puts each row at prefix + depth.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -94,6 +94,57 @@ def images_opened(cache: list, blocks: Optional[mx.array]):
         for layer in windows:
             layer.image_blocks = None
 
+# What hidden states a forward returns besides (or instead of) logits: False none, True the
+# final (post-norm) ones, a tuple of decoder layer ids those layers' outputs concatenated
+# in that order (a block drafter's taps: `Drafter.tap_layers`).
+Hidden = Union[bool, tuple]
+
+
+def decoder_layers(model) -> list:
+    return text_model(model).model.layers
+
+
+# id(layer) -> (sink, layer id) for the layers recording their outputs (`taps_recorded`)
+_TAPPED: dict[int, tuple[dict, int]] = {}
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """`cls` whose call also puts its output hidden state into the sink `_TAPPED` names
+    (a Gemma 4 layer returns (h, shared K/V, offset); others return h)."""
+    if cls not in _RECORDING_CLASSES:
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            sink, index = _TAPPED[id(self)]
+            sink[index] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        _RECORDING_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__})
+    return _RECORDING_CLASSES[cls]
+
+
+@contextmanager
+def taps_recorded(model, layer_ids: tuple):
+    """While the model's graph is built, decoder layers `layer_ids` record their outputs
+    into the dict yielded (layer id -> [B, L, H]). The layers' classes are swapped for
+    recording subclasses and back: the forward itself is the model's own, so the taps
+    come out of the pass the round already runs (no second pass)."""
+    layers = decoder_layers(model)
+    sink: dict = {}
+    swapped = []
+    try:
+        for index in dict.fromkeys(layer_ids):
+            layer = layers[index]
+            _TAPPED[id(layer)] = (sink, index)
+            swapped.append((layer, type(layer)))
+            layer.__class__ = _recording_class(type(layer))
+        yield sink
+    finally:
+        for layer, cls in swapped:
+            layer.__class__ = cls
+            _TAPPED.pop(id(layer), None)
+
+
 def final_hidden(model, inputs: mx.array, cache, **embedded) -> mx.array:
     """The decoder's final (post-norm) hidden states, without the LM head: mlx-lm's
     Gemma-family models are a decoder `model.model` ending in its final norm. `embedded`:
@@ -117,10 +168,16 @@ def logits_and_hidden(model, inputs: mx.array, cache, **embedded) -> tuple[mx.ar
     return logits, hidden
 
 
-def forward_model(model, tokens: mx.array, cache, hidden: bool = False, head: bool = True, **embedded):
+def forward_model(model, tokens: mx.array, cache, hidden: Hidden = False, head: bool = True, **embedded):
     """The model over tokens [B, L]: logits; with hidden=True (logits, final hidden states);
-    with head=False the final hidden states only. `embedded`: `input_embeddings` for the
-    rows (an image prompt's)."""
+    with head=False the final hidden states only. With `hidden` a tuple of layer ids, those
+    layers' outputs concatenated [B, L, len(ids)·H] take the final hidden states' place.
+    `embedded`: `input_embeddings` for the rows (an image prompt's)."""
+    if isinstance(hidden, tuple) and hidden:
+        with taps_recorded(model, hidden) as sink:
+            out = forward_model(model, tokens, cache, False, head, **embedded)
+        taps = mx.concatenate([sink[i] for i in hidden], axis=-1)
+        return (out, taps) if head else taps
     if not head:
         return final_hidden(model, tokens, cache, **embedded)
     if hidden:

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from mlx_spec.core.cache.forward import feeding_tree, forward_model, images_opened, text_model, tree_capable
+from mlx_spec.core.cache.forward import Hidden, feeding_tree, forward_model, images_opened, text_model, tree_capable
 from mlx_spec.core.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
 from mlx_spec.core.cache.layer_base import buffer_parts
 from mlx_spec.core.cache.layers import KVQuantization, QuantizedKVReader, make_cache
@@ -65,7 +65,8 @@ class SequenceCache:
         self.ids: list[int] = []
         self.unsettled = 0
         # [1, 1, H] final hidden state at the last position the latest prefill fed, when it
-        # was asked for one (hidden=True) and fed anything; None once the cache moves on.
+        # was asked for one (hidden=True) and fed anything; with hidden=(layer ids), those
+        # layers' outputs at every position it fed [1, fed, k·H]; None once the cache moves on.
         self.prefill_hidden: Optional[mx.array] = None
 
     @property
@@ -150,9 +151,10 @@ class SequenceCache:
         """Forget the last n positions just fed: a batch's padding after this row's block."""
         self._trim(n)
 
-    def forward(self, tokens: mx.array, hidden: bool = False, tree: Optional[TreeShape] = None):
+    def forward(self, tokens: mx.array, hidden: Hidden = False, tree: Optional[TreeShape] = None):
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
-        (logits [n, V], final hidden states [n, H]). With a `tree`, tokens are its
+        (logits [n, V], final hidden states [n, H]); with hidden=(layer ids), (logits, those
+        layers' outputs [n, k·H]). With a `tree`, tokens are its
         flattened block [root, x_0..x_N-1] (see `mlx_spec.core.tree`), fed in one pass."""
         split = self._rows_before_switch(tokens.shape[0]) if tree is None else 0
         if split:  # rows before the switch see full precision, the rest quantized K/V
@@ -185,7 +187,7 @@ class SequenceCache:
     def nbytes(self) -> int:
         return sum(getattr(layer, "nbytes", 0) for layer in self.cache)
 
-    def _call(self, tokens: mx.array, hidden: bool = False, head: bool = True, **embedded):
+    def _call(self, tokens: mx.array, hidden: Hidden = False, head: bool = True, **embedded):
         """Logits; with hidden=True (logits, final hidden states); with head=False the final
         hidden states only. `embedded`: input embeddings for the rows (`final_hidden`)."""
         tokens = self.fed_ids(tokens)
@@ -245,7 +247,7 @@ class SequenceCache:
         ids: list[int],
         chunk_size: int = 512,
         progress: Optional[Callable[[int, int], None]] = None,
-        hidden: bool = False,
+        hidden: Hidden = False,
         keys: Optional[list] = None,
         inputs: Optional[Callable[[int, int], dict]] = None,
     ) -> int:
@@ -254,7 +256,9 @@ class SequenceCache:
 
         hidden=True also keeps the final hidden state at the last position fed, from the
         last chunk's own pass (no extra forward), in `prefill_hidden` (None if nothing was
-        fed): an MTP drafter starts its first draft from it.
+        fed): an MTP drafter starts its first draft from it. hidden=(layer ids) keeps those
+        layers' outputs at every position fed instead, from every chunk's pass (a block
+        drafter's context).
 
         keys: what is compared for prefix reuse and held, a list that begins as long as
         `ids` (an image prompt's: image tokens marked by image); `ids` if None.
@@ -264,7 +268,7 @@ class SequenceCache:
         return drive(self.prefill_chunks(ids, chunk_size, progress, hidden, keys, inputs))
 
     def prefill_chunks(self, ids: list[int], chunk_size: int = 512,
-                       progress: Optional[Callable[[int, int], None]] = None, hidden: bool = False,
+                       progress: Optional[Callable[[int, int], None]] = None, hidden: Hidden = False,
                        keys: Optional[list] = None, inputs: Optional[Callable[[int, int], dict]] = None):
         """`prefill` as a generator that yields after each chunk but the last (a batch decodes
         other requests in between) and returns the tokens processed."""
@@ -291,13 +295,18 @@ class SequenceCache:
             chunk_size = max(len(todo), 1)
         for begin, end in self._chunk_bounds(len(todo), chunk_size, blocks):
             chunk = todo[begin:end]
-            last = hidden and end >= len(todo)
+            taps = hidden if isinstance(hidden, tuple) and hidden else False
+            last = bool(hidden) and (bool(taps) or end >= len(todo))
             self._quantize_when_due()
             rows = slice(common + begin, common + begin + len(chunk))
             with images_opened(self.cache, None if blocks is None else blocks[0, rows]):
-                out = self._call(mx.array(chunk)[None], head=not last,
+                out = self._call(mx.array(chunk)[None], hidden=taps, head=not last,
                                  **{name: value[:, rows] for name, value in inputs.items()})
-            kept = out[:, -1:, :] if last else None  # [1, 1, H]
+            kept = None
+            if taps:  # [1, fed so far, k·H]
+                kept = out if self.prefill_hidden is None else mx.concatenate([self.prefill_hidden, out], axis=1)
+            elif last:
+                kept = out[:, -1:, :]  # [1, 1, H]
             with blas.threads_for(len(chunk)):  # evaluated here: every core's BLAS threads
                 mx.eval([c.state for c in self.cache] + ([kept] if last else []))
             self.prefill_hidden = kept
