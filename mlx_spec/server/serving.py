@@ -209,7 +209,11 @@ class Serving:
         return await asyncio.get_running_loop().run_in_executor(self.parsing, read, raw, *args)
 
     def check_model(self, body: RequestBody) -> None:
-        if body.model != self.options.model_name and body.model not in self.options.aliases:
+        """Any name is answered by the one served model, under its served name (as LM Studio
+        and Ollama's agent launchers do: Claude Code names Anthropic's models, opencode its
+        configured id); `strict_model_names` refuses other names with a 404."""
+        if (self.options.strict_model_names and body.model != self.options.model_name
+                and body.model not in self.options.aliases):
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.options.model_name!r}", param="model", code="model_not_found")
 
@@ -339,16 +343,19 @@ class Serving:
 
 def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,
                       param: str) -> int:
-    """Tokens the answer may have: the request's (or the server's default), within context."""
+    """Tokens the answer may have: the request's, else the server's default (`max_tokens`;
+    None: the rest of the context, OpenAI's meaning of leaving it out), clamped to the room
+    the context leaves after the prompt, as llama.cpp and Ollama clamp it (the answer then
+    ends with finish reason `length`). Only a prompt that leaves no room is refused."""
     room = options.context_length - prompt_tokens
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", param=param)
-    if room < 1 or (requested is not None and requested > room):
-        asked = f" plus {requested} completion tokens" if requested is not None else ""
+    if room < 1:
         raise ApiError(400, f"this model's context is {options.context_length} tokens, but the "
-                            f"request needs {prompt_tokens} prompt tokens{asked}",
+                            f"request needs {prompt_tokens} prompt tokens and at least one completion token",
                        param=param, code="context_length_exceeded")
-    return min(requested or options.max_tokens, room)
+    wanted = requested if requested is not None else options.max_tokens
+    return min(wanted if wanted is not None else room, room)
 
 
 def token_counts(job: Job, done: Done) -> tuple[int, int, int]:
