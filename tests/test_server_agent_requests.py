@@ -335,3 +335,24 @@ def test_schemas_keep_their_meaning_in_the_walked_keys():
               "$ref": "#/$defs/Node"}
     assert walked_schema(cyclic, cyclic["$defs"]) == {"type": "object", "properties": {
         "next": {"type": "object", "properties": {}}}}
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+
+def test_refusals_are_logged_in_one_line_and_counted_by_reason(served, caplog):
+    server = served(TOOL_TEMPLATE, context=96)
+    assert httpx.head(server.base + "/", timeout=10).status_code == 200  # Claude Code's probe
+    too_long = server.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "y" * 200}]})
+    bad = server.post("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    nowhere = server.post("/v1/nowhere", {})
+    assert (too_long.status_code, bad.status_code, nowhere.status_code) == (400, 400, 404)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlx_spec.server"]
+    assert lines[0].startswith("POST /v1/chat/completions 400 context_length_exceeded (messages): this model's")
+    assert lines[1].startswith("POST /v1/messages 400 invalid_request_error (max_tokens): ")
+    assert lines[2].startswith("POST /v1/nowhere 404 invalid_request_error: Not Found")
+    assert all("\n" not in line and "yyyy" not in line for line in lines)  # one line, no body
+    metrics = httpx.get(server.base + "/metrics", timeout=10).text
+    assert 'mlx_spec_refusals_total{code="400",reason="context_length_exceeded"} 1' in metrics
+    assert 'mlx_spec_refusals_total{code="400",reason="invalid_request_error"} 1' in metrics
+    assert 'mlx_spec_refusals_total{code="404",reason="invalid_request_error"} 1' in metrics
