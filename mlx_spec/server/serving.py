@@ -294,16 +294,18 @@ class Serving:
     # -- the generation --------------------------------------------------------------------
 
     def submit(self, request: CheckedRequest, prompt_ids: list[int], param: str,
-               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None) -> Job:
+               thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None,
+               score_prompt: bool = False) -> Job:
         """Queue the generation `request` asks for, once its prompt fits with its answer; a
-        chat's (`param` "messages") thoughts are split from its answer (`thinking`)."""
+        chat's (`param` "messages") thoughts are split from its answer (`thinking`);
+        `score_prompt`: the prompt's own log-probs come first (`prompt_scores`)."""
         max_tokens = completion_budget(len(prompt_ids), request.max_tokens, self.options, param)
         chat, think = param == "messages", self.model.think
         job = Job(prompt_ids, request.sampling, max_tokens, request.stops, asyncio.get_running_loop(),
                   logprobs=request.logprobs, think=think if chat else None,
                   thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
                   thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
-                  grammar=request.grammar)
+                  grammar=request.grammar, score_prompt=score_prompt)
         try:
             self.worker.submit(job)
         except (Busy, ShuttingDown) as error:
