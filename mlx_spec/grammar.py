@@ -101,7 +101,8 @@ def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -
             raise UsageError("the JSON schema must be a JSON object")
         text = json.dumps(source)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                closed_objects(source) if kind == "json_schema" else source, defaults=JSON_OPTIONS)
         except ValueError as e:
             raise UsageError(f"the JSON schema cannot be used: {_one_line(e)}") from None
     elif kind == "regex":
@@ -113,6 +114,46 @@ def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -
     if matcher.is_error():
         raise UsageError(f"the {label} cannot be used: {_one_line(matcher.get_error())}")
     return Grammar(kind, text, matcher, llt.vocab_size)
+
+
+# Keywords whose values are schemas, or lists or maps of schemas (`closed_objects` walks them).
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema, close: bool = True):
+    """The schema with every object that lists its `properties` and says nothing of others
+    closed to them (`additionalProperties: false`), as vLLM's default (xgrammar's strict
+    mode) and llama.cpp's grammar read such a schema, and as OpenAI's structured outputs
+    require it: Pydantic's schemas (instructor's, pydantic-ai's) say nothing, and an open
+    object lets a model add keys, and repeat an added key (a grammar cannot keep apart
+    keys it does not know; the listed ones come once each, in order). A schema that allows
+    more (`additionalProperties`, `patternProperties`, `unevaluatedProperties`) keeps it,
+    and so do the parts of an `allOf` (`close` false), which describe one object together."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, close=False) for s in out["allOf"]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    elif (close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+          and "patternProperties" not in out and "unevaluatedProperties" not in out and "allOf" not in out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _one_line(message) -> str:

@@ -33,6 +33,16 @@ class OpenAIServing(Serving):
         app.post("/v1/completions")(self.completions)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
+        app.get("/tokenizer_info")(self.tokenizer_info)
+
+    async def tokenizer_info(self):
+        """vLLM's `/tokenizer_info`, which lm-eval's remote tokenizer reads first: the special
+        tokens' texts, the chat template and the context."""
+        tokenizer = self.model.tokenizer
+        return {"tokenizer_class": type(getattr(tokenizer, "_tokenizer", tokenizer)).__name__,
+                **{name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")},
+                "chat_template": getattr(tokenizer, "chat_template", None),
+                "model_max_length": self.options.context_length}
 
     async def tokenize(self, request: Request):
         """Ids of a text (or of a chat through the template), in vLLM's shape (`tokens`,

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from mlx_spec.grammar import JSON_OPTIONS
+from mlx_spec.grammar import JSON_OPTIONS, closed_objects
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.body_bounds import parse_json
 from mlx_spec.server.openai_requests import ChatRequest, Message
@@ -111,7 +111,7 @@ def forced_call_grammar(tools: list[dict]) -> str:
     arguments as its `parameters` schema (%json), in json_tools' shape."""
     rules, calls = [], []
     for i, tool in enumerate(tools):
-        schema = {**(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        schema = {**closed_objects(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
         head = json.dumps('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
         calls.append(f"{head} args{i} \"}}\"")
         rules.append(f"args{i}: %json {json.dumps(schema)}")
