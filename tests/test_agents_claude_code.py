@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -54,3 +55,21 @@ def test_claude_code_completes_a_request_with_no_configuration(tmp_path, cost_ca
     assert not re.search(r"^(HEAD|POST|GET) /\S* 4\d\d ", server.log, re.M), server.log[-4000:]
     assert not re.search(r'refusals_total\{', metrics), metrics
     assert "Traceback" not in server.log
+
+
+@pytest.mark.skipif(CLAUDE is None, reason="Claude Code is not installed (npm i -g @anthropic-ai/claude-code)")
+def test_mlx_spec_launch_claude(tmp_path):
+    """The same through `mlx-spec launch claude -m MODEL -- -p "say hi"`: nothing set by hand."""
+    if not TEMPLATE.exists():
+        pytest.skip(f"{TEMPLATE} is not here (tests/data/templates/README.md says where it comes from)")
+    model = save_tiny_gemma4(tmp_path / "gemma4", chat_template=TEMPLATE.read_text(),
+                             special_tokens=TEMPLATE_SPECIAL_TOKENS, max_position_embeddings=131072,
+                             sliding_window_pattern=7)
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "MLX_SPEC_CACHE": str(tmp_path / "cache"),
+           **{k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "VIRTUAL_ENV")}}
+    run = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "launch", "claude", "-m", str(model), "--port", "0",
+                          "--", "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    assert "mlx-spec launch: claude on" in run.stderr and "Traceback" not in run.stderr

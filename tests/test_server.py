@@ -204,8 +204,9 @@ def test_prefix_reuse_and_rollback(spec_server, tiny_dirs, reference):
     n = 8
 
     def ask(messages):
+        # the answer's text as the model wrote it, control tokens too: it goes back as history
         return client.chat.completions.create(model=tiny_dirs[0], messages=messages, max_tokens=n,
-                                              temperature=0)
+                                              temperature=0, extra_body={"skip_special_tokens": False})
 
     def follow_up(turn1, answer):
         return turn1 + [{"role": "assistant", "content": answer},

@@ -356,3 +356,30 @@ def test_refusals_are_logged_in_one_line_and_counted_by_reason(served, caplog):
     assert 'mlx_spec_refusals_total{code="400",reason="context_length_exceeded"} 1' in metrics
     assert 'mlx_spec_refusals_total{code="400",reason="invalid_request_error"} 1' in metrics
     assert 'mlx_spec_refusals_total{code="404",reason="invalid_request_error"} 1' in metrics
+
+
+# -- special tokens -------------------------------------------------------------------------
+
+
+def test_special_tokens_are_left_out_of_answers_unless_kept(served):
+    """vLLM's `skip_special_tokens` (default true): control tokens the model writes are not
+    text; a tool call's markers are still read (they are parsed before)."""
+    server = served(TOOL_TEMPLATE)
+    server.say("Hi <bos>there<|tool>!")
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    chat = server.post("/v1/chat/completions", ask).json()
+    assert chat["choices"][0]["message"]["content"] == "Hi there!"
+    kept = server.post("/v1/chat/completions", {**ask, "skip_special_tokens": False}).json()
+    assert kept["choices"][0]["message"]["content"] == "Hi <bos>there<|tool>!"
+    streamed = server.post("/v1/chat/completions", {**ask, "stream": True}).text
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "Hi there!"
+    message = server.post("/v1/messages", {**ask, "max_tokens": 50}).json()
+    assert message["content"][0]["text"] == "Hi there!"
+    completion = server.post("/v1/completions", {"model": MODEL, "prompt": "<|turn>model\n"}).json()
+    assert completion["choices"][0]["text"] == "Hi there!"
+    server.say('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>')
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = server.post("/v1/chat/completions", {**ask, "tools": tools}).json()["choices"][0]["message"]
+    assert call["tool_calls"][0]["function"]["name"] == "get_weather" and not call["content"]

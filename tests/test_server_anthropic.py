@@ -186,7 +186,8 @@ def test_tool_choice_forces_a_call(streamed, scripted, tokenizer):
     say(scripted, tokenizer, BODY)
 
     def answer(tool_choice):
-        request = dict(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask, tool_choice=tool_choice)
+        request = dict(model=MODEL, max_tokens=100, tools=[WEATHER], messages=ask, tool_choice=tool_choice,
+                       extra_body={"skip_special_tokens": False})  # the free answer's text as written
         if not streamed:
             return client.messages.create(**request)
         with client.messages.stream(**request) as stream:

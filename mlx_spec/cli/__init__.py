@@ -174,7 +174,7 @@ def _root(
 
 
 # Each command module registers itself on `app` when imported.
-from mlx_spec.cli import bench, chat, generate, models, serve  # noqa: E402,F401
+from mlx_spec.cli import bench, chat, generate, launch, models, serve  # noqa: E402,F401
 
 
 def main() -> None:

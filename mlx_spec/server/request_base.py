@@ -72,6 +72,8 @@ class RequestBody(StrictModel):
     suffix: Optional[str] = None
     # Ollama's: how long the model stays loaded after this request ("5m", 300, -1: always)
     keep_alive: Union[str, float, None] = None
+    # vLLM's: control tokens (`<|turn>`, `<bos>`) left out of the answer's text (default)
+    skip_special_tokens: Optional[bool] = None
 
     def output_format(self) -> Optional[tuple[str, Optional[dict]]]:
         """`response_format` as a grammar: ("json_schema", schema), ("json_object", None), or

@@ -39,7 +39,7 @@ from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
 from mlx_spec.server.prompt import ChatPrompts
 from mlx_spec.server.request_base import RequestBody
-from mlx_spec.server.tools import ToolPlan, ToolSyntax, tool_syntax
+from mlx_spec.server.tools import CallSplitter, ToolPlan, ToolSyntax, tool_syntax
 from mlx_spec.server.worker import Worker, keep_alive_seconds
 from mlx_spec.thinking import ThinkSyntax, opens_thought, think_syntax
 from mlx_spec.vision import ImageError, ImagePrompt, ImagePrompter
@@ -337,6 +337,13 @@ class Serving:
                     return pieces, event
         finally:
             self.worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
+
+    def splitter(self, request: CheckedRequest) -> CallSplitter:
+        """The answer's `CallSplitter`: its calls parsed, control tokens left out of its text
+        unless the request keeps them (`skip_special_tokens: false`), as vLLM's and
+        llama.cpp's answers leave them out."""
+        keep = request.body.skip_special_tokens is False
+        return CallSplitter(request.plan, None if keep else self.model.prompts.controls.strip)
 
     def extra(self, done: Done) -> dict:
         """An answer's extra `mlx_spec` field: the drafter, γ and `statistics`."""

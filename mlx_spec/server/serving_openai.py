@@ -115,10 +115,10 @@ class OpenAIServing(Serving):
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(job, chat, rid, include_usage, checked.plan),
+            return StreamingResponse(self._stream(job, chat, rid, include_usage, self.splitter(checked)),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         pieces, event = await self.collect(job, request)
-        splitter = CallSplitter(checked.plan)
+        splitter = self.splitter(checked)
         parts = splitter.feed("".join(p.text for p in pieces)) + splitter.finish()
         text = "".join(p for p in parts if isinstance(p, str))
         calls = [openai_call(c) for c in parts if isinstance(c, Call)]
@@ -138,10 +138,10 @@ class OpenAIServing(Serving):
             answer["choices"][0]["message"].update(content=text or None, tool_calls=calls)
         return answer
 
-    async def _stream(self, job: Job, chat: bool, rid: str, include_usage: bool, plan: ToolPlan):
+    async def _stream(self, job: Job, chat: bool, rid: str, include_usage: bool, splitter: CallSplitter):
         created = int(time.time())
         name = self.options.model_name
-        splitter, calls, answer = CallSplitter(plan), 0, AnswerBytes(self.model.trims_first_space)
+        calls, answer = 0, AnswerBytes(self.model.trims_first_space)
 
         def pieces(parts: list, scored: list, reasoning: str = ""):
             nonlocal calls
