@@ -58,18 +58,26 @@ def test_claude_code_completes_a_request_with_no_configuration(tmp_path, cost_ca
 
 
 @pytest.mark.skipif(CLAUDE is None, reason="Claude Code is not installed (npm i -g @anthropic-ai/claude-code)")
-def test_mlx_spec_launch_claude(tmp_path):
-    """The same through `mlx-spec launch claude -m MODEL -- -p "say hi"`: nothing set by hand."""
+def test_mlx_spec_launch_claude(tmp_path, cost_cache):
+    """The same through `mlx-spec launch claude --port PORT -- -p "say hi"`, nothing set by hand,
+    on a server already running there (reused; a seeded one, so the garbage answer is the
+    same as above: a random model's answer may call tools, and Claude Code would go on)."""
     if not TEMPLATE.exists():
         pytest.skip(f"{TEMPLATE} is not here (tests/data/templates/README.md says where it comes from)")
     model = save_tiny_gemma4(tmp_path / "gemma4", chat_template=TEMPLATE.read_text(),
                              special_tokens=TEMPLATE_SPECIAL_TOKENS, max_position_embeddings=131072,
                              sliding_window_pattern=7)
+    server = Server(["--model", model, "--drafter", "none", "--temp", "1", "--seed", "0"], server_env(cost_cache))
     home = tmp_path / "home"
     home.mkdir()
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "MLX_SPEC_CACHE": str(tmp_path / "cache"),
+    env = {"PATH": os.environ["PATH"], "HOME": str(home),
            **{k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "VIRTUAL_ENV")}}
-    run = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "launch", "claude", "-m", str(model), "--port", "0",
-                          "--", "-p", "say hi"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    try:
+        run = subprocess.run([sys.executable, "-m", "mlx_spec.cli", "launch", "claude",
+                              "--port", server.url.rsplit(":", 1)[1], "--", "-p", "say hi"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert server.proc.poll() is None  # a server it did not start is left running
+    finally:
+        server.stop()
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     assert "mlx-spec launch: claude on" in run.stderr and "Traceback" not in run.stderr

@@ -359,9 +359,10 @@ def completion_budget(prompt_tokens: int, requested: Optional[int], options: Ser
     room = options.context_length - prompt_tokens
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", param=param)
-    if room < 1:
-        raise ApiError(400, f"this model's context is {options.context_length} tokens, but the "
-                            f"request needs {prompt_tokens} prompt tokens and at least one completion token",
+    if room < 1:  # worded as Anthropic's API words it, which Claude Code recognizes
+        raise ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {options.context_length - 1} "
+                            f"maximum (this model's context is {options.context_length} tokens, but the "
+                            f"request needs {prompt_tokens} prompt tokens and at least one completion token)",
                        param=param, code="context_length_exceeded")
     wanted = requested if requested is not None else options.max_tokens
     return min(wanted if wanted is not None else room, room)
