@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import write_results  # noqa: E402
 from pairs import draft_for, gemma270m, gemma_prompt_ids  # noqa: E402
 
-from mlx_spec.sampling import LogitProcessor, SamplingParams  # noqa: E402
+from mlx_spec.core.sampling import LogitProcessor, SamplingParams  # noqa: E402
 
 
 def expected_tokens_along(rates: list[float], gamma: int) -> float:

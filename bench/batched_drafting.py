@@ -1,5 +1,5 @@
 """Batched drafting (issue 28): the draft phase of one round for 1, 2, 4, 8 requests, their
-draft-model steps batched (one forward per step for all rows, `mlx_spec.batch`) versus row
+draft-model steps batched (one forward per step for all rows, `mlx_spec.core.batch`) versus row
 by row (one forward per row and step, as before).
 
 Each row is a `ModelDrafter` whose draft cache holds its own prompt (the pair's prompt cut
@@ -21,14 +21,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, spread, write_results  # noqa: E402
 from pairs import PAIRS, build  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
-
-from mlx_spec.passes import run_alone, run_passes  # noqa: E402
 from mlx_spec.cache.sequence import PromptCache  # noqa: E402
-from mlx_spec.sampling import LogitProcessor, SamplingParams  # noqa: E402
+from mlx_spec.core.passes import run_alone, run_passes  # noqa: E402
+from mlx_spec.core.sampling import LogitProcessor, SamplingParams  # noqa: E402
 
 
 def drafters_for(pair, rows: int, gamma: int) -> list:

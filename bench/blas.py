@@ -28,17 +28,17 @@ SETTINGS = ("plain", "auto", "γ=3")
 
 
 def worker(args) -> None:
-    import mlx_spec  # noqa: F401  (loads the BLAS named by $MLX_SPEC_BLAS first)
     from common import environment
     from pairs import build
 
-    from mlx_spec import blas
-    from mlx_spec.costs import measure_costs
-    from mlx_spec.engine import Engine
-    from mlx_spec.policy import AutoGamma
-    from mlx_spec.runner import MAX_AUTO_GAMMA, context_bucket
-    from mlx_spec.sampling import SamplingParams
-    from mlx_spec.stats import Stats
+    import mlx_spec  # noqa: F401  (loads the BLAS named by $MLX_SPEC_BLAS first)
+    from mlx_spec.apps.calibration import measure_costs
+    from mlx_spec.apps.runner import MAX_AUTO_GAMMA, context_bucket
+    from mlx_spec.core.engine import Engine
+    from mlx_spec.core.policy import AutoGamma
+    from mlx_spec.core.sampling import SamplingParams
+    from mlx_spec.core.stats import Stats
+    from mlx_spec.runtime import blas
 
     pairs = {name: build("gemma270m-ngram", name) for name in args.prompts}
     first = next(iter(pairs.values()))

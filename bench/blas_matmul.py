@@ -35,11 +35,10 @@ SHAPES = {"float32 LM head (640 x 262144)": (640, 262144, None),
 
 
 def worker(repeats: int, head_only: bool = False) -> None:
-    import mlx_spec  # noqa: F401  (loads the BLAS named by $MLX_SPEC_BLAS first)
     import mlx.core as mx
 
-    from mlx_spec import blas
-
+    import mlx_spec  # noqa: F401  (loads the BLAS named by $MLX_SPEC_BLAS first)
+    from mlx_spec.runtime import blas
     out = {"blas": blas.describe(), "ms": {}, "row_difference": {}}
     for name, (d_in, d_out, bits) in list(SHAPES.items())[: 1 if head_only else None]:
         w = mx.random.normal((d_out, d_in), key=mx.random.key(0)) * 0.02

@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 
-from mlx_spec import blas
-from mlx_spec.blas import OtherLoad
+from mlx_spec.runtime import blas
+from mlx_spec.runtime.blas import OtherLoad
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -102,7 +102,7 @@ def mlx_lm_folder(path: Path, bits: int | None = None) -> Path:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     loaded = load_model(None, dtype="float32", progress=False)
     config = dict(loaded.config)

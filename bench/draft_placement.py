@@ -29,12 +29,12 @@ LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main;
 
 
 def rank_main(args, folder: Path) -> None:
-    from mlx_spec import distributed
+    from mlx_spec.apps import distributed
+    from mlx_spec.core.engine import Engine
+    from mlx_spec.core.sampling import SamplingParams
+    from mlx_spec.core.stats import Stats
     from mlx_spec.drafters import ModelDrafter
     from mlx_spec.drafters.broadcast import BroadcastDrafter
-    from mlx_spec.engine import Engine
-    from mlx_spec.sampling import SamplingParams
-    from mlx_spec.stats import Stats
 
     w = distributed.world()
     pair = distributed.load_pair(w, str(folder / "target"), str(folder / "draft"), draft_on="all",

@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 PARAGRAPH = HERE.parent / "tests" / "data" / "english_paragraph.txt"
 
-from mlx_spec.models import gguf_import, gguf_tensors  # noqa: E402  (before mlx.core: BLAS choice)
+from mlx_spec.loading import gguf_import, gguf_tensors  # noqa: E402  (before mlx.core: BLAS choice)
 
 sys.path.insert(0, str(HERE))
 from common import write_results  # noqa: E402
@@ -63,7 +63,7 @@ def perplexity_mlx(folder: Path, ids: list[int]) -> float:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     model = load_model(str(folder), dtype="float32", progress=False).model
     tokens = mx.array(ids)[None]
@@ -87,7 +87,7 @@ def perplexity_llama_cpp(gguf: Path, ids: list[int]) -> tuple[float, bool]:
 
 
 def measure_perplexity() -> dict:
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

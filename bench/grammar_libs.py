@@ -214,7 +214,7 @@ def install_weight(name: str) -> dict:
 
 def default_tokenizer_json() -> str:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     loaded = load_model(None, dtype="float32", progress=False)
     return str(Path(loaded.tokenizer._path) / "tokenizer.json")

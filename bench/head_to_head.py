@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, spread, timed_tokens, write_results  # noqa: E402
 from pairs import build  # noqa: E402
 
+from mlx_spec.core.engine import Engine  # noqa: E402
+from mlx_spec.core.sampling import SamplingParams  # noqa: E402
 from mlx_spec.drafters import ModelDrafter  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
-from mlx_spec.sampling import SamplingParams  # noqa: E402
 
 
 def build_pair(name: str):

@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
 
-import mlx.core as mx  # noqa: E402
-
 from mlx_spec.cache.attention import channel_attention, quantized_attention  # noqa: E402
+
 # mlx-lm's own quantized attention (mlx_spec.runtime routes mlx-lm's module global to ours)
 from mlx_spec.cache.attention import mlx_lm_quantized_attention as quantized_scaled_dot_product_attention  # noqa: E402
 from mlx_spec.cache.global_layers import ChannelKeys, quantize_by_channel  # noqa: E402
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="decode steps per run")
     args = parser.parse_args()
 
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     model = load_model(None, dtype="float32", progress=False).model
     config = model.args

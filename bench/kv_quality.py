@@ -33,13 +33,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, OtherLoad, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
-
 import mlx.core as mx  # noqa: E402
+from common import RESULTS, OtherLoad, median, write_results  # noqa: E402  (imports mlx_spec first: the BLAS)
 
 from mlx_spec.cache.layers import KVQuantization  # noqa: E402
 from mlx_spec.cache.sequence import PromptCache, SequenceCache  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
+from mlx_spec.core.engine import Engine  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 # English prose first (the committed prompts, the perplexity test's paragraph), then the docs
@@ -108,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
 
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     loaded = load_model(None, dtype="float32", progress=False)
     model, tokenizer = loaded.model, loaded.tokenizer

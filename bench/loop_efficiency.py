@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, spread, write_results  # noqa: E402
 from pairs import build  # noqa: E402
 
-from mlx_spec.costs import measure_costs  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
-from mlx_spec.sampling import SamplingParams  # noqa: E402
-from mlx_spec.stats import Stats  # noqa: E402
+from mlx_spec.apps.calibration import measure_costs  # noqa: E402
+from mlx_spec.core.engine import Engine  # noqa: E402
+from mlx_spec.core.sampling import SamplingParams  # noqa: E402
+from mlx_spec.core.stats import Stats  # noqa: E402
 
 
 def main() -> None:

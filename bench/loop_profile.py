@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import median, write_results  # noqa: E402
 from pairs import build  # noqa: E402
 
-import mlx_spec.engine as engine_module  # noqa: E402
+import mlx_spec.core.engine as engine_module  # noqa: E402
 from mlx_spec.cache.sequence import SequenceCache  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
-from mlx_spec.sampling import SamplingParams  # noqa: E402
-from mlx_spec.stats import Stats  # noqa: E402
+from mlx_spec.core.engine import Engine  # noqa: E402
+from mlx_spec.core.sampling import SamplingParams  # noqa: E402
+from mlx_spec.core.stats import Stats  # noqa: E402
 
 
 class Timers:

@@ -33,7 +33,7 @@ def gemma_prompt_ids(tokenizer, name: str) -> list[int]:
 @lru_cache(maxsize=None)
 def gemma270m(dtype: str = "float32", quantize: int | None = None):
     """The embedded Gemma 3 270M as a LoadedModel (converted and cached on first use)."""
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     return load_model(None, dtype=dtype, quantize=quantize, progress=False)
 

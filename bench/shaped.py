@@ -28,20 +28,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
-
 from common import write_results  # noqa: E402
 from scripted import PROFILES, parse_profile  # noqa: E402
 from shaped_measure import (  # noqa: E402
-    MAX_WIDTH, best_gamma, clock, device_label, device_name, greedy_reference, log_stderr,
-    measure_costs_for, median_curve, prompt_ids, run_profile, scripted_drafter, summarize, timed,
+    MAX_WIDTH,
+    best_gamma,
+    clock,
+    device_label,
+    device_name,
+    greedy_reference,
+    log_stderr,
+    measure_costs_for,
+    median_curve,
+    prompt_ids,
+    run_profile,
+    scripted_drafter,
+    summarize,
+    timed,
 )
 from shapes import PAIRS, SHAPES, build  # noqa: E402
 
-from mlx_spec.cost_model import weight_bytes  # noqa: E402
+from mlx_spec.apps.sweep import logit_gap  # noqa: E402
+from mlx_spec.core.cost_model import weight_bytes  # noqa: E402
+from mlx_spec.core.sampling import SamplingParams  # noqa: E402
 from mlx_spec.errors import MlxSpecError  # noqa: E402
-from mlx_spec.models.loader import default_dtype  # noqa: E402
-from mlx_spec.sampling import SamplingParams  # noqa: E402
-from mlx_spec.sweep import logit_gap  # noqa: E402
+from mlx_spec.loading.loader import default_dtype  # noqa: E402
 
 DOCS = Path(__file__).parent.parent / "docs"
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, write_results  # noqa: E402
 from scripted import SEED  # noqa: E402
 
-from mlx_spec.cost_model import CostCurve  # noqa: E402
-from mlx_spec.policy import AutoGamma, BatchShare, expected_tokens  # noqa: E402
+from mlx_spec.core.cost_model import CostCurve  # noqa: E402
+from mlx_spec.core.policy import AutoGamma, BatchShare, expected_tokens  # noqa: E402
 
 CLIENTS = (1, 2, 4, 8)
 SEED_PLAIN_TPS = 15.3  # DESIGN.md §2: the 12B at 4-bit on an M3 Pro, draft off

@@ -29,19 +29,18 @@ from unittest import mock
 import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-
-import mlx_spec.costs
-import mlx_spec.engine
-from mlx_spec.cost_model import CostCurve, weight_bandwidth, weight_bytes
-from mlx_spec.costs import measure_costs
-from mlx_spec.engine import Engine
-from mlx_spec.errors import MlxSpecError
-from mlx_spec.policy import AutoGamma, cost_model_speedup, theorem_speedup
-from mlx_spec.sampling import SamplingParams
-from mlx_spec.stats import Stats
-from mlx_spec.sweep import first_difference, token_md5
-
 from scripted import ScriptedDrafter, profile_at
+
+import mlx_spec.apps.calibration
+import mlx_spec.core.engine
+from mlx_spec.apps.calibration import measure_costs
+from mlx_spec.apps.sweep import first_difference, token_md5
+from mlx_spec.core.cost_model import CostCurve, weight_bandwidth, weight_bytes
+from mlx_spec.core.engine import Engine
+from mlx_spec.core.policy import AutoGamma, cost_model_speedup, theorem_speedup
+from mlx_spec.core.sampling import SamplingParams
+from mlx_spec.core.stats import Stats
+from mlx_spec.errors import MlxSpecError
 
 MAX_WIDTH = 9  # verify widths measured: 1..9 (γ up to 8)
 
@@ -102,8 +101,8 @@ def clock(name: str):
     if mx.default_device().type != mx.DeviceType.cpu:
         raise MlxSpecError("--clock cpu measures CPU work, so only on the CPU device: use wall on a GPU")
     shim = types.SimpleNamespace(perf_counter=time.process_time, time=time.time)
-    with mock.patch.object(mlx_spec.engine, "perf_counter", time.process_time), \
-            mock.patch.object(mlx_spec.costs, "time", shim):
+    with mock.patch.object(mlx_spec.core.engine, "perf_counter", time.process_time), \
+            mock.patch.object(mlx_spec.apps.calibration, "time", shim):
         yield
 
 

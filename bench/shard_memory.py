@@ -23,8 +23,8 @@ LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main;
 
 
 def measure(group=None) -> dict:
-    from mlx_spec.cost_model import weight_bytes
-    from mlx_spec.models import load_model
+    from mlx_spec.core.cost_model import weight_bytes
+    from mlx_spec.loading import load_model
 
     mx.reset_peak_memory()
     loaded = load_model(None, dtype="float32", progress=False, group=group)
@@ -33,8 +33,7 @@ def measure(group=None) -> dict:
 
 def main() -> None:
     if "--rank" in sys.argv:
-        from mlx_spec import distributed
-
+        from mlx_spec.apps import distributed
         w = distributed.world()
         mine = measure(w.group)
         every = mx.distributed.all_gather(mx.array([[mine["peak_bytes"], mine["weight_bytes"]]], mx.float32),

@@ -40,11 +40,11 @@ t0 = time.perf_counter()
 import mlx_spec.cli  # noqa: F401  (what every command imports)
 t1 = time.perf_counter()
 try:
-    from mlx_spec.models.checkpoints import load_folder
-    from mlx_spec.models.sources import resolve_source
-    from mlx_spec.models.tokenizer_loading import load_tokenizer
+    from mlx_spec.loading.checkpoints import load_folder
+    from mlx_spec.loading.sources import resolve_source
+    from mlx_spec.loading.tokenizer_loading import load_tokenizer
 except ImportError:  # a checkout from before loader.py was split
-    from mlx_spec.models.loader import load_folder, load_tokenizer, resolve_source
+    from mlx_spec.loading.loader import load_folder, load_tokenizer, resolve_source
 path, _ = resolve_source(None, progress=False)
 try:
     model, config = load_folder(path, dtype="float32")  # a float32 copy where there is one
@@ -56,11 +56,11 @@ mx.eval(model.parameters())
 t2 = time.perf_counter()
 tokenizer = load_tokenizer(path, config)
 t3 = time.perf_counter()
-from mlx_spec.models.loader import LoadedModel
-from mlx_spec.models.pairing import ModelPair
-from mlx_spec.runner import build_engine, gamma_policy
-from mlx_spec.sampling import SamplingParams
-from mlx_spec.stream import encode_prompt, stream_generate
+from mlx_spec.loading.loader import LoadedModel
+from mlx_spec.loading.pairing import ModelPair
+from mlx_spec.apps.runner import build_engine, gamma_policy
+from mlx_spec.core.sampling import SamplingParams
+from mlx_spec.apps.stream import encode_prompt, stream_generate
 target = LoadedModel(model, tokenizer, config, "default", path, "embedded")
 pair = ModelPair(target, None, tokenizer, int(model(mx.array([[2]])).shape[-1]), None)
 engine = build_engine(pair)  # the default preset's n-gram drafter

@@ -23,15 +23,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, spread, write_results  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
-
+from mlx_spec.core.engine import Engine  # noqa: E402
+from mlx_spec.core.grammar import compile_grammar, constrain, llg_tokenizer  # noqa: E402
+from mlx_spec.core.sampling import SamplingParams  # noqa: E402
+from mlx_spec.core.stats import Stats  # noqa: E402
 from mlx_spec.drafters import NgramDrafter  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
-from mlx_spec.grammar import compile_grammar, constrain, llg_tokenizer  # noqa: E402
-from mlx_spec.sampling import SamplingParams  # noqa: E402
-from mlx_spec.stats import Stats  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40}, "street": {"type": "string", "maxLength": 60},
@@ -76,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", default="structured")
     args = parser.parse_args()
 
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     loaded = load_model(None, dtype="float32", progress=False)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -34,21 +34,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx.core as mx  # noqa: E402
 from common import median, write_results  # noqa: E402
 from pairs import build, gemma270m, gemma_prompt_ids  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
-
-from mlx_spec.cost_model import CostCurve  # noqa: E402
-from mlx_spec.costs import measure_costs  # noqa: E402
+from mlx_spec.apps.calibration import measure_costs  # noqa: E402
+from mlx_spec.apps.runner import TREE_BRANCHES, TREE_NODES, Gamma  # noqa: E402
+from mlx_spec.apps.sweep import TREE, run_sweep, token_md5  # noqa: E402
+from mlx_spec.core.cost_model import CostCurve  # noqa: E402
+from mlx_spec.core.engine import Engine  # noqa: E402
+from mlx_spec.core.policy import AutoGamma, FixedGamma, TreePolicy  # noqa: E402
+from mlx_spec.core.sampling import SamplingParams  # noqa: E402
+from mlx_spec.core.stats import Stats  # noqa: E402
 from mlx_spec.drafters import Draft, NgramDrafter  # noqa: E402
-from mlx_spec.engine import Engine  # noqa: E402
-from mlx_spec.models.pairing import ModelPair  # noqa: E402
-from mlx_spec.policy import AutoGamma, FixedGamma, TreePolicy  # noqa: E402
-from mlx_spec.runner import TREE_BRANCHES, TREE_NODES, Gamma  # noqa: E402
-from mlx_spec.sampling import SamplingParams  # noqa: E402
-from mlx_spec.stats import Stats  # noqa: E402
-from mlx_spec.sweep import TREE, run_sweep, token_md5  # noqa: E402
+from mlx_spec.loading.pairing import ModelPair  # noqa: E402
 
 DEPTH = 6  # the deepest tree, as auto γ's largest γ
 # Verify cost by rows, relative to one step, on Apple GPUs (DESIGN.md §5, M3 Ultra, matmul):
@@ -223,7 +222,7 @@ def sampled_acceptance(target, make_drafter, ids, max_tokens, seeds=6) -> dict:
     as built (a sampled chain token tested with its q, siblings one-hot against
     norm(max(p − q, 0))), and wide trees with every node one-hot (q dropped: exact too, but
     the chain token is accepted with p(x) instead of min(1, p/q))."""
-    import mlx_spec.engine as engine_module
+    import mlx_spec.core.engine as engine_module
 
     rule = engine_module.verify_tree_sampled
     one_hot = lambda x, shape, p, key, q=None: rule(x, shape, p, key, None)  # noqa: E731

@@ -169,14 +169,13 @@ def llama_info(threads: int, lookup) -> dict:
 
 
 def mlx_blas() -> dict:
-    """Which BLAS MLX's float32 matmuls call: `mlx_spec.blas.describe()` where the repo has
+    """Which BLAS MLX's float32 matmuls call: `mlx_spec.runtime.blas.describe()` where the repo has
     it, and in any case what this process shows: the BLAS-like libraries mapped into it and
     the provider of `cblas_sgemm` in the global symbol scope (a library loaded there with
     RTLD_GLOBAL wins over the reference BLAS the mlx[cpu] wheel bundles, DESIGN.md §3)."""
     found = {}
     try:
-        from mlx_spec import blas
-
+        from mlx_spec.runtime import blas
         found["describe"] = blas.describe()
     except Exception:
         pass

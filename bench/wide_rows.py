@@ -1,6 +1,6 @@
 """From how many rows a batched forward should use every free core (`blas.WIDE_ROWS`).
 
-N clients decoded together in-process (`mlx_spec.clients.run_clients`, the batch `serve
+N clients decoded together in-process (`mlx_spec.apps.clients.run_clients`, the batch `serve
 --parallel` runs, no HTTP) on the embedded Gemma 3 270M in float32 with MKL, n-gram
 drafting at auto γ, greedy, copying and ordinary prompts (`bench/concurrency.py`'s), with
 `blas.WIDE_ROWS` set to each candidate in turn: a forward over at least that many rows (the
@@ -33,11 +33,11 @@ def main() -> None:
     parser.add_argument("--name", default="wide_rows")
     args = parser.parse_args()
 
-    from mlx_spec import blas
-    from mlx_spec.clients import run_clients
-    from mlx_spec.models import load_pair
-    from mlx_spec.runner import AUTO, Gamma, build_engine
-    from mlx_spec.sampling import SamplingParams
+    from mlx_spec.apps.clients import run_clients
+    from mlx_spec.apps.runner import AUTO, Gamma, build_engine
+    from mlx_spec.core.sampling import SamplingParams
+    from mlx_spec.loading import load_pair
+    from mlx_spec.runtime import blas
 
     if blas._setter is None:
         raise SystemExit("the BLAS's threads are not ours to set here (no MKL/OpenBLAS, or a thread count in the "

@@ -9,7 +9,10 @@
     print(result.text, result.stats.acceptance_rate)
 
 Layers: `Engine.rounds` (token ids) → `stream_generate` (text) → `generate` (one result);
-`ChatSession` carries both models' caches across turns.
+`ChatSession` carries both models' caches across turns. The package, bottom-up: `runtime`
+(process set-up), `cache`, `models` (architectures mlx-lm lacks), `core` (the round loop),
+`drafters`, `loading` (models and stores), `apps` (services over the engine), `server`, `cli`;
+docs/design.md has the map.
 """
 
 from importlib import import_module
@@ -23,21 +26,21 @@ _runtime.install()
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Engine": "engine",
-    "Round": "engine",
-    "SamplingParams": "sampling",
-    "Stats": "stats",
-    "stream_generate": "stream",
-    "generate": "stream",
-    "ChatSession": "chat",
-    "build_engine": "runner",
-    "gamma_policy": "runner",
-    "AutoGamma": "policy",
-    "FixedGamma": "policy",
+    "Engine": "core.engine",
+    "Round": "core.engine",
+    "SamplingParams": "core.sampling",
+    "Stats": "core.stats",
+    "AutoGamma": "core.policy",
+    "FixedGamma": "core.policy",
     "ModelDrafter": "drafters",
     "NgramDrafter": "drafters",
-    "load_model": "models",
-    "load_pair": "models",
+    "load_model": "loading",
+    "load_pair": "loading",
+    "stream_generate": "apps.stream",
+    "generate": "apps.stream",
+    "ChatSession": "apps.conversation",
+    "build_engine": "apps.runner",
+    "gamma_policy": "apps.runner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -82,8 +82,14 @@ class StderrProgress:
             return None
         if self.bars is None:
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
-                                       TextColumn, TimeElapsedColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self.bars = Progress(SpinnerColumn(), TextColumn("{task.description}"),
                                  _when_counted(BarColumn()), _when_counted(MofNCompleteColumn()), TimeElapsedColumn(),

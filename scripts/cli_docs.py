@@ -1,5 +1,5 @@
 """Write docs/cli.md, the reference of every `mlx-spec` command and flag, from the Typer app
-itself, so the page cannot drift from `--help` (tests/test_cli_docs.py regenerates it and
+itself, so the page cannot drift from `--help` (tests/cli/test_cli_docs.py.py regenerates it and
 compares).
 
     python scripts/cli_docs.py            # rewrite docs/cli.md

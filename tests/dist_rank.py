@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dist_support import tiny_gemma4_tp  # noqa: E402
 
-from mlx_spec import distributed  # noqa: E402
-from mlx_spec.models.sharding import shard_model  # noqa: E402
+from mlx_spec.apps import distributed  # noqa: E402
+from mlx_spec.loading.sharding import shard_model  # noqa: E402
 from mlx_spec.testing.tiny import tiny_gemma3  # noqa: E402
 
 
@@ -71,8 +71,8 @@ def mode_logits(world, out: Path, *args) -> dict:
 
 def mode_decode(world, out: Path, target: str, draft: str, draft_on: str, prompt: str,
                 max_tokens: str) -> dict:
-    from mlx_spec.runner import build_engine
-    from mlx_spec.sampling import SamplingParams
+    from mlx_spec.apps.runner import build_engine
+    from mlx_spec.core.sampling import SamplingParams
 
     pair = distributed.load_pair(world, target, draft, draft_on=draft_on, progress=False)
     prompt_ids = json.loads(prompt)
@@ -88,7 +88,7 @@ def mode_decode(world, out: Path, target: str, draft: str, draft_on: str, prompt
     # mlx-lm's own sharded_load works once our shard() is installed on its classes.
     from mlx_lm.utils import sharded_load
 
-    from mlx_spec.models.sharding import install
+    from mlx_spec.loading.sharding import install
 
     install()
     theirs, _ = sharded_load(target)
@@ -105,8 +105,8 @@ def mode_decode(world, out: Path, target: str, draft: str, draft_on: str, prompt
 def mode_greedy(world, out: Path, target: str, prompt: str, max_tokens: str, gammas: str) -> dict:
     """Greedy n-gram speculative decoding of `target` ("default": the embedded Gemma 3
     270M, float32) for each γ, and the peak memory of this rank."""
-    from mlx_spec.runner import build_engine
-    from mlx_spec.sampling import SamplingParams
+    from mlx_spec.apps.runner import build_engine
+    from mlx_spec.core.sampling import SamplingParams
 
     mx.reset_peak_memory()
     pair = distributed.load_pair(world, None if target == "default" else target, dtype="float32",

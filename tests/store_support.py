@@ -13,6 +13,12 @@ import json
 from pathlib import Path
 
 import gguf
+import mlx.core as mx
+import pytest
+from conftest import greedy_reference
+
+import mlx_spec.loading.gguf_tensors as gguf_tensors
+from mlx_spec.loading import load_model
 
 MANIFEST_MEDIA = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA = "application/vnd.docker.container.image.v1+json"
@@ -76,3 +82,36 @@ def write_header_only_gguf(path: Path, architecture: str, **uint32_keys: int) ->
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+PROMPT = "the cat and the hat"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """Empty Ollama store, LM Studio folder, HF cache and mlx-spec cache; float32 import
+    storage so the imported model equals the reference exactly."""
+    paths = {name: tmp_path / name for name in ("ollama", "lmstudio", "hf", "cache")}
+    monkeypatch.setenv("OLLAMA_MODELS", str(paths["ollama"]))
+    monkeypatch.setenv("LMSTUDIO_MODELS", str(paths["lmstudio"]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(paths["hf"]))
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(paths["cache"]))
+    monkeypatch.delenv("MLX_SPEC_DEBUG", raising=False)
+    monkeypatch.setattr(gguf_tensors, "STORAGE_DTYPE", mx.float32)
+    return paths
+
+
+def plain_text(reference, tokenizer_source, max_tokens, prompt=PROMPT):
+    """What plain greedy decoding of `reference` (mlx-lm's generate_step) writes for the
+    prompt, cut at the first end-of-turn id as the CLI cuts it; the tokenizer is the one
+    `tokenizer_source` (a .gguf file or model folder) loads with."""
+    # mlx-lm's own tokenizer (for_chat), not a GGUF import's FastTokenizer
+    tokenizer = load_model(str(tokenizer_source), progress=False, for_chat=True).tokenizer
+    ids = greedy_reference(reference, tokenizer.encode(prompt), max_tokens)
+    cut = next((i for i, t in enumerate(ids) if t in tokenizer.eos_token_ids), len(ids))
+    detokenizer = tokenizer.detokenizer  # byte tokens join into characters as they stream
+    detokenizer.reset()
+    for token in ids[:cut]:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text

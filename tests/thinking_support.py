@@ -12,9 +12,17 @@ writes it, and Google's own template where tests/data/templates/gemma4.jinja hol
 from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
+from scripted_model import (
+    END_OF_TURN_ID,
+    EOS_ID,
+    OPENER,
+    SPECIAL_TOKENS,
+    TURN_ID,
+    ScriptedModel,
+    save_tokenizer,
+)
 
-from mlx_spec.engine import Engine
-from scripted_model import END_OF_TURN_ID, EOS_ID, OPENER, SPECIAL_TOKENS, TURN_ID, ScriptedModel, save_tokenizer
+from mlx_spec.core.engine import Engine
 
 MODEL = "thinker"
 START, END = "<|channel>thought\n", "<channel|>"

@@ -1,7 +1,7 @@
 """The model's forward passes as our caches need them: logits, final hidden states or both,
 and, while a draft tree or an image is fed, the masks and RoPE positions it needs.
 
-A draft tree (`mlx_spec.tree`) is verified in one pass: while `SequenceCache.forward` feeds
+A draft tree (`mlx_spec.core.tree`) is verified in one pass: while `SequenceCache.forward` feeds
 one (`feeding_tree`), every layer's mask shows each row the prefix and its ancestors only,
 and RoPE puts each row at prefix + depth.
 """
@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from mlx_spec.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
 from mlx_spec.cache.window_layers import WindowKVCache
-from mlx_spec.tree import TreeShape
+from mlx_spec.core.tree import TreeShape
 
 
 def text_model(model):
@@ -97,7 +97,7 @@ def images_opened(cache: list, blocks: Optional[mx.array]):
 def final_hidden(model, inputs: mx.array, cache, **embedded) -> mx.array:
     """The decoder's final (post-norm) hidden states, without the LM head: mlx-lm's
     Gemma-family models are a decoder `model.model` ending in its final norm. `embedded`:
-    `input_embeddings` for the rows (an image prompt's, `mlx_spec.vision`)."""
+    `input_embeddings` for the rows (an image prompt's, `mlx_spec.models.vision`)."""
     return text_model(model).model(inputs, cache=cache, **embedded)
 
 

@@ -9,8 +9,16 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mlx_spec.cache.layer_base import (ExactTrim, PackedKV, Restorable, TreeMask, buffer_nbytes, kv_slots,
-                                       put_slots, slot_capacity)
+from mlx_spec.cache.layer_base import (
+    ExactTrim,
+    PackedKV,
+    Restorable,
+    TreeMask,
+    buffer_nbytes,
+    kv_slots,
+    put_slots,
+    slot_capacity,
+)
 
 
 class TreeKVCache(TreeMask, KVCache):

@@ -9,7 +9,7 @@ from typing import Optional
 from mlx.utils import tree_map
 from mlx_lm.models.cache import create_attention_mask
 
-from mlx_spec.tree import TreeShape, tree_mask
+from mlx_spec.core.tree import TreeShape, tree_mask
 
 
 class TreeMask:

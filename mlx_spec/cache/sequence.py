@@ -20,14 +20,14 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from mlx_spec import blas
 from mlx_spec.cache.forward import feeding_tree, forward_model, images_opened, text_model, tree_capable
 from mlx_spec.cache.global_layers import ChannelQuantizedKVCache, TreeKVCache
 from mlx_spec.cache.layer_base import buffer_parts
 from mlx_spec.cache.layers import KVQuantization, QuantizedKVReader, make_cache
 from mlx_spec.cache.window_layers import WindowKVCache
-from mlx_spec.steps import drive
-from mlx_spec.tree import TreeShape
+from mlx_spec.core.steps import drive
+from mlx_spec.core.tree import TreeShape
+from mlx_spec.runtime import blas
 
 MAX_ROOM = 1 << 30  # no limit on a verify pass's draft tokens
 
@@ -44,7 +44,7 @@ class SequenceCache:
     """One model, its per-layer cache, and the token ids that cache holds.
 
     `ids` is what the cache holds once a round is settled: token ids, and where an image
-    prompt put image tokens, (id, image hash) keys (`mlx_spec.vision.ImagePrompt.keys`). Tokens fed with `forward` during
+    prompt put image tokens, (id, image hash) keys (`mlx_spec.models.vision.ImagePrompt.keys`). Tokens fed with `forward` during
     a round (draft tokens, still lazy on the device) are unsettled until `settle(kept)`
     keeps a prefix of them and rolls the rest back.
 
@@ -127,7 +127,7 @@ class SequenceCache:
 
     @property
     def batchable(self) -> bool:
-        """Whether a batch may feed it beside other rows (`mlx_spec.batch`): what a tree
+        """Whether a batch may feed it beside other rows (`mlx_spec.core.batch`): what a tree
         needs, and K/V that never switch to quantized (a batch's forward skips the switch
         `forward` makes, and cannot stack packed triples)."""
         return self.tree_capable and self.kv is None
@@ -143,7 +143,7 @@ class SequenceCache:
     def forward(self, tokens: mx.array, hidden: bool = False, tree: Optional[TreeShape] = None):
         """Feed `tokens` ([n] int) and return logits [n, V], lazily; with hidden=True,
         (logits [n, V], final hidden states [n, H]). With a `tree`, tokens are its
-        flattened block [root, x_0..x_N-1] (see `mlx_spec.tree`), fed in one pass."""
+        flattened block [root, x_0..x_N-1] (see `mlx_spec.core.tree`), fed in one pass."""
         self._quantize_when_due()
         if tree is not None:
             root = self.cache[0].offset  # the root's position: every layer agrees

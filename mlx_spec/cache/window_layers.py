@@ -16,9 +16,16 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from mlx_spec.cache.layer_base import (ExactTrim, PackedKV, Restorable, buffer_nbytes, kv_slots, put_slots,
-                                       slot_capacity)
-from mlx_spec.tree import TreeShape, tree_mask
+from mlx_spec.cache.layer_base import (
+    ExactTrim,
+    PackedKV,
+    Restorable,
+    buffer_nbytes,
+    kv_slots,
+    put_slots,
+    slot_capacity,
+)
+from mlx_spec.core.tree import TreeShape, tree_mask
 
 
 class WindowKVCache(ExactTrim, Restorable):

@@ -1,6 +1,6 @@
 """`mlx-spec bench`: find the γ that is fastest on this machine for this model pair.
 
-The sweep itself is `mlx_spec.sweep.run_sweep`; this command parses, runs it with a
+The sweep itself is `mlx_spec.apps.sweep.run_sweep`; this command parses, runs it with a
 progress bar on stderr, and renders a table, JSON, CSV or a plot.
 """
 
@@ -15,22 +15,41 @@ from typing import Annotated, Optional
 import mlx.core as mx
 import typer
 
-from mlx_spec import blas, costs
-from mlx_spec.cli import app
+from mlx_spec.apps import calibration
+from mlx_spec.apps.distributed import world
+from mlx_spec.apps.runner import AUTO, Gamma
+from mlx_spec.apps.stream import encode_prompt
+from mlx_spec.apps.sweep import BASELINE, DEFAULT_GAMMAS, TREE, SweepResult, run_sweep
+from mlx_spec.cli.app import app
 from mlx_spec.cli.common import (
-    OUTPUT, DraftOnOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MaxTokensOpt,
-    ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, SamplingOptions, SeedOpt, setup_models,
+    OUTPUT,
+    DrafterOpt,
+    DraftKvBitsOpt,
+    DraftOnOpt,
+    DraftOpt,
+    DraftQuantizeOpt,
+    DtypeOpt,
+    GroupSizeOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
+    KvStartOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    ModelOptions,
+    PresetOpt,
+    QuantizeOpt,
+    RecalibrateOpt,
+    SamplingOptions,
+    SeedOpt,
+    setup_models,
     warn_replaced,
 )
 from mlx_spec.cli.render import human_bytes
-from mlx_spec.distributed import world
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.models.stores import drafting_defaults as store_drafting
+from mlx_spec.loading.stores import drafting_defaults as store_drafting
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import committed_prompts, resolve_prompt
-from mlx_spec.runner import AUTO, Gamma
-from mlx_spec.stream import encode_prompt
-from mlx_spec.sweep import BASELINE, DEFAULT_GAMMAS, TREE, SweepResult, run_sweep
+from mlx_spec.runtime import blas
 
 # The reference measurement's settings after drafting off (DESIGN §2: Ollama's gemma4:12b
 # with its built-in draft on an M3 Pro), and the automatic policy.
@@ -149,7 +168,7 @@ def bench(
     named = [tuple(pair) for pair in w.broadcast_json(named)]
 
     # the sweep's own temperature and seed, not the preset's sampling defaults
-    costs.recalibrate(recalibrate)
+    calibration.recalibrate(recalibrate)
     setup = setup_models(ModelOptions.from_flags(locals(), gamma=AUTO, chat_template=None),
                          SamplingOptions(temp=temp, seed=seed), preset_sampling=False)
     params = setup.params
@@ -200,7 +219,7 @@ def _bench_clients(setup, prompt_ids: list, clients: int, gammas: list[Gamma], r
                    json_out: bool) -> None:
     """`bench --clients N`: `clients.bench_clients` over the prompts cycled to N requests,
     rendered; exit 1 where a request's greedy tokens differ from drafting off's."""
-    from mlx_spec.clients import bench_clients
+    from mlx_spec.apps.clients import bench_clients
 
     requests = [prompt_ids[i % len(prompt_ids)] for i in range(clients)]
     with StderrProgress() as progress:

@@ -21,23 +21,56 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlx_spec import costs
+from mlx_spec.apps import calibration
+from mlx_spec.apps.conversation import ChatSession
+from mlx_spec.apps.distributed import world
+from mlx_spec.apps.runner import Gamma, build_engine
 from mlx_spec.cache.files import CacheFileError, cache_key, writable_folder
-from mlx_spec.chat import ChatSession
-from mlx_spec.cli import app
+from mlx_spec.cli.app import app
 from mlx_spec.cli.common import (
-    ChatTemplateOpt, ColorOpt, DraftKvBitsOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt,
-    GammaOpt, GrammarOpt, GroupSizeOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, MaxTokensOpt,
-    MinPOpt, ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt,
-    SamplingOptions, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, checked_text,
-    refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter,
+    ChatTemplateOpt,
+    ColorOpt,
+    DrafterOpt,
+    DraftKvBitsOpt,
+    DraftOnOpt,
+    DraftOpt,
+    DraftQuantizeOpt,
+    DtypeOpt,
+    GammaOpt,
+    GrammarOpt,
+    GroupSizeOpt,
+    JsonSchemaOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
+    KvStartOpt,
+    MaxTokensOpt,
+    MinPOpt,
+    ModelOpt,
+    ModelOptions,
+    PresetOpt,
+    QuantizeOpt,
+    RecalibrateOpt,
+    RegexOpt,
+    RepPenaltyOpt,
+    SamplingOptions,
+    SeedOpt,
+    StopOpt,
+    TempOpt,
+    ThinkOpt,
+    TopKOpt,
+    TopPOpt,
+    calibrate_gamma,
+    checked_text,
+    refuse_thinking_with_grammar,
+    setup_models,
+    structured_output,
+    template_kwargs,
+    thought_splitter,
 )
 from mlx_spec.cli.render import ViewMaker, plural, render_stats, summary_line
-from mlx_spec.distributed import world
+from mlx_spec.core.stats import Stats
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.runner import Gamma, build_engine
-from mlx_spec.stats import Stats
-from mlx_spec.vision import read_image_file
+from mlx_spec.models.vision import read_image_file
 
 PROMPT = ">>> "
 MORE = "... "  # inside a triple-quoted message
@@ -110,7 +143,7 @@ def _line_editing():
     except ImportError:  # piped, or a Python built without readline: plain input()
         yield
         return
-    from mlx_spec.models.sources import cache_root
+    from mlx_spec.loading.sources import cache_root
 
     history = cache_root() / HISTORY_FILE
     if "libedit" not in (readline.__doc__ or ""):  # macOS's libedit has no such setting
@@ -394,7 +427,7 @@ def chat(
         save_path = session_path(saved_as, "--save" if save else "--resume")
         if resume_path is not None and not resume_path.exists():
             raise MlxSpecError(f"no saved chat session {resume!r} in {resume_path.parent}")
-    costs.recalibrate(recalibrate)
+    calibration.recalibrate(recalibrate)
     setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat="later")
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
@@ -432,7 +465,7 @@ def sessions_folder():
     import os
     from pathlib import Path
 
-    from mlx_spec.models.sources import cache_root
+    from mlx_spec.loading.sources import cache_root
 
     folder = os.environ.get("MLX_SPEC_SESSIONS")
     return Path(folder).expanduser() if folder else cache_root() / "sessions"

@@ -11,14 +11,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from mlx_spec import distributed
-from mlx_spec.distributed import world
+from mlx_spec.apps import distributed
+from mlx_spec.apps.distributed import world
+from mlx_spec.apps.runner import Choice, Gamma, gamma_policy, resolve_choice
+from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.drafters import DRAFTER_NAMES, DRAFTERS, NO_DRAFTER
 from mlx_spec.errors import UsageError
 from mlx_spec.progress import StderrProgress
 from mlx_spec.prompts import valid_text
-from mlx_spec.runner import Choice, Gamma, gamma_policy, resolve_choice
-from mlx_spec.sampling import SamplingParams
 
 # ---------------------------------------------------------------------------------------
 # Option types (shared so every command spells them the same way)
@@ -235,7 +235,7 @@ class Setup:
 
     choice: Choice
     params: SamplingParams
-    pair: Any  # mlx_spec.models.ModelPair
+    pair: Any  # mlx_spec.loading.ModelPair
     kv: Any = None  # mlx_spec.cache.KVQuantization for the target's cache, or None
     draft_kv: Any = None  # and for the draft model's
 
@@ -266,9 +266,9 @@ def setup_models(
             preset's choice (`use_chat`) it says whether to load the tokenizer that renders
             chat templates at once (`load_model(for_chat=...)`).
     """
-    from mlx_spec.models import check_source, load_pair
-    from mlx_spec.models.chat_templates import chat_template_text
-    from mlx_spec.models.loader import check_bits
+    from mlx_spec.loading import check_source, load_pair
+    from mlx_spec.loading.chat_templates import chat_template_text
+    from mlx_spec.loading.loader import check_bits
 
     w = world()
     with w.together():  # across ranks: a bad flag or path on any rank ends every rank here
@@ -311,7 +311,7 @@ def kv_quantization(bits: Optional[int], group_size: Optional[int], start: Optio
     """(target's, draft's) `KVQuantization` or None from --kv-bits, --kv-group-size,
     --kv-start and --draft-kv-bits; a `UsageError` for a value that cannot work."""
     from mlx_spec.cache.layers import KVQuantization
-    from mlx_spec.models.loader import GROUP_SIZES
+    from mlx_spec.loading.loader import GROUP_SIZES
 
     for value, flag in ((bits, "--kv-bits"), (draft_bits, "--draft-kv-bits")):
         if value is not None and value not in KV_BITS:
@@ -343,7 +343,7 @@ def structured_output(setup: "Setup", engine, json_schema: Optional[str] = None,
     """From --json-schema / --regex / --grammar (at most one) to a function giving each
     generation its own grammar `Matcher`, or None when none was given. A schema or grammar
     that does not compile is a one-line usage error naming the flag and the feature."""
-    from mlx_spec.grammar import compile_grammar, read_grammar_option
+    from mlx_spec.core.grammar import compile_grammar, read_grammar_option
 
     given = [(flag, kind, value) for flag, kind, value in (
         ("--json-schema", "json_schema", json_schema), ("--regex", "regex", regex), ("--grammar", "lark", grammar))
@@ -374,7 +374,7 @@ def template_kwargs(think: Optional[bool], chat: bool) -> dict:
 def thought_splitter(tokenizer, chat: bool, prompt_ids: list[int]):
     """A `ThoughtSplitter` for an answer to `prompt_ids`: a chat's thoughts (in the model's
     markers) apart from its answer; raw text is all answer."""
-    from mlx_spec.thinking import ThoughtSplitter, opens_thought, think_syntax
+    from mlx_spec.apps.thinking import ThoughtSplitter, opens_thought, think_syntax
 
     syntax = think_syntax(tokenizer) if chat else None
     return ThoughtSplitter(syntax, opens_thought(tokenizer, syntax, prompt_ids))
@@ -398,7 +398,7 @@ def image_prompt(target, tokenizer, text: str, chat: bool, kwargs: dict, images:
     """(prompt ids, `ImagePrompt` or None) for `text` with `images` (PIL images) before it:
     in the chat template's image parts, or raw, after one placeholder per image. A target
     without a vision tower refuses images in one line naming `flag`."""
-    from mlx_spec.stream import encode_prompt
+    from mlx_spec.apps.stream import encode_prompt
 
     if not images:
         return encode_prompt(tokenizer, text, chat, kwargs), None

@@ -19,24 +19,63 @@ from typing import Annotated, Optional
 import mlx.core as mx
 import typer
 
-from mlx_spec import blas, costs
-from mlx_spec.cli import app
+from mlx_spec.apps import calibration
+from mlx_spec.apps.distributed import world
+from mlx_spec.apps.runner import Gamma, build_engine
+from mlx_spec.apps.stream import encode_prompt, stream_generate
+from mlx_spec.apps.thinking import PhaseAcceptance
+from mlx_spec.cli.app import app
 from mlx_spec.cli.common import (
-    OUTPUT, ChatOpt, ChatTemplateOpt, ColorOpt, DraftOpt, DraftOnOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt,
-    DraftKvBitsOpt, GrammarOpt, GroupSizeOpt, ImageOpt, JsonSchemaOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt,
-    MaxTokensOpt, MinPOpt, ModelOpt, ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RegexOpt, RepPenaltyOpt,
-    SamplingOptions, SeedOpt, StopOpt, TempOpt, ThinkOpt, TopKOpt, TopPOpt, calibrate_gamma, image_prompt, read_prompt,
-    refuse_thinking_with_grammar, setup_models, structured_output, template_kwargs, thought_splitter, use_chat,
+    OUTPUT,
+    ChatOpt,
+    ChatTemplateOpt,
+    ColorOpt,
+    DrafterOpt,
+    DraftKvBitsOpt,
+    DraftOnOpt,
+    DraftOpt,
+    DraftQuantizeOpt,
+    DtypeOpt,
+    GammaOpt,
+    GrammarOpt,
+    GroupSizeOpt,
+    ImageOpt,
+    JsonSchemaOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
+    KvStartOpt,
+    MaxTokensOpt,
+    MinPOpt,
+    ModelOpt,
+    ModelOptions,
+    PresetOpt,
+    QuantizeOpt,
+    RecalibrateOpt,
+    RegexOpt,
+    RepPenaltyOpt,
+    SamplingOptions,
+    SeedOpt,
+    StopOpt,
+    TempOpt,
+    ThinkOpt,
+    TopKOpt,
+    TopPOpt,
+    calibrate_gamma,
+    image_prompt,
+    read_prompt,
+    refuse_thinking_with_grammar,
+    setup_models,
+    structured_output,
+    template_kwargs,
+    thought_splitter,
+    use_chat,
 )
 from mlx_spec.cli.render import ViewMaker, render_stats, summary_line
-from mlx_spec.distributed import world
+from mlx_spec.core.stats import Stats
 from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.models.vision import read_image_file
 from mlx_spec.progress import StderrProgress
-from mlx_spec.runner import Gamma, build_engine
-from mlx_spec.stats import Stats
-from mlx_spec.stream import encode_prompt, stream_generate
-from mlx_spec.thinking import PhaseAcceptance
-from mlx_spec.vision import read_image_file
+from mlx_spec.runtime import blas
 
 REFRESH_S = 0.1  # live panel refresh throttle
 DRAFT_STYLE = "green"
@@ -101,7 +140,7 @@ def generate(
         raise UsageError("an image prompt cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
     if kv_bits is not None and prompt_cache is not None:  # mlx-lm's layout has no quantized windows
         raise UsageError("--kv-bits caches cannot be kept in an mlx-lm prompt cache file", flag="--prompt-cache")
-    costs.recalibrate(recalibrate)
+    calibration.recalibrate(recalibrate)
     setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat=chat)
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
@@ -177,10 +216,13 @@ def cached_prompt(path: Path, engine, setup, text: str, chat: bool, template_kwa
     FILE first. A file mlx-lm made does not say the ids it holds: the draft model cannot
     prefill its own cache from them, so that answer is drafted without it."""
     from mlx_spec.cache.files import CacheFileError, cache_key
-    from mlx_spec.drafters.model import ModelDrafter
     from mlx_spec.cache.mlx_lm_files import (
-        continuation_ids, load_mlx_lm_cache, open_prompt_ids, save_mlx_lm_cache,
+        continuation_ids,
+        load_mlx_lm_cache,
+        open_prompt_ids,
+        save_mlx_lm_cache,
     )
+    from mlx_spec.drafters.model import ModelDrafter
 
     if world().active:
         raise MlxSpecError("--prompt-cache does not run across ranks (mlx.launch): each rank holds "

@@ -30,7 +30,7 @@ from typing import Annotated, Optional
 import httpx
 import typer
 
-from mlx_spec.cli import app
+from mlx_spec.cli.app import app
 from mlx_spec.errors import MlxSpecError, UsageError
 
 NPM_PACKAGES = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex", "opencode": "opencode-ai"}

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from mlx_spec.cli import app
+from mlx_spec.cli.app import app
 
 models_app = typer.Typer(help="Model presets and model information.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
@@ -33,7 +33,7 @@ def list_command(
     if local:
         list_local_models(as_json)
         return
-    from mlx_spec.models.presets import list_presets
+    from mlx_spec.loading.presets import list_presets
 
     presets = list_presets()
     if as_json:
@@ -130,7 +130,7 @@ def list_local_models(as_json: bool) -> None:
     """`models list --local`: one row per runnable model, then one line per store's models
     that cannot run (with why). Its own table, apart from the presets'."""
     from mlx_spec.cli.render import human_bytes
-    from mlx_spec.models.stores import list_local
+    from mlx_spec.loading.stores import list_local
 
     found = list_local()
     if as_json:
@@ -167,8 +167,8 @@ def info_command(
     as_json: JsonOption = False,
 ) -> None:
     """Architecture, parameters, quantization, weight bytes, attention layout and vocabulary."""
-    from mlx_spec.models.info import model_info
-    from mlx_spec.models.presets import list_presets
+    from mlx_spec.loading.info import model_info
+    from mlx_spec.loading.presets import list_presets
 
     presets = {p.name: p for p in list_presets()}
     if source in presets and not Path(source).exists() and source != "default":
@@ -216,9 +216,9 @@ def import_command(
     """Convert a GGUF file, or an Ollama / LM Studio model, into the mlx-spec cache now
     (loading it later is then instant)."""
     from mlx_spec.errors import ModelLoadError
-    from mlx_spec.models.gguf_import import STORAGES
-    from mlx_spec.models.sources import resolve_source
-    from mlx_spec.models.stores import drafting_defaults, is_store_source
+    from mlx_spec.loading.gguf_import import STORAGES
+    from mlx_spec.loading.sources import resolve_source
+    from mlx_spec.loading.stores import drafting_defaults, is_store_source
 
     if storage not in STORAGES:
         raise typer.BadParameter(f"'{storage}' is not one of {', '.join(STORAGES)}", param_hint="--storage")
@@ -235,7 +235,7 @@ def import_command(
 
 def _cached_info(source: str) -> dict:
     from mlx_spec.errors import ModelLoadError
-    from mlx_spec.models.info import model_info
+    from mlx_spec.loading.info import model_info
 
     try:
         return model_info(source, progress=False, download=False)
@@ -258,7 +258,7 @@ def _sampling(preset) -> str:
 
 def _human(info: dict) -> dict:
     """Readable values for the table view; --json keeps the raw numbers."""
-    from mlx_spec.models.loader import default_dtype
+    from mlx_spec.loading.loader import default_dtype
 
     if "parameters" not in info:
         return info

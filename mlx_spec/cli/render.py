@@ -14,12 +14,12 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from mlx_spec.cost_model import weight_bandwidth, weight_bytes
-from mlx_spec.policy import AutoGamma
-from mlx_spec.stats import Stats
+from mlx_spec.core.cost_model import weight_bandwidth, weight_bytes
+from mlx_spec.core.policy import AutoGamma
+from mlx_spec.core.stats import Stats
 
 if TYPE_CHECKING:
-    from mlx_spec.runner import Gamma
+    from mlx_spec.apps.runner import Gamma
 
 BAR_WIDTH = 20
 _EIGHTHS = " ▏▎▍▌▋▊▉█"

@@ -19,22 +19,39 @@ from typing import Annotated, Optional
 
 import typer
 
-from mlx_spec import costs
-from mlx_spec.cli import app
+from mlx_spec.apps import calibration
+from mlx_spec.apps.runner import Gamma, build_engine
+from mlx_spec.cli.app import app
 from mlx_spec.cli.common import (
-    ChatTemplateOpt, DraftOpt, DraftQuantizeOpt, DrafterOpt, DtypeOpt, GammaOpt, GroupSizeOpt, KvBitsOpt, KvGroupSizeOpt, KvStartOpt, DraftKvBitsOpt, MinPOpt, ModelOpt,
-    ModelOptions, PresetOpt, QuantizeOpt, RecalibrateOpt, RepPenaltyOpt, SamplingOptions, SeedOpt, TempOpt, TopKOpt,
-    TopPOpt, calibrate_gamma, setup_models,
+    ChatTemplateOpt,
+    DrafterOpt,
+    DraftKvBitsOpt,
+    DraftOpt,
+    DraftQuantizeOpt,
+    DtypeOpt,
+    GammaOpt,
+    GroupSizeOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
+    KvStartOpt,
+    MinPOpt,
+    ModelOpt,
+    ModelOptions,
+    PresetOpt,
+    QuantizeOpt,
+    RecalibrateOpt,
+    RepPenaltyOpt,
+    SamplingOptions,
+    SeedOpt,
+    TempOpt,
+    TopKOpt,
+    TopPOpt,
+    calibrate_gamma,
+    setup_models,
 )
 from mlx_spec.errors import MlxSpecError, UsageError
-from mlx_spec.runner import Gamma, build_engine
 
 SERVER = "Server"
-# The server bounds every answer by the context: for a model whose config names no context
-# length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
-DEFAULT_CONTEXT = 8192
-
-
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(
@@ -164,10 +181,10 @@ def serve(
     """
     import uvicorn
 
+    from mlx_spec.apps.distributed import world
     from mlx_spec.server import ServerOptions, create_app
+    from mlx_spec.server.options import DEFAULT_CONTEXT
     from mlx_spec.server.guards import check_api_key
-
-    from mlx_spec.distributed import world
 
     if world().active:  # requests reach rank 0 only; the other ranks would wait forever
         raise MlxSpecError("serve does not run across ranks (mlx.launch); generate, chat and bench do")
@@ -195,7 +212,7 @@ def serve(
     if served_hosts is not None and not _loopback(sock.getsockname()[0]):
         print(f"answering requests for {', '.join(served_hosts)} and loopback names (more: "
               "--allowed-hosts)", file=sys.stderr)
-    costs.recalibrate(recalibrate)
+    calibration.recalibrate(recalibrate)
     models = ModelOptions.from_flags(locals(), draft_on=None)
     sampling = SamplingOptions.from_flags(locals())
 

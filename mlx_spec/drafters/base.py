@@ -40,9 +40,9 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlx_spec.core.passes import run_alone
+from mlx_spec.core.tree import TreeShape
 from mlx_spec.errors import UsageError
-from mlx_spec.passes import run_alone
-from mlx_spec.tree import TreeShape
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Rank 0's drafter across the ranks of a sharded target (`mlx_spec.distributed`)."""
+"""Rank 0's drafter across the ranks of a sharded target (`mlx_spec.apps.distributed`)."""
 
 from __future__ import annotations
 

@@ -7,14 +7,14 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_spec.cache.sequence import common_prefix_length
+from mlx_spec.core.grammar import constrain
+from mlx_spec.core.passes import DraftPass, run_alone
+from mlx_spec.core.sampling import draw, likeliest
 from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.broadcast import BroadcastDrafter
 from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
 from mlx_spec.errors import UsageError
-from mlx_spec.grammar import constrain
 from mlx_spec.models.gemma4_assistant import is_assistant_config
-from mlx_spec.passes import DraftPass, run_alone
-from mlx_spec.sampling import draw, likeliest
 
 
 class ModelDrafter(Drafter):

@@ -37,12 +37,12 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_spec.cache.layer_base import kv_slots
+from mlx_spec.core.passes import Pass, pad_left, run_alone
+from mlx_spec.core.sampling import likeliest
 from mlx_spec.drafters.base import Draft, Drafter, require_draft_model
 from mlx_spec.drafters.siblings import sibling_leaves, with_leaves
 from mlx_spec.errors import MlxSpecError, UsageError
 from mlx_spec.models.gemma4_assistant import is_assistant_config, last_kv_layers, target_text_model
-from mlx_spec.passes import Pass, pad_left, run_alone
-from mlx_spec.sampling import likeliest
 
 # The query position of every draft step, as the number of tokens in the target's cache
 # minus this. 0: the position the newest token will take (transformers'

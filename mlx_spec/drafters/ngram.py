@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlx_spec.core.tree import TreeShape
 from mlx_spec.drafters.base import Draft, Drafter
-from mlx_spec.tree import TreeShape
 
 
 class NgramDrafter(Drafter):

@@ -7,9 +7,9 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlx_spec.core.sampling import one_hot
+from mlx_spec.core.tree import TreeShape
 from mlx_spec.drafters.base import Draft
-from mlx_spec.sampling import one_hot
-from mlx_spec.tree import TreeShape
 
 
 def sibling_leaves(chain: list[int], ranked: list[list[int]], probs: list[list[float]], chain_q: list[float],

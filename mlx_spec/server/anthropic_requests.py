@@ -15,7 +15,11 @@ from pydantic import ConfigDict, Field
 
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.body_bounds import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS, bounded_stops,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_SEQUENCES,
+    MAX_TOOLS,
+    bounded_stops,
 )
 from mlx_spec.server.request_base import Items, RequestBody, StrictModel
 from mlx_spec.server.tools import ToolPlan, plan_tools, template_call, template_result

@@ -24,10 +24,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from mlx_spec.cache.sequence import PromptCache, common_prefix_length
 from mlx_spec.cache.files import (
-    CacheFileError, key_id, load_prompt_cache, save_prompt_cache, write_text_atomically,
+    CacheFileError,
+    key_id,
+    load_prompt_cache,
+    save_prompt_cache,
+    write_text_atomically,
 )
+from mlx_spec.cache.sequence import PromptCache, common_prefix_length
 
 log = logging.getLogger("mlx_spec.server")
 BLOCK = 16  # tokens per prefix hash

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mlx_spec.models.vision import ImageError, ImagePrompter, image_from_url
 from mlx_spec.server.api_error import ApiError
-from mlx_spec.vision import ImageError, ImagePrompter, image_from_url
 
 
 def content_texts(content) -> list[str]:

@@ -9,10 +9,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from mlx_spec.sampling import SamplingParams
-from mlx_spec.stats import Stats
-from mlx_spec.thinking import PhaseAcceptance, ThinkSyntax
-from mlx_spec.vision import ImagePrompt
+from mlx_spec.apps.thinking import PhaseAcceptance, ThinkSyntax
+from mlx_spec.core.sampling import SamplingParams
+from mlx_spec.core.stats import Stats
+from mlx_spec.models.vision import ImagePrompt
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Job:
     thought_budget: Optional[int] = None  # thought tokens before the end marker is forced
     keep_alive: Optional[float] = None  # idle seconds after this job before unloading (None: the server's)
     images: Optional[ImagePrompt] = None  # the prompt's images (its ids are prompt_ids)
-    grammar: Optional[object] = None  # a compiled `mlx_spec.grammar.Grammar` the answer follows
+    grammar: Optional[object] = None  # a compiled `mlx_spec.core.grammar.Grammar` the answer follows
     batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
     score_prompt: bool = False  # send the prompt's log-probs first (completions' echo with logprobs)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -8,7 +8,7 @@ import codecs
 import functools
 from typing import Callable
 
-from mlx_spec.models.fast_tokenizer import token_bytes_reader
+from mlx_spec.loading.fast_tokenizer import token_bytes_reader
 
 
 def token_describer(tokenizer, eos_ids) -> Callable[[int], tuple[str, bytes]]:

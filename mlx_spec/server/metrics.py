@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from mlx_spec.core.stats import Stats
 from mlx_spec.server.guards import REFUSAL_KEY
-from mlx_spec.stats import Stats
 
 log = logging.getLogger("mlx_spec.server")
 

@@ -9,7 +9,12 @@ from pydantic import ConfigDict, Field
 
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.body_bounds import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_PROMPT_IDS, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOP_LOGPROBS,
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_PROMPT_IDS,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
 )
 from mlx_spec.server.request_base import Items, RequestBody, StrictModel
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from mlx_spec.runner import Gamma
-from mlx_spec.sampling import SamplingParams
+from mlx_spec.apps.runner import Gamma
+from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.server.guards import BODY_TIMEOUT_S
 from mlx_spec.server.worker import FOREVER
+
+
+# The server bounds every answer by the context: for a model whose config names no context
+# length (`LoadedModel.context_length` is None, and the engine sets no limit), this one.
+DEFAULT_CONTEXT = 8192
 
 
 @dataclass
@@ -53,7 +58,7 @@ class ServerOptions:
     gamma: Gamma | str = "auto"
     defaults: SamplingParams = SamplingParams()
     max_tokens: Optional[int] = None
-    context_length: int = 8192
+    context_length: int = DEFAULT_CONTEXT
     queue_size: int = 8
     parallel: int = 1  # `serve` defaults to 4
     api_key: Optional[str] = None

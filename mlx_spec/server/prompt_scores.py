@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_spec.engine import log_softmax, token_logprobs
+from mlx_spec.core.engine import log_softmax, token_logprobs
 
 
 def prompt_logprobs(model, ids: list[int], top: int, chunk: int = 512) -> list[tuple]:

@@ -20,8 +20,8 @@ from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.sampling import SamplingParams
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.body_bounds import MAX_STOPS, MAX_TOOLS, bounded_stops, load_json
 

@@ -28,21 +28,21 @@ from typing import Callable, ClassVar, Optional
 
 from fastapi import FastAPI, Request
 
+from mlx_spec.apps.thinking import ThinkSyntax, opens_thought, think_syntax
+from mlx_spec.core.grammar import Grammar, compile_grammar, llg_tokenizer
+from mlx_spec.core.sampling import SamplingParams
 from mlx_spec.errors import UsageError
-from mlx_spec.grammar import Grammar, compile_grammar, llg_tokenizer
-from mlx_spec.models.fast_tokenizer import trims_first_space
-from mlx_spec.sampling import SamplingParams
+from mlx_spec.loading.fast_tokenizer import trims_first_space
+from mlx_spec.models.vision import ImageError, ImagePrompt, ImagePrompter
 from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.chat_prompt import ChatPrompts
 from mlx_spec.server.images import content_texts, take_images
 from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
-from mlx_spec.server.prompt import ChatPrompts
 from mlx_spec.server.request_base import RequestBody
 from mlx_spec.server.tools import CallSplitter, ToolPlan, ToolSyntax, tool_syntax
 from mlx_spec.server.worker import Worker, keep_alive_seconds
-from mlx_spec.thinking import ThinkSyntax, opens_thought, think_syntax
-from mlx_spec.vision import ImageError, ImagePrompt, ImagePrompter
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # a streamed answer's

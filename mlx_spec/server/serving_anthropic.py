@@ -21,7 +21,14 @@ from fastapi.responses import StreamingResponse
 
 from mlx_spec.server.anthropic_requests import CountRequest, MessagesRequest, template_messages, tool_plan
 from mlx_spec.server.anthropic_responses import (
-    BlockEvents, content_blocks, error_body, event, failed_event, stop_reason, thinking_block, usage,
+    BlockEvents,
+    content_blocks,
+    error_body,
+    event,
+    failed_event,
+    stop_reason,
+    thinking_block,
+    usage,
 )
 from mlx_spec.server.jobs import Done, Failed, Job, Piece
 from mlx_spec.server.request_base import parse_body

@@ -13,17 +13,23 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from mlx_spec.models.vision import ImagePrompt
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.jobs import Done, Failed, Job, Piece
 from mlx_spec.server.logprobs import AnswerBytes, logprobs_object
 from mlx_spec.server.openai_requests import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from mlx_spec.server.openai_responses import (
-    chunk_object, completion_object, new_id, sse, usage, usage_chunk,
+    chunk_object,
+    completion_object,
+    new_id,
+    sse,
+    usage,
+    usage_chunk,
 )
 from mlx_spec.server.request_base import parse_body
 from mlx_spec.server.serving import SSE_HEADERS, CheckedRequest, Conversation, Serving, token_counts
 from mlx_spec.server.tools import Call, CallSplitter, ToolPlan, openai_call, openai_plan, template_messages
-from mlx_spec.vision import ImagePrompt
+
 
 class OpenAIServing(Serving):
     """OpenAI's chat completions and completions routes."""

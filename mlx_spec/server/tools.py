@@ -27,11 +27,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from mlx_spec.grammar import JSON_OPTIONS, closed_objects
+from mlx_spec.apps.thinking import partial_suffix
+from mlx_spec.core.grammar import JSON_OPTIONS, closed_objects
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.body_bounds import parse_json
 from mlx_spec.server.openai_requests import ChatRequest, Message
-from mlx_spec.thinking import partial_suffix
 
 
 @dataclass(frozen=True)

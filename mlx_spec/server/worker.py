@@ -1,7 +1,7 @@
 """A worker thread owns the device, both models' caches and the detokenizer; requests wait
 in a bounded queue in front of it.
 
-Up to `parallel` jobs decode together (`mlx_spec.batch`): each job is a generator that
+Up to `parallel` jobs decode together (`mlx_spec.core.batch`): each job is a generator that
 yields its round's target pass; every round the worker admits waiting jobs while there is
 room, then runs the running jobs' passes in one forward. A job that ends (finished,
 failed, cancelled) leaves between rounds. A job alone in the batch runs its rounds as a
@@ -48,20 +48,20 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlx_spec.batch import Batch
+from mlx_spec.apps.runner import Gamma, gamma_policy
+from mlx_spec.apps.stream import Response, stream_request
+from mlx_spec.apps.thinking import PhaseAcceptance, ThoughtSplitter
 from mlx_spec.cache.files import cache_key
-from mlx_spec.engine import Request, in_company
+from mlx_spec.core.batch import Batch
+from mlx_spec.core.engine import Request, in_company
+from mlx_spec.core.policy import BatchShare
+from mlx_spec.core.stats import Stats
 from mlx_spec.errors import MlxSpecError
-from mlx_spec.policy import BatchShare
-from mlx_spec.runner import Gamma, gamma_policy
-from mlx_spec.server.caches import CachePool, default_budget
+from mlx_spec.server.cache_pool import CachePool, default_budget
 from mlx_spec.server.disk_caches import DiskCaches
 from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.server.prompt_scores import prompt_logprobs
-from mlx_spec.stats import Stats
-from mlx_spec.stream import Response, stream_request
-from mlx_spec.thinking import PhaseAcceptance, ThoughtSplitter
 
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
@@ -131,7 +131,7 @@ class Worker:
         cache_dir: a folder where evicted conversations' caches go, and where they are found
             again, by this server or a later one (`disk_caches.DiskCaches`); None: memory only.
         cache_disk: bytes the folder's cache files may take.
-        parallel: jobs decoded together (`mlx_spec.batch`): each round one target forward
+        parallel: jobs decoded together (`mlx_spec.core.batch`): each round one target forward
             verifies every running job's block; jobs join and leave between rounds. 1: one
             job at a time, as `Engine.rounds` decodes alone.
     """

@@ -146,7 +146,8 @@ def _child(gguf_path: str, cache_root: str, storage: str, shard_bytes: int, chun
     import mlx_lm.models.gemma3_text  # noqa: F401  (what the import loads, before the baseline)
     import transformers.integrations.gguf.gguf_tokenizer_mapping  # noqa: F401
 
-    from mlx_spec.models import gguf_import, gguf_tensors
+    # Imported here, in the measuring child only, after the modules its RSS baseline includes.
+    from mlx_spec.loading import gguf_import, gguf_tensors
 
     if shard_bytes:
         gguf_import._SHARD_BYTES = shard_bytes

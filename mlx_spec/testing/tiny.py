@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text
 
-from mlx_spec.models.arrays import evaluate_all
-from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
+from mlx_spec.loading.arrays import evaluate_all
+from mlx_spec.loading.chat_templates import GEMMA_CHAT_TEMPLATE
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 BOS_ID, EOS_ID, END_OF_TURN_ID = 2, 1, 5

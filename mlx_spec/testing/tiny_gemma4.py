@@ -17,8 +17,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
-from mlx_spec.models.arrays import evaluate_all
-from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE
+from mlx_spec.loading.arrays import evaluate_all
+from mlx_spec.loading.chat_templates import GEMMA4_CHAT_TEMPLATE
+from mlx_spec.models import gemma4_assistant
 from mlx_spec.testing.tiny import TINY_VOCAB, byte_tokenizer_json
 
 # Gemma 4's turn markers take the places of Gemma 3's, so ids stay as in tiny.py.
@@ -173,7 +174,6 @@ def tiny_assistant_weights(config: dict, seed: int = 0) -> dict:
     scalars are drawn around 1 (not all ones), so a `1 + w` norm or a dropped scalar shows."""
     import numpy as np
 
-    from mlx_spec.models import gemma4_assistant
 
     model = gemma4_assistant.Model(gemma4_assistant.ModelArgs.from_dict(config))
     rng = np.random.RandomState(seed)
@@ -294,7 +294,7 @@ def save_hf_gemma4(path: str | Path, seed: int = 0, **config_overrides) -> Path:
 
 
 # The checkpoints tests/data/make_gemma4_gguf.py converts with llama.cpp and
-# tests/test_gemma4_gguf.py rebuilds to compare against: an E2B-like target (per-layer
+# tests/loading/test_gemma4_gguf.py.py rebuilds to compare against: an E2B-like target (per-layer
 # inputs, KV-shared layers, double-wide MLP), a 12B-like one (K = V full layers with one
 # global K/V head, no sharing) and the 12B-like target's dense-head assistant.
 TWELVE_B_LIKE = dict(num_key_value_heads=2, num_global_key_value_heads=1, attention_k_eq_v=True,

@@ -17,10 +17,18 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlx_spec.models.chat_templates import GEMMA_CHAT_TEMPLATE
-from mlx_spec.models.arrays import evaluate_all
-from mlx_spec.testing.tiny import (SPECIAL_TOKENS, TINY_VOCAB, byte_tokenizer_json, perturbed_copy,
-                                   save_tiny_model, tiny_gemma3_config)
+from mlx_spec.loading.arrays import evaluate_all
+from mlx_spec.loading.chat_templates import GEMMA4_CHAT_TEMPLATE, GEMMA_CHAT_TEMPLATE
+from mlx_spec.loading.loader import load_model
+from mlx_spec.testing.tiny import (
+    SPECIAL_TOKENS,
+    TINY_VOCAB,
+    byte_tokenizer_json,
+    perturbed_copy,
+    save_tiny_model,
+    tiny_gemma3_config,
+)
+from mlx_spec.testing.tiny_gemma4 import TEMPLATE_SPECIAL_TOKENS, hf_gemma4_config
 
 IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 VISION_SPECIAL_TOKENS = SPECIAL_TOKENS + IMAGE_TOKENS
@@ -102,8 +110,6 @@ def save_tiny_gemma3_vision(path: str | Path, model=None, seed: int = 0) -> Path
 def save_text_draft(path: str | Path, target_dir: str | Path, noise: float = 0.02) -> Path:
     """A text-only draft for the checkpoint in `target_dir`: its language model (as our
     loader reads it) with `noise` added, saved with the same tokenizer."""
-    from mlx_spec.models.loader import load_model
-
     path = Path(path)
     save_tiny_model(path, perturbed_copy(load_model(str(target_dir), progress=False).model.language_model, noise))
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -121,8 +127,6 @@ GEMMA4_VOCAB = 288  # padded past the tokenizer's 16 + 4 special and 256 byte to
 
 
 def gemma4_vision_special_tokens() -> list[str]:
-    from mlx_spec.testing.tiny_gemma4 import TEMPLATE_SPECIAL_TOKENS
-
     return TEMPLATE_SPECIAL_TOKENS + GEMMA4_IMAGE_TOKENS
 
 
@@ -131,8 +135,6 @@ def tiny_gemma4_vision_config(bidirectional: bool = False, **text_overrides) -> 
     (`tiny_gemma4.hf_gemma4_config`: KV-shared layers, per-layer inputs, a 16-token window),
     a 1-layer vision tower on 4-pixel patches pooled 2 x 2, at most 9 soft tokens per image.
     `bidirectional`: `use_bidirectional_attention: "vision"`, as Gemma 4 12B and up."""
-    from mlx_spec.testing.tiny_gemma4 import hf_gemma4_config
-
     specials = gemma4_vision_special_tokens()
     boi, eoi, image, video = (specials.index(t) for t in GEMMA4_IMAGE_TOKENS)
     text = hf_gemma4_config(vocab_size=GEMMA4_VOCAB, vocab_size_per_layer_input=GEMMA4_VOCAB,
@@ -184,8 +186,6 @@ def save_tiny_gemma4_vision(path: str | Path, model=None, seed: int = 0, bidirec
     """Write a tiny Gemma 4 vision checkpoint folder (as `save_tiny_gemma3_vision`), with
     Gemma 4's image tokens and Google's turn and tool tokens, and `chat_template` (our
     built-in Gemma 4 one if None); `text_overrides` change the text config."""
-    from mlx_spec.models.chat_templates import GEMMA4_CHAT_TEMPLATE
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model = model or tiny_gemma4_vision(seed, bidirectional=bidirectional, **text_overrides)

@@ -4,7 +4,7 @@ Builds the tiny assistants of `mlx_spec.testing.tiny_gemma4` (both head variants
 numpy's frozen `RandomState` streams, writes them as checkpoint folders, loads those folders
 with transformers' own `Gemma4AssistantForCausalLM` / `Gemma4UnifiedAssistantForCausalLM`
 (which must find every key: that checks the key layout), runs them on fixed inputs, and
-writes tests/data/gemma4_assistant_golden.json. tests/test_gemma4_assistant.py rebuilds the
+writes tests/data/gemma4_assistant_golden.json. tests/models/test_gemma4_assistant.py.py rebuilds the
 same weights and inputs and compares our MLX implementation with these numbers.
 
 Needs torch (CPU build), which is not a test dependency:

@@ -1,6 +1,6 @@
 """Regenerate the tiny Gemma 4 GGUFs in tests/data with llama.cpp's own converter.
 
-tests/test_gemma4_gguf.py imports these files and compares them with the Hugging Face
+tests/loading/test_gemma4_gguf.py.py imports these files and compares them with the Hugging Face
 folders they were converted from (rebuilt bit for bit by `save_hf_checkpoints`, from numpy
 seeds), so the reference for the GGUF layout is llama.cpp's `convert_hf_to_gguf.py`, not
 our own writer. llama.cpp's code is not part of this repository; run it from a checkout:
