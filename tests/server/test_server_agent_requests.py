@@ -348,7 +348,7 @@ def test_refusals_are_logged_in_one_line_and_counted_by_reason(served, caplog):
     nowhere = server.post("/v1/nowhere", {})
     assert (too_long.status_code, bad.status_code, nowhere.status_code) == (400, 400, 404)
     lines = [r.getMessage() for r in caplog.records if r.name == "mlx_spec.server"]
-    assert lines[0].startswith("POST /v1/chat/completions 400 context_length_exceeded (messages): this model's")
+    assert lines[0].startswith("POST /v1/chat/completions 400 context_length_exceeded (messages): prompt is too long: ")
     assert lines[1].startswith("POST /v1/messages 400 invalid_request_error (max_tokens): ")
     assert lines[2].startswith("POST /v1/nowhere 404 invalid_request_error: Not Found")
     assert all("\n" not in line and "yyyy" not in line for line in lines)  # one line, no body
