@@ -4,7 +4,7 @@
 registers itself on it when imported here.
 """
 
-from mlx_spec.cli import bench, chat, generate, models, serve  # noqa: F401  (registers the commands)
+from mlx_spec.cli import bench, chat, generate, launch, models, serve  # noqa: F401  (registers the commands)
 from mlx_spec.cli.app import app, click_errors, main
 
 __all__ = ["app", "click_errors", "main"]

@@ -88,9 +88,13 @@ def serve(
              "answers any. Against DNS rebinding by web pages.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         "--served-model-name", rich_help_panel=SERVER, metavar="NAME",
-        help="The model's name in /v1/models, /health and answers; requests must name it (or "
-             "the preset). Default: --model as given, which /health (open without a key) "
-             "shows only by its last part when it is a local path.")] = None,
+        help="The model's name in /v1/models, /health and answers; a request naming any "
+             "other model is answered by this one, under this name (see --strict-model-names). "
+             "Default: --model as given, which /health (open without a key) shows only by its "
+             "last part when it is a local path.")] = None,
+    strict_model_names: Annotated[bool, typer.Option(
+        "--strict-model-names", rich_help_panel=SERVER,
+        help="Answer 404 to requests that name neither the served name nor the preset.")] = False,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", rich_help_panel=SERVER, min=1,
         help="Requests that may wait (or be tokenized) while --parallel generate; more are "
@@ -100,9 +104,11 @@ def serve(
         help="Requests decoded together: each round one target forward verifies every running "
              "request's draft, each exact as if alone; requests join and leave between rounds. "
              "1 serves one at a time. More wait in the queue (--queue-size).")] = 4,
-    max_tokens: Annotated[int, typer.Option(
+    max_tokens: Annotated[Optional[int], typer.Option(
         "--max-tokens", "-n", rich_help_panel=SERVER, min=1,
-        help="Completion tokens when a request does not say (always within the context).")] = 512,
+        help="Completion tokens when a request does not say. Default: until the model stops "
+             "or the context is full (OpenAI's meaning). A request's own max_tokens past the "
+             "context is clamped to what fits.")] = None,
     log_level: Annotated[str, typer.Option(
         "--log-level", rich_help_panel=SERVER, metavar="warning|info|debug",
         help="uvicorn's log level; info adds one line per request.")] = "warning",
@@ -256,6 +262,7 @@ def serve(
     options = ServerOptions(
         model_name=served,
         aliases=(preset_name,) if preset_name and preset_name != served else (),
+        strict_model_names=strict_model_names,
         public_name=served if served_model_name else _public_name(served),
         gamma=gamma_mode,
         defaults=params,

@@ -426,7 +426,7 @@ class Generation:
             settle = lambda: verdict(processor.greedy(logits, windows, settle=True))  # noqa: E731
         else:
             first = verdict()
-        scores = None if self.request.logprobs is None else _log_softmax(processor.penalize(logits, windows))
+        scores = None if self.request.logprobs is None else log_softmax(processor.penalize(logits, windows))
         return Scored(draft, drafted_by, first, target_pass.hidden_states, scores, settle)
 
     def _penalty_windows(self, block: mx.array, draft: Draft, unseen: Optional[mx.array]) -> Optional[mx.array]:
@@ -493,7 +493,7 @@ class Generation:
         self.last, self.generated = emitted[-1], self.generated + len(emitted)
         logprobs = None
         if scored.scores is not None:
-            logprobs = _token_logprobs(scores=scored.scores[mx.array(rows[: len(emitted)])], emitted=emitted,
+            logprobs = token_logprobs(scores=scored.scores[mx.array(rows[: len(emitted)])], emitted=emitted,
                                        top=self.request.logprobs)
         return Round(emitted, scored.gamma, n, finish, logprobs), path
 
@@ -540,14 +540,14 @@ def _pausing(chunks):
         yield PREFILLING
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
+def log_softmax(logits: mx.array) -> mx.array:
     """The target's log-probs of (repetition-penalized) logits, before temperature, top-k,
     top-p or min-p: what mlx-lm's `generate_step` reports, after its logits processors."""
     scores = logits.astype(mx.float32)
     return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
 
-def _token_logprobs(scores: mx.array, emitted: list[int], top: int) -> list:
+def token_logprobs(scores: mx.array, emitted: list[int], top: int) -> list:
     """Row i of `scores` (log-probs [len(emitted), V]) scored emitted token i: its log-prob and the
     `top` likeliest alternatives, for the committed tokens only (one extra host sync)."""
     rows = scores[: len(emitted)]

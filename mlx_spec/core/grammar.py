@@ -145,7 +145,8 @@ def compile_grammar(tokenizer, kind: str, source, eos_ids: Iterable[int] = ()) -
         if len(text) > MAX_GRAMMAR_CHARS:
             raise UsageError(f"the JSON schema is too large: {len(text):,} characters, at most {MAX_GRAMMAR_CHARS:,}")
         _check_integer_bounds(source)
-        make = lambda: llguidance.LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)  # noqa: E731
+        schema = closed_objects(source) if kind == "json_schema" else source
+        make = lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # noqa: E731
     elif kind == "regex":
         text, make = source, lambda: llguidance.LLMatcher.grammar_from_regex(source)
     else:
@@ -197,6 +198,46 @@ def _satisfiable(matcher) -> bool:
     if probe.is_error():
         return False
     return probe.is_accepting() or any(mask)
+
+
+# Keywords whose values are schemas, or lists or maps of schemas (`closed_objects` walks them).
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema, close: bool = True):
+    """The schema with every object that lists its `properties` and says nothing of others
+    closed to them (`additionalProperties: false`), as vLLM's default (xgrammar's strict
+    mode) and llama.cpp's grammar read such a schema, and as OpenAI's structured outputs
+    require it: Pydantic's schemas (instructor's, pydantic-ai's) say nothing, and an open
+    object lets a model add keys, and repeat an added key (a grammar cannot keep apart
+    keys it does not know; the listed ones come once each, in order). A schema that allows
+    more (`additionalProperties`, `patternProperties`, `unevaluatedProperties`) keeps it,
+    and so do the parts of an `allOf` (`close` false), which describe one object together."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, close=False) for s in out["allOf"]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    elif (close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out
+          and "patternProperties" not in out and "unevaluatedProperties" not in out and "allOf" not in out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _one_line(message) -> str:

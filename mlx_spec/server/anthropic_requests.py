@@ -42,7 +42,8 @@ class Block(StrictModel):
 
 
 class AnthropicMessage(StrictModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code sends system text inside `messages` too; it joins the system turn
+    role: Literal["user", "assistant", "system"]
     content: Union[str, Items(Block, MAX_CONTENT_PARTS)]
 
 
@@ -60,8 +61,26 @@ class ToolChoice(StrictModel):
 
 
 class ThinkingConfig(StrictModel):
-    type: Literal["enabled", "disabled"]
+    # "adaptive": the model decides how much to think (Claude Code's default): thinking on
+    # where the model thinks, with no budget; off where it cannot
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Optional[int] = None
+
+
+# `context_management.edits` Anthropic defines: clearing earlier thinking is honoured
+# (`clear_thinking`); clearing old tool results is a server-side trim of a long context, which
+# a prompt that fits needs not, so it is accepted and changes nothing.
+CONTEXT_EDITS = ("clear_thinking_20251015", "clear_tool_uses_20250919")
+
+
+class ContextEdit(StrictModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    keep: Union[str, dict, None] = None  # clear_thinking: "all" or {"type": "thinking_turns", "value": N}
+
+
+class ContextManagement(StrictModel):
+    edits: Optional[Items(ContextEdit, MAX_TOOLS)] = None
 
 
 class MessagesRequest(RequestBody):
@@ -79,16 +98,37 @@ class MessagesRequest(RequestBody):
     output_config: Optional[dict] = None
     mcp_servers: Optional[Items(Any, MAX_TOOLS)] = None
     container: Union[str, dict, None] = None
-    context_management: Optional[dict] = None
+    context_management: Optional[ContextManagement] = None
 
     def refuse_unsupported(self) -> None:
         unsupported = [("mcp_servers", bool(self.mcp_servers), "MCP servers are not supported"),
-                       ("container", self.container is not None, "containers are not supported"),
-                       ("context_management", self.context_management is not None,
-                        "context management is not supported")]
+                       ("container", self.container is not None, "containers are not supported")]
         for param, bad, message in unsupported:
             if bad:
                 raise ApiError(400, f"{param}: {message}", param=param)
+        for i, edit in enumerate((self.context_management and self.context_management.edits) or []):
+            if edit.type not in CONTEXT_EDITS:
+                raise ApiError(400, f"context_management.edits[{i}].type: {edit.type!r} is not supported; "
+                                    f"use one of {', '.join(CONTEXT_EDITS)}",
+                               param=f"context_management.edits[{i}].type")
+
+    def thinking_turns_kept(self) -> Optional[int]:
+        """Assistant turns, counted from the last, whose thinking stays in the prompt under a
+        `clear_thinking` edit; None: all of them (no edit, or `keep: "all"`). Anthropic's
+        default keeps the last turn's."""
+        edits = (self.context_management and self.context_management.edits) or []
+        i, edit = next(((i, e) for i, e in enumerate(edits) if e.type == "clear_thinking_20251015"), (0, None))
+        if edit is None or edit.keep == "all":
+            return None
+        if edit.keep is None:
+            return 1
+        value = edit.keep.get("value") if isinstance(edit.keep, dict) else None
+        if not (isinstance(edit.keep, dict) and edit.keep.get("type") == "thinking_turns"
+                and isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            param = f"context_management.edits[{i}].keep"
+            raise ApiError(400, f"{param}: use \"all\" or {{\"type\": \"thinking_turns\", \"value\": N}} "
+                                "with N at least 0", param=param)
+        return value
 
     def output_format(self) -> Optional[tuple[str, Optional[dict]]]:
         """`output_config.format` ({"type": "json_schema", "schema": ...}) as a grammar, or None."""
@@ -100,21 +140,26 @@ class MessagesRequest(RequestBody):
                                 "is supported", param="output_config.format")
         return "json_schema", fmt["schema"]
 
-    def thinking_on(self) -> bool:
-        return self.thinking is not None and self.thinking.type == "enabled"
+    def thinking_on(self, think) -> bool:
+        """Whether the model thinks: `thinking` enabled, or adaptive on a model that can
+        (`think`: its thought markers)."""
+        kind = self.thinking.type if self.thinking is not None else "disabled"
+        return kind == "enabled" or (kind == "adaptive" and think is not None)
 
     def template_kwargs(self, think) -> dict:
-        """enable_thinking for the template: on with `thinking` enabled, else off (Anthropic's
-        default, whatever the tokenizer's). A model with no thought markers cannot think."""
-        if self.thinking_on() and think is None:
+        """enable_thinking for the template: on with `thinking` enabled (or adaptive), else
+        off (Anthropic's default, whatever the tokenizer's). A model with no thought markers
+        cannot think: enabled is refused, adaptive is off."""
+        if self.thinking is not None and self.thinking.type == "enabled" and think is None:
             raise ApiError(400, "thinking: this model does not think (its tokenizer has no "
                                 "thought markers)", param="thinking")
-        return {"enable_thinking": self.thinking_on()} if think is not None else {}
+        return {"enable_thinking": self.thinking_on(think)} if think is not None else {}
 
     def thought_budget(self) -> Optional[int]:
         """Thought tokens before the thought is closed: less than max_tokens, as Anthropic's
-        API requires (its minimum of 1024 is not kept, so small models can take small ones)."""
-        if not self.thinking_on():
+        API requires (its minimum of 1024 is not kept, so small models can take small ones).
+        Adaptive thinking has none: the model closes its thought itself."""
+        if self.thinking is None or self.thinking.type != "enabled":
             return None
         budget = self.thinking.budget_tokens
         if budget is None:
@@ -176,12 +221,20 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
     refuses them: empty content but in a final assistant turn, tool blocks without
     `tools`, a tool_result answering no tool_use of the message before, a prefill ending
     in whitespace."""
-    out = [{"role": "system", "content": _text(body.system, "system")}] if body.system else []
+    # System text, the `system` field's then each system message's in order, is one system
+    # turn: a template takes it first (Gemma's only there), and it stays the prompt's prefix
+    # from request to request, so a cached conversation is read back.
+    system = [_text(body.system, "system")] if body.system else []
+    system += [_text(m.content, f"messages[{i}].content") for i, m in enumerate(body.messages)
+               if m.role == "system"]
+    out = [{"role": "system", "content": "\n\n".join(t for t in system if t)}] if any(system) else []
     called: dict[str, str] = {}  # tool_use id -> function name
     previous: set[str] = set()  # tool_use ids of the message before
     last = len(body.messages) - 1
     for i, message in enumerate(body.messages):
         where = f"messages[{i}].content"
+        if message.role == "system":
+            continue
         if not message.content and not (i == last and message.role == "assistant"):
             raise ApiError(400, f"messages[{i}]: all messages must have non-empty content except "
                                 "for the optional final assistant message", param=where)
@@ -231,6 +284,7 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)
+    _clear_thinking(out, body.thinking_turns_kept())
     prefill = body.messages[last].role == "assistant" and "tool_calls" not in out[-1]
     if prefill and not out[-1]["content"]:
         out.pop()  # an empty final assistant turn: the model's turn opens as usual
@@ -239,6 +293,16 @@ def template_messages(body: MessagesRequest) -> tuple[list[dict], bool]:
         raise ApiError(400, f"messages[{last}]: final assistant content cannot end with trailing "
                             "whitespace", param=f"messages[{last}].content")
     return out, prefill
+
+
+def _clear_thinking(turns: list[dict], kept: Optional[int]) -> None:
+    """Drop earlier thoughts from all but the last `kept` assistant turns (`clear_thinking`;
+    None keeps all). Templates that show thoughts of history then show only those."""
+    if kept is None:
+        return
+    assistants = [turn for turn in turns if turn["role"] == "assistant"]
+    for turn in assistants[:len(assistants) - kept]:
+        turn.pop("reasoning_content", None)
 
 
 def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:

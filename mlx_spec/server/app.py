@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from mlx_spec.server.api_error import ApiError
-from mlx_spec.server.guards import AnswerErrors, CorsGuard, RequestGuards, check_api_key, error_body
+from mlx_spec.server.guards import AnswerErrors, CorsGuard, RequestGuards, check_api_key, refusal_body
 from mlx_spec.server.metrics import CountResponses
 from mlx_spec.server.options import ServerOptions
 from mlx_spec.server.serving import Serving, ServingContext
@@ -33,12 +33,16 @@ APIS = (OpenAIServing, AnthropicServing, ResponsesServing)  # each API's serving
 
 
 class ServerStatus(Serving):
-    """`/health` (no key needed), `/metrics` (Prometheus' text) and `/v1/models`."""
+    """`/` and `/health` (no key needed), `/metrics` (Prometheus' text) and `/v1/models`."""
 
     def add_routes(self, app: FastAPI) -> None:
+        app.api_route("/", methods=["GET", "HEAD"])(self.root)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
         app.get("/v1/models")(self.models)
+
+    async def root(self):
+        return {"status": "ok"}  # as Ollama's "Ollama is running": a client's probe, no key needed
 
     async def health(self):
         """200 with the worker's counts; 503 ("unhealthy", and why) when the generation
@@ -97,7 +101,7 @@ def create_app(engine, tokenizer, options: ServerOptions, load=None) -> FastAPI:
     app.add_middleware(CountResponses, metrics=context.worker.metrics)
 
     def error_response(request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(error_bodies, request.url.path, error),
+        return JSONResponse(refusal_body(error_bodies, request.scope, error),
                             status_code=error.status, headers=error.headers)
 
     @app.exception_handler(ApiError)

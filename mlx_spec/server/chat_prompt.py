@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.images import content_texts
+from mlx_spec.server.template_fit import alternated, requires_alternation, walked_tools, walks_schemas
 from mlx_spec.server.tools import ToolPlan, native_tool_turns
 
 SENTINELS = 0x100000  # Supplementary Private Use Area-B: no tokenizer gives these meaning
@@ -37,6 +38,14 @@ class ControlTokens:
             lengths.setdefault(text[0], set()).add(len(text))
         self._lengths = {first: sorted(n, reverse=True) for first, n in lengths.items()}
         self._firsts = re.compile("[" + "".join(map(re.escape, lengths)) + "]") if lengths else None
+
+    def strip(self, text: str) -> str:
+        """`text` without its control tokens' texts (vLLM's `skip_special_tokens`)."""
+        out, at = [], 0
+        for a, b in self.spans(text):
+            out.append(text[at:a])
+            at = b
+        return "".join(out) + text[at:] if out else text
 
     def spans(self, text: str) -> Iterator[tuple[int, int]]:
         """(start, end) of each control token's text in `text`, in order."""
@@ -62,9 +71,13 @@ class ChatPrompts:
     def __init__(self, tokenizer, parse_special: bool = False):
         self.tokenizer = tokenizer
         self.parse_special = parse_special
+        template = str(getattr(tokenizer, "chat_template", None) or "")
         # A template that reads `tool_responses` (Gemma 4's) takes a tool's answer inside the
         # model's turn; others take it as a `tool` turn of its own.
-        self.native_tool_turns = "tool_responses" in str(getattr(tokenizer, "chat_template", None) or "")
+        self.native_tool_turns = "tool_responses" in template
+        # What agents send, fitted to what the template can render (`template_fit`).
+        self.walks_schemas = walks_schemas(template)
+        self.alternates = requires_alternation(template)
 
     @cached_property
     def controls(self) -> ControlTokens:  # FastTokenizer loads transformers' tokenizer for it
@@ -86,8 +99,11 @@ class ChatPrompts:
         if plan.forced and continue_final:
             raise ApiError(400, "tool_choice: a forced tool call cannot continue a prefilled "
                                 "assistant message", param="tool_choice")
-        messages, tools, restore = ((messages, plan.tools, {}) if self.parse_special
-                                    else self._defused([messages, plan.tools]))
+        if self.alternates:
+            messages = alternated(messages)
+        tools = walked_tools(plan.tools) if self.walks_schemas else plan.tools
+        messages, tools, restore = ((messages, tools, {}) if self.parse_special
+                                    else self._defused([messages, tools]))
         text = self._render(native_tool_turns(messages) if self.native_tool_turns else messages, tools,
                             continue_final, generation_prompt and not continue_final, template_kwargs or {})
         for i, message in enumerate(messages):

@@ -64,7 +64,9 @@ def _libc_malloc_trim():
 _malloc_trim = _libc_malloc_trim()
 LOOPBACK_NAMES = ("localhost",)  # IP literals are checked with `ipaddress`
 ANY_HOST = "*"
-OPEN_PATHS = ("/health",)  # load balancers and supervisors probe it without a key
+# Load balancers and supervisors probe /health without a key; clients probe the root (Claude
+# Code sends `HEAD /` before its first request), which says only that a server is there.
+OPEN_PATHS = ("/health", "/")
 
 
 def check_api_key(key: "Optional[str | Sequence[str]]") -> "Optional[bytes | tuple[bytes, ...]]":
@@ -117,6 +119,16 @@ def error_body(bodies: Mapping[str, Callable[[ApiError], dict]], path: str, erro
     return error.body()
 
 
+REFUSAL_KEY = "mlx_spec.refusal"  # the ASGI scope's entry holding the ApiError answered
+
+
+def refusal_body(bodies: Mapping[str, Callable[[ApiError], dict]], scope, error: ApiError) -> dict:
+    """`error_body`, the refusal kept in the request's scope for `metrics.CountResponses` to
+    log and count by its reason."""
+    scope[REFUSAL_KEY] = error
+    return error_body(bodies, scope["path"], error)
+
+
 class RequestGuards:
     """ASGI middleware over the whole app.
 
@@ -159,7 +171,7 @@ class RequestGuards:
                 if body is None:  # the client left while sending
                     return
         except ApiError as error:
-            response = JSONResponse(error_body(self.error_bodies, scope["path"], error),
+            response = JSONResponse(refusal_body(self.error_bodies, scope, error),
                                     status_code=error.status,
                                     headers={**error.headers, "Connection": "close"})
             return await response(scope, receive, send)
@@ -268,7 +280,7 @@ class AnswerErrors:
                 raise
             log.exception("%s %s failed", scope["method"], scope["path"])
             error = ApiError(500, "internal server error", type="server_error")
-            await JSONResponse(error_body(self.error_bodies, scope["path"], error),
+            await JSONResponse(refusal_body(self.error_bodies, scope, error),
                                status_code=500)(scope, receive, send)
 
 
@@ -293,6 +305,6 @@ class CorsGuard(CORSMiddleware):
             error = ApiError(400, f"CORS preflight refused (not allowed: {refused}); "
                                   "--cors-origin names the origins served", code="cors_refused")
             kept = {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
-            response = JSONResponse(error_body(self.error_bodies, scope["path"], error),
+            response = JSONResponse(refusal_body(self.error_bodies, scope, error),
                                     status_code=400, headers=kept)
         await response(scope, receive, send)

@@ -21,6 +21,8 @@ class Piece:
     # with Job.logprobs: (token id, log-prob, top alternatives) per token released with text
     logprobs: list = field(default_factory=list)
     reasoning: str = ""  # new thought text (`thinking.ThoughtSplitter`), markers left out
+    # with Job.score_prompt: the prompt's own log-probs, in `logprobs`' form (`prompt_scores`)
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass
@@ -65,6 +67,7 @@ class Job:
     grammar: Optional[object] = None  # a compiled `mlx_spec.core.grammar.Grammar` the answer follows
     batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
     tenant: Optional[str] = None  # its API key's digest (`guards.tenant`); None without keys
+    score_prompt: bool = False  # send the prompt's log-probs first (completions' echo with logprobs)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -1,6 +1,7 @@
 """`GET /metrics`: the server's counters in Prometheus' text exposition format.
 
-HTTP responses by status code, generations by outcome, queue depth, prompt and decode tokens with the seconds they took
+HTTP responses by status code, refusals (4xx) by status and reason (the error's code, else
+its type; each also logged in one line: `CountResponses`), generations by outcome, queue depth, prompt and decode tokens with the seconds they took
 (tokens/s is their ratio; Prometheus' rate() of each gives it over any window), drafted and
 accepted tokens, acceptance **by position** (`stats` definitions: rounds whose draft token
 i was accepted / rounds that drafted at least i), prompt-cache reuse, and the decode batch
@@ -10,9 +11,13 @@ batch size).
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from mlx_spec.core.stats import Stats
+from mlx_spec.server.guards import REFUSAL_KEY
+
+log = logging.getLogger("mlx_spec.server")
 
 PREFIX = "mlx_spec_"
 
@@ -27,6 +32,7 @@ class Metrics:
         self.cached_tokens = 0
         self.cache_hits = 0
         self.responses: dict[int, int] = {}  # HTTP status -> responses sent
+        self.refusals: dict[tuple[int, str], int] = {}  # (4xx status, reason) -> responses sent
         self.batch_forwards = 0  # target forwards of the worker's batch (one per round)
         self.batch_rows = 0  # requests' verify blocks those forwards held
 
@@ -35,9 +41,11 @@ class Metrics:
             self.batch_forwards += 1
             self.batch_rows += rows
 
-    def observe_response(self, status: int) -> None:
+    def observe_response(self, status: int, reason: str | None = None) -> None:
         with self.lock:
             self.responses[status] = self.responses.get(status, 0) + 1
+            if reason is not None:
+                self.refusals[status, reason] = self.refusals.get((status, reason), 0) + 1
 
     def observe(self, stats: Stats, cached_tokens: int) -> None:
         with self.lock:
@@ -71,6 +79,8 @@ class Metrics:
             t = self.total
             metric("http_responses", "counter", "HTTP responses by status code.",
                    [({"code": str(code)}, n) for code, n in sorted(self.responses.items())])
+            metric("refusals", "counter", "Requests refused (4xx) by status and reason.",
+                   [({"code": str(code), "reason": reason}, n) for (code, reason), n in sorted(self.refusals.items())])
             metric("requests", "counter", "Generation requests by outcome.",
                    [({"outcome": k}, health[k]) for k in ("completed", "cancelled", "failed", "refused")])
             metric("queue_depth", "gauge", "Requests waiting for the device.", [({}, health["queued"])])
@@ -134,7 +144,21 @@ class CountResponses:
 
         async def counted(message):
             if message["type"] == "http.response.start":
-                self.metrics.observe_response(message["status"])
+                status, reason = message["status"], None
+                if 400 <= status < 500:
+                    reason = refusal_line(scope, status)
+                self.metrics.observe_response(status, reason)
             await send(message)
 
         await self.app(scope, receive, counted)
+
+
+def refusal_line(scope, status: int) -> str:
+    """Log a refused request in one line (method, path, status, reason, parameter and the
+    error's message; never the body or a header) and return its reason: the error's code,
+    else its type ("refused" for a 4xx no `ApiError` made, such as a CORS preflight's)."""
+    error = scope.get(REFUSAL_KEY)
+    reason = (error.code or error.type) if error is not None else "refused"
+    detail = "" if error is None else f" ({error.param})" * bool(error.param) + f": {error.message}"
+    log.warning("%s %s %d %s%s", scope.get("method"), scope.get("path"), status, reason, detail[:300])
+    return reason

@@ -3,7 +3,7 @@ template options) and `/v1/completions` (`CompletionRequest`), on `request_base.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
 
@@ -163,10 +163,22 @@ class ChatRequest(RequestBody):
 
 
 class CompletionRequest(RequestBody):
+    ECHO: ClassVar[bool] = True  # the prompt before the answer; with logprobs, its log-probs
     # A list holding one prompt is what LangChain's client sends; more would be n > 1.
     prompt: Union[str, Items(int, MAX_PROMPT_IDS), Items(str, MAX_PROMPT_IDS),
                   Items(Items(int, MAX_PROMPT_IDS), MAX_PROMPT_IDS)]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0 with echo: score the prompt only (lm-eval)
+
+    def check_echo(self) -> None:
+        """max_tokens 0 only with echo (the prompt's log-probs, nothing generated); echo is
+        answered whole, not streamed."""
+        if self.requested_tokens() == 0 and not self.echo:
+            raise ApiError(400, "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens",
+                           code="invalid_value")
+        if self.echo and self.stream:
+            raise ApiError(400, "echo: not supported with stream; ask without streaming", param="echo",
+                           code="unsupported_parameter")
 
     def single_prompt(self) -> Union[str, list[int]]:
         if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
@@ -194,3 +206,38 @@ def checked_template_kwargs(kwargs: Optional[dict]) -> dict:
             raise ApiError(400, f"chat_template_kwargs.{key}: this template variable cannot be "
                                 "set by a request", param=f"chat_template_kwargs.{key}")
     return dict(kwargs or {})
+
+
+class TokenizeRequest(StrictModel):
+    """`POST /tokenize` in vLLM's form (`prompt` or `messages`, `add_special_tokens`, default
+    true) or llama.cpp's (`content`, `add_special`, default false; `with_pieces`)."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    content: Optional[str] = None
+    messages: Optional[Items(Message, MAX_MESSAGES, min_length=1)] = None
+    add_special_tokens: Optional[bool] = None
+    add_special: Optional[bool] = None
+    add_generation_prompt: Optional[bool] = None
+    with_pieces: Optional[bool] = None
+
+    def text(self) -> Optional[str]:
+        given = [name for name in ("prompt", "content", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "give exactly one of prompt, content (text) or messages (a chat)",
+                           param="prompt")
+        return self.prompt if self.prompt is not None else self.content
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS): vLLM's default with `prompt`,
+        llama.cpp's with `content`."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        if self.add_special is not None:
+            return self.add_special
+        return self.content is None
+
+
+class DetokenizeRequest(StrictModel):
+    model: Optional[str] = None
+    tokens: Items(int, MAX_PROMPT_IDS)

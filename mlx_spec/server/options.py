@@ -21,14 +21,15 @@ class ServerOptions:
 
     Attributes:
         model_name: the served name: the first id in `/v1/models` and the "model" of every
-            answer; requests must name it (or an alias).
-        aliases: other names accepted in a request's "model" field (e.g. the preset), listed
-            after it in `/v1/models`.
+            answer; a request naming another model is answered by this one, under this name.
+        aliases: other names of the model (e.g. the preset), listed after it in `/v1/models`.
+        strict_model_names: refuse (404) requests that name neither model_name nor an alias.
         public_name: the name /health shows, as it needs no key (None: model_name); the
             CLI passes a local model path's last part only.
         gamma: a `runner.Gamma`, or its text ("auto", "tree" or a whole number).
         defaults: sampling values for fields a request leaves out.
-        max_tokens: completion length when a request gives none.
+        max_tokens: completion length when a request gives none; None: until the model
+            stops or the context is full (OpenAI's meaning of leaving it out).
         context_length: prompt plus completion tokens the model takes.
         queue_size: requests that may wait while `parallel` generate.
         parallel: requests decoded together (`worker.Worker`); 1: one at a time.
@@ -58,9 +59,10 @@ class ServerOptions:
 
     model_name: str
     aliases: tuple[str, ...] = ()
+    strict_model_names: bool = False
     gamma: Gamma | str = "auto"
     defaults: SamplingParams = SamplingParams()
-    max_tokens: int = 512
+    max_tokens: Optional[int] = None
     context_length: int = DEFAULT_CONTEXT
     queue_size: int = 8
     parallel: int = 1  # `serve` defaults to 4

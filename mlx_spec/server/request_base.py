@@ -5,7 +5,7 @@ known fields must have the right types (strict: "0.5" is not a number), every li
 its `MAX_*` length (`Items`), and sampling values go through `SamplingParams` (temperature
 within the API's range). Parsing a 16 MiB body is up to ~0.5 s of CPU work: the routes run
 `parse_body` off the event loop. Fields that would change the answer's meaning and that we
-do not implement (`logit_bias`, `echo`, ...) are refused; other unknown fields are ignored,
+do not implement (`logit_bias`, `echo` but on completions, ...) are refused; other unknown fields are ignored,
 as clients send many we have no use for. Every failure becomes an `ApiError` whose message
 names the field (`_validation_message`). `RequestBody` holds the fields both APIs take;
 `openai_requests` and `anthropic_requests` build their requests on it.
@@ -47,6 +47,7 @@ class RequestBody(StrictModel):
 
     MAX_TEMPERATURE: ClassVar[float] = 2.0  # OpenAI's API range (Anthropic's: 1)
     FORMAT_PARAM: ClassVar[str] = "response_format"  # the field `output_format` reads, for errors
+    ECHO: ClassVar[bool] = False  # whether `echo` is served (completions only)
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -72,6 +73,8 @@ class RequestBody(StrictModel):
     suffix: Optional[str] = None
     # Ollama's: how long the model stays loaded after this request ("5m", 300, -1: always)
     keep_alive: Union[str, float, None] = None
+    # vLLM's: control tokens (`<|turn>`, `<bos>`) left out of the answer's text (default)
+    skip_special_tokens: Optional[bool] = None
 
     def output_format(self) -> Optional[tuple[str, Optional[dict]]]:
         """`response_format` as a grammar: ("json_schema", schema), ("json_object", None), or
@@ -114,7 +117,7 @@ class RequestBody(StrictModel):
                         "presence_penalty is not supported; use repetition_penalty"),
                        ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
                        ("functions", bool(self.functions), "functions are not supported"),
-                       ("echo", bool(self.echo), "echo is not supported"),
+                       ("echo", bool(self.echo) and not self.ECHO, "echo is not supported"),
                        ("best_of", self.best_of not in (None, 1), "only best_of = 1 is supported"),
                        ("suffix", bool(self.suffix), "suffix is not supported"),
                        ("stream_options", self.stream_options is not None and not self.stream,

@@ -41,7 +41,7 @@ from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, 
 from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
 from mlx_spec.server.request_base import RequestBody
-from mlx_spec.server.tools import ToolPlan, ToolSyntax, tool_syntax
+from mlx_spec.server.tools import CallSplitter, ToolPlan, ToolSyntax, tool_syntax
 from mlx_spec.server.worker import Worker, keep_alive_seconds
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
@@ -232,7 +232,11 @@ class Serving:
         return await asyncio.get_running_loop().run_in_executor(self.parsing, read, raw, *args)
 
     def check_model(self, body: RequestBody) -> None:
-        if body.model != self.options.model_name and body.model not in self.options.aliases:
+        """Any name is answered by the one served model, under its served name (as LM Studio
+        and Ollama's agent launchers do: Claude Code names Anthropic's models, opencode its
+        configured id); `strict_model_names` refuses other names with a 404."""
+        if (self.options.strict_model_names and body.model != self.options.model_name
+                and body.model not in self.options.aliases):
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{self.options.model_name!r}", param="model", code="model_not_found")
 
@@ -330,17 +334,18 @@ class Serving:
 
     def submit(self, request: CheckedRequest, prompt_ids: list[int], param: str,
                thought_budget: Optional[int] = None, images: Optional[ImagePrompt] = None,
-               sender: Optional[Request] = None) -> Job:
+               score_prompt: bool = False, sender: Optional[Request] = None) -> Job:
         """Queue the generation `request` asks for, once its prompt fits with its answer; a
-        chat's (`param` "messages") thoughts are split from its answer (`thinking`).
-        `sender`: the HTTP request, whose API key (`guards`' tenant) the job carries."""
+        chat's (`param` "messages") thoughts are split from its answer (`thinking`);
+        `score_prompt`: the prompt's own log-probs come first (`prompt_scores`); `sender`: the
+        HTTP request, whose API key (`guards`' tenant) the job carries."""
         max_tokens = completion_budget(len(prompt_ids), request.max_tokens, self.options, param)
         chat, think = param == "messages", self.model.think
         job = Job(prompt_ids, request.sampling, max_tokens, request.stops, asyncio.get_running_loop(),
                   logprobs=request.logprobs, think=think if chat else None,
                   thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
                   thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
-                  grammar=request.grammar,
+                  grammar=request.grammar, score_prompt=score_prompt,
                   tenant=getattr(sender.state, "tenant", None) if sender is not None else None)
         try:
             self.worker.submit(job)
@@ -374,6 +379,13 @@ class Serving:
         finally:
             self.worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
+    def splitter(self, request: CheckedRequest) -> CallSplitter:
+        """The answer's `CallSplitter`: its calls parsed, control tokens left out of its text
+        unless the request keeps them (`skip_special_tokens: false`), as vLLM's and
+        llama.cpp's answers leave them out."""
+        keep = request.body.skip_special_tokens is False
+        return CallSplitter(request.plan, None if keep else self.model.prompts.controls.strip)
+
     def extra(self, done: Done) -> dict:
         """An answer's extra `mlx_spec` field: the drafter, γ and `statistics`."""
         return {"drafter": self.model.drafter, "gamma": str(self.worker.gamma), **statistics(done)}
@@ -381,16 +393,20 @@ class Serving:
 
 def completion_budget(prompt_tokens: int, requested: Optional[int], options: ServerOptions,
                       param: str) -> int:
-    """Tokens the answer may have: the request's (or the server's default), within context."""
+    """Tokens the answer may have: the request's, else the server's default (`max_tokens`;
+    None: the rest of the context, OpenAI's meaning of leaving it out), clamped to the room
+    the context leaves after the prompt, as llama.cpp and Ollama clamp it (the answer then
+    ends with finish reason `length`). Only a prompt that leaves no room is refused."""
     room = options.context_length - prompt_tokens
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", param=param)
-    if room < 1 or (requested is not None and requested > room):
-        asked = f" plus {requested} completion tokens" if requested is not None else ""
-        raise ApiError(400, f"this model's context is {options.context_length} tokens, but the "
-                            f"request needs {prompt_tokens} prompt tokens{asked}",
+    if room < 1:  # worded as Anthropic's API words it, which Claude Code recognizes
+        raise ApiError(400, f"prompt is too long: {prompt_tokens} tokens > {options.context_length - 1} "
+                            f"maximum (this model's context is {options.context_length} tokens, but the "
+                            f"request needs {prompt_tokens} prompt tokens and at least one completion token)",
                        param=param, code="context_length_exceeded")
-    return min(requested or options.max_tokens, room)
+    wanted = requested if requested is not None else options.max_tokens
+    return min(wanted if wanted is not None else room, room)
 
 
 def token_counts(job: Job, done: Done) -> tuple[int, int, int]:

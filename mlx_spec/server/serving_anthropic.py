@@ -57,10 +57,10 @@ class AnthropicServing(Serving):
                           images=images, sender=request)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if checked.body.stream:
-            return StreamingResponse(self._stream(job, mid, checked.plan), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, mid, self.splitter(checked)), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         pieces, done = await self.collect(job, request)
-        splitter = CallSplitter(checked.plan)
+        splitter = self.splitter(checked)
         parts = splitter.feed("".join(p.text for p in pieces)) + splitter.finish()
         counts = token_counts(job, done)
         thought = "".join(p.reasoning for p in pieces)
@@ -92,8 +92,8 @@ class AnthropicServing(Serving):
         messages, prefill = template_messages(body)
         return checked, plan, Conversation(messages, continue_final=prefill, template_kwargs=kwargs)
 
-    async def _stream(self, job: Job, mid: str, plan: ToolPlan):
-        splitter, blocks = CallSplitter(plan), BlockEvents()
+    async def _stream(self, job: Job, mid: str, splitter: CallSplitter):
+        blocks = BlockEvents()
         try:
             item = await job.events.get()
             # After the first event the prompt's split into input and cache reads is known:

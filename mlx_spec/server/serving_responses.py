@@ -67,7 +67,7 @@ class ResponsesServing(Serving):
         call = replace(call, checked=checked)
         try:
             ids, images = await self.chat_ids(call.conversation, checked.plan)
-            job = self.submit(checked, ids, "messages", images=images)
+            job = self.submit(checked, ids, "messages", images=images, sender=request)
         except ApiError as error:  # the shared steps name chat completions' `messages`
             if error.param and error.param.startswith("messages"):
                 error.param = "input"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from mlx_spec.apps.thinking import partial_suffix
-from mlx_spec.core.grammar import JSON_OPTIONS
+from mlx_spec.core.grammar import JSON_OPTIONS, closed_objects
 from mlx_spec.server.api_error import ApiError
 from mlx_spec.server.body_bounds import parse_json
 from mlx_spec.server.openai_requests import ChatRequest, Message
@@ -111,7 +111,7 @@ def forced_call_grammar(tools: list[dict]) -> str:
     arguments as its `parameters` schema (%json), in json_tools' shape."""
     rules, calls = [], []
     for i, tool in enumerate(tools):
-        schema = {**(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+        schema = {**closed_objects(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
         head = json.dumps('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
         calls.append(f"{head} args{i} \"}}\"")
         rules.append(f"args{i}: %json {json.dumps(schema)}")
@@ -235,6 +235,10 @@ class Call:
 Event = Union[str, Call]
 
 
+class CallText(str):
+    """A call that did not parse, returned as the text the model wrote."""
+
+
 class CallSplitter:
     """Splits streamed answer text into text and parsed `Call`s.
 
@@ -245,14 +249,30 @@ class CallSplitter:
     the text it was.
     """
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, clean: Optional[Callable[[str], str]] = None):
         self.plan = plan
         self.syntax = plan.syntax
         self.buffer = ""
         self.in_call = plan.forced  # a forced call's start marker ended the prompt
         self.calls = 0
+        self.clean = clean  # applied to the text between calls (special tokens skipped)
 
     def feed(self, text: str) -> list[Event]:
+        return self._cleaned(self._feed(text))
+
+    def finish(self) -> list[Event]:
+        """What is left when the answer ends: an unterminated call is parsed as it is."""
+        return self._cleaned(self._finish())
+
+    def _cleaned(self, events: list[Event]) -> list[Event]:
+        """Text between calls through `clean`; a call that did not parse stays the text it
+        was, markers and all (`CallText`)."""
+        if self.clean is None:
+            return events
+        events = [self.clean(e) if isinstance(e, str) and not isinstance(e, CallText) else e for e in events]
+        return [e for e in events if not isinstance(e, str) or e]
+
+    def _feed(self, text: str) -> list[Event]:
         if self.syntax is None:
             return [text] if text else []
         self.buffer += text
@@ -274,8 +294,7 @@ class CallSplitter:
                     out.append(self.buffer[:start])
                 self.buffer, self.in_call = self.buffer[start + len(self.syntax.start):], True
 
-    def finish(self) -> list[Event]:
-        """What is left when the answer ends: an unterminated call is parsed as it is."""
+    def _finish(self) -> list[Event]:
         rest, self.buffer = self.buffer, ""
         if self.syntax is None or not rest and not self.in_call:
             return [rest] if rest else []
@@ -293,7 +312,7 @@ class CallSplitter:
                                  for c in events):
                 raise ValueError("not a call to an offered function")
         except Exception:  # the parsers raise ValueError, KeyError, JSONDecodeError, ...
-            return [self.syntax.start + body + end]
+            return [CallText(self.syntax.start + body + end)]
         if self.plan.single:
             events = events[: max(0, 1 - self.calls)]
         self.calls += len(events)

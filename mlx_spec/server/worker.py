@@ -64,8 +64,9 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.server.answer import Answer
 from mlx_spec.server.cache_pool import CachePool, default_budget
 from mlx_spec.server.disk_caches import DiskCaches
-from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, ShuttingDown, cached_count
+from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.metrics import Metrics
+from mlx_spec.server.prompt_scores import prompt_logprobs
 
 log = logging.getLogger("mlx_spec.server")
 RECENT_JOBS = 32  # jobs whose device time Retry-After estimates from
@@ -457,6 +458,14 @@ class Worker:
 
     def _generate(self, job: Job, engine, cache, load_seconds: Optional[float], batched: bool):
         stats = Stats()
+        if job.score_prompt:  # a forward of its own, before the answer's (`prompt_scores`)
+            job.emit(Piece("", prompt_logprobs=prompt_logprobs(
+                engine.target, job.prompt_ids, job.logprobs or 0, engine.prefill_chunk)))
+        if job.max_tokens == 0:  # echo only: the prompt is the whole answer
+            self._count("completed")
+            job.cached_tokens = 0
+            job.emit(Done("length", 0, 0, stats.snapshot(), load_seconds=load_seconds))
+            return
         policy = gamma_policy(self.gamma, engine, context=len(job.prompt_ids),
                               reproducible=job.params.seed is not None, batch=self._share if batched else None)
         try:

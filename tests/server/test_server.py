@@ -93,8 +93,9 @@ def test_served_model_name(tiny_dirs, spec_env):
     """Issue 33, item 12: --served-model-name (vLLM's flag) is the one name clients see and
     send, the path behind it stays on the machine."""
     name = "tiny-gemma"
+    # --strict-model-names: other names get a 404 (by default any name is answered, under this one)
     server = Server(["--model", tiny_dirs[0], "--drafter", "none", "--served-model-name", name,
-                     "--api-key", "sekret"], spec_env)
+                     "--api-key", "sekret", "--strict-model-names"], spec_env)
     try:
         assert f"mlx-spec serve: {name!r}" in server.log
         client = server.client(api_key="sekret")
@@ -205,8 +206,9 @@ def test_prefix_reuse_and_rollback(spec_server, tiny_dirs, reference):
     n = 8
 
     def ask(messages):
+        # the answer's text as the model wrote it, control tokens too: it goes back as history
         return client.chat.completions.create(model=tiny_dirs[0], messages=messages, max_tokens=n,
-                                              temperature=0)
+                                              temperature=0, extra_body={"skip_special_tokens": False})
 
     def follow_up(turn1, answer):
         return turn1 + [{"role": "assistant", "content": answer},
@@ -266,8 +268,6 @@ MALFORMED = [
     ({"model": "MODEL", "prompt": [1, 99999]}, 400, "token ids"),
     ({"model": "MODEL", "prompt": []}, 400, "empty"),
     ({"model": "MODEL", "prompt": "x" * 5000}, 400, "context is 4096 tokens"),
-    ({"model": "MODEL", "prompt": "hi", "max_tokens": 4095}, 400, "context is 4096 tokens"),
-    ({"model": "no-such-model", "prompt": "hi"}, 404, "does not exist"),
 ]
 
 MALFORMED_CHAT = [
@@ -275,8 +275,6 @@ MALFORMED_CHAT = [
     ({"model": "MODEL", "messages": "hi"}, 400, "messages"),
     ({"model": "MODEL", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"model": "MODEL", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "content"),
-    ({"model": "MODEL", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
-     400, "alternate"),
 ]
 
 

@@ -120,8 +120,9 @@ def test_completion_logprobs_and_checks(spec_server, tiny_dirs, reference):
     model, tokenizer = reference
     client = spec_server.client()
     prompt = "Hello there, how"
+    keep = {"skip_special_tokens": False}  # the text as the tokens write it, for text_offset
     answer = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=16, temperature=0,
-                                       logprobs=2)
+                                       logprobs=2, extra_body=keep)
     got = answer.choices[0].logprobs
     expected = mlx_lm_logprobs(model, tokenizer.encode(prompt), len(got.tokens))
     assert len(got.tokens) == answer.usage.completion_tokens  # an EOS too, if it stopped
@@ -134,7 +135,7 @@ def test_completion_logprobs_and_checks(spec_server, tiny_dirs, reference):
     offsets = got.text_offset  # characters, not label lengths (exact: test_byte_tokens_...)
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(answer.choices[0].text)
     assert all(math.isfinite(v) and v <= 0 for v in got.token_logprobs)
-    plain = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=16, temperature=0)
+    plain = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=16, temperature=0, extra_body=keep)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == answer.choices[0].text
     for body, fragment in [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs")]:
         assert_openai_error(spec_server.post("/completions", {"model": tiny_dirs[0], "prompt": "hi", **body}),

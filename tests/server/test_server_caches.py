@@ -56,7 +56,8 @@ def _interleave(server, tiny_dirs, reference, turns=3):
     for turn in range(turns):
         row = []
         for c, prompt in enumerate(prompts):
-            answer = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=N, temperature=0)
+            answer = client.completions.create(model=tiny_dirs[0], prompt=prompt, max_tokens=N, temperature=0,
+                                               extra_body={"skip_special_tokens": False})  # as generate's text
             tokens, text = greedy(prompt)
             assert answer.choices[0].text == text, (turn, c)  # exact whatever came in between
             assert answer.usage.completion_tokens == len(tokens)

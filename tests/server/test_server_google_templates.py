@@ -183,12 +183,14 @@ def test_greedy_answers_after_tool_results_are_mlx_lms(name, tmp_path):
     engine = build_engine(pair, "model")
     server = InProcessServer(create_app(engine, pair.tokenizer, ServerOptions(model_name=MODEL, gamma="2")))
     try:
-        openai_answer = server.client().chat.completions.create(model=MODEL, max_tokens=TOKENS, temperature=0, messages=ASK + [
+        # mlx-lm's text keeps control tokens: so do these answers (`skip_special_tokens`)
+        openai_answer = server.client().chat.completions.create(model=MODEL, max_tokens=TOKENS, temperature=0,
+                                                                extra_body={"skip_special_tokens": False}, messages=ASK + [
             {"role": "assistant", "tool_calls": [call("c1", "get_weather", '{"city": "Paris"}')]},
             {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]).choices[0].message.content
         anthropic_answer = anthropic.Anthropic(base_url=server.base.removesuffix("/v1"), api_key="unused",
                                                max_retries=0, timeout=60).messages.create(
-            model=MODEL, max_tokens=TOKENS, extra_body={"temperature": 0}, tools=[{"name": "get_weather", "input_schema": {"type": "object"}}],
+            model=MODEL, max_tokens=TOKENS, extra_body={"temperature": 0, "skip_special_tokens": False}, tools=[{"name": "get_weather", "input_schema": {"type": "object"}}],
             messages=ASK + [
                 {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather",
                                                    "input": {"city": "Paris"}}]},

@@ -177,7 +177,8 @@ def test_tool_choice(streamed, served, tokenizer):
 
     def ask(tools, tool_choice):
         """(content, [(name, arguments)], finish_reason) of one answer."""
-        request = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice)
+        request = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice,
+                       extra_body={"skip_special_tokens": False})  # "none"'s text as written
         if not streamed:
             choice = client.chat.completions.create(**request).choices[0]
             calls = choice.message.tool_calls or []
