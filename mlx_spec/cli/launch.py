@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import httpx
 import typer
 
 from mlx_spec.cli.app import app
@@ -102,6 +101,8 @@ def client_setup(client: str, base: str, key: str, model: str, scratch: Path) ->
 
 def _health(base: str) -> Optional[dict]:
     try:
+        import httpx  # here: `mlx-spec --help` should not import an HTTP client
+
         response = httpx.get(base + "/health", timeout=2)
     except httpx.TransportError:
         return None

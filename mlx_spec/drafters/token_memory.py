@@ -33,7 +33,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
-import numpy as np
+
+
+class _NumPy:
+    """NumPy, imported at first use: every drafter module is imported by the registry, and
+    `mlx-spec --help` should not pay NumPy's import (tests/platform/test_startup.py)."""
+
+    def __getattr__(self, name):
+        import numpy
+
+        globals()["np"] = numpy  # from now on the module itself
+        return getattr(numpy, name)
+
+
+np = _NumPy()
 
 SEPARATOR = -1
 GRAMS = (2, 6, 16)  # chain gram lengths, shortest first
@@ -42,7 +55,7 @@ GRAMS = (2, 6, 16)  # chain gram lengths, shortest first
 # answer's start the chat template's 5-6 tokens match every earlier answer's start), and
 # its long chains would cost most of a lookup.
 MEMORY_GRAMS = (8, 16)
-_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: golden ratio · 2^64
+_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: golden ratio · 2^64
 _BASE = 1_000_003  # polynomial hash over a gram's tokens
 _MASK = (1 << 64) - 1
 _FEW = 32  # tokens appended in Python integers below this many, with NumPy from it
@@ -99,6 +112,7 @@ class TokenIndex:
             raise ValueError("capacity must be at least 1")
         self.capacity, self.grams, self.growable = capacity, tuple(sorted(grams)), growable
         self.shift = np.uint64(64 - bucket_bits)
+        self.multiplier = np.uint64(_MULTIPLIER)
         self.tokens = np.full(capacity, SEPARATOR, np.int32)
         self.heads = {g: np.zeros(1 << bucket_bits, np.int64) for g in self.grams}
         self.links = {g: np.zeros(capacity, np.int64) for g in self.grams}
@@ -115,10 +129,10 @@ class TokenIndex:
 
     def _buckets(self, hashes: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
-            return ((hashes * _MULTIPLIER) >> self.shift).astype(np.int64)
+            return ((hashes * self.multiplier) >> self.shift).astype(np.int64)
 
     def _bucket(self, gram) -> int:
-        return ((_gram_hash(gram) * int(_MULTIPLIER)) & _MASK) >> int(self.shift)
+        return ((_gram_hash(gram) * _MULTIPLIER) & _MASK) >> int(self.shift)
 
     def _grow(self, needed: int) -> None:
         capacity = self.capacity

@@ -383,7 +383,9 @@ class Serving:
         """The answer's `CallSplitter`: its calls parsed, control tokens left out of its text
         unless the request keeps them (`skip_special_tokens: false`), as vLLM's and
         llama.cpp's answers leave them out."""
-        keep = request.body.skip_special_tokens is False
+        # Under a grammar nothing is skipped: the value is the grammar's, and its text may hold
+        # a control token's text written as plain text (grammar.py never lets one be drawn).
+        keep = request.body.skip_special_tokens is False or request.wanted is not None
         return CallSplitter(request.plan, None if keep else self.model.prompts.controls.strip)
 
     def extra(self, done: Done) -> dict:
