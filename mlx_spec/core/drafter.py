@@ -147,3 +147,15 @@ def require_draft_model(name: str, pair) -> None:
     """A one-line `UsageError` unless `pair` holds a draft model for drafter `name`."""
     if pair.draft is None:
         raise UsageError(f"--drafter {name} needs a draft model (--draft-model or a preset with one)")
+
+
+def require_tapping_draft(family: str, name: str, pair, world, fits: bool, wanted: str) -> None:
+    """One-line `UsageError`s for a drafter that reads the target's layer outputs (`family`,
+    registered as `name`): not across ranks, which split those outputs; only with a draft
+    model, whose config `fits` the family (`wanted` says what checkpoint it needs)."""
+    if world.active:
+        raise UsageError(f"the {family} drafter reads the target's layer outputs, which the ranks split "
+                         "between them: across ranks use --drafter model or ngram")
+    require_draft_model(name, pair)
+    if not fits:
+        raise UsageError(f"--drafter {name} needs {wanted}")

@@ -19,9 +19,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.core.drafter import Draft, Drafter, require_draft_model
+from mlx_spec.core.drafter import Draft, Drafter, require_tapping_draft
 from mlx_spec.drafters.block import BlockPass, draw_block
-from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.dflash import Context, Model, TargetHead, is_dflash_config, sequence_mask, target_mismatch
 from mlx_spec.core.passes import pad_left
 
@@ -48,12 +48,8 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def for_pair(cls, pair, world) -> "DFlashDrafter":
-        if world.active:
-            raise UsageError("the DFlash drafter reads the target's layer outputs, which the ranks split "
-                             "between them: across ranks use --drafter model or ngram")
-        require_draft_model(cls.name, pair)
-        if not is_dflash_config(pair.draft.config):
-            raise UsageError("--drafter dflash needs a DFlash draft checkpoint (a config.json with dflash_config)")
+        require_tapping_draft("DFlash", cls.name, pair, world,
+                              pair.draft is not None and is_dflash_config(pair.draft.config), "a DFlash draft checkpoint (a config.json with dflash_config)")
         return cls(pair.draft.model, pair.target.model)
 
     def reset(self) -> None:

@@ -17,10 +17,10 @@ import mlx.core as mx
 
 from mlx_spec.core.grammar import constrain
 from mlx_spec.core.sampling import draw
-from mlx_spec.core.drafter import Draft, require_draft_model
+from mlx_spec.core.drafter import Draft, require_tapping_draft
 from mlx_spec.drafters.block import BlockPass
 from mlx_spec.drafters.dflash import DFlashDrafter
-from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.errors import MlxSpecError
 from mlx_spec.models.dspark import Model, is_dspark_config, target_mismatch
 
 
@@ -42,12 +42,8 @@ class DSparkDrafter(DFlashDrafter):
 
     @classmethod
     def for_pair(cls, pair, world) -> "DSparkDrafter":
-        if world.active:
-            raise UsageError("the DSpark drafter reads the target's layer outputs, which the ranks split "
-                             "between them: across ranks use --drafter model or ngram")
-        require_draft_model(cls.name, pair)
-        if not is_dspark_config(pair.draft.config):
-            raise UsageError("--drafter dspark needs a Gemma 4 DSpark draft checkpoint (Gemma4DSparkModel)")
+        require_tapping_draft("DSpark", cls.name, pair, world,
+                              pair.draft is not None and is_dspark_config(pair.draft.config), "a Gemma 4 DSpark draft checkpoint (Gemma4DSparkModel)")
         return cls(pair.draft.model, pair.target.model)
 
     def block_tokens(self, token: int) -> list[int]:

@@ -24,8 +24,8 @@ from typing import Optional
 import mlx.core as mx
 
 from mlx_spec.core.cache.forward import text_model
-from mlx_spec.core.drafter import Draft, Drafter, require_draft_model
-from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.core.drafter import Draft, Drafter, require_tapping_draft
+from mlx_spec.errors import MlxSpecError
 from mlx_spec.core.grammar import constrain
 from mlx_spec.models.eagle3 import Model, is_eagle3_config, target_mismatch
 from mlx_spec.core.sampling import draw
@@ -53,12 +53,8 @@ class Eagle3Drafter(Drafter):
 
     @classmethod
     def for_pair(cls, pair, world) -> "Eagle3Drafter":
-        if world.active:
-            raise UsageError("the EAGLE-3 drafter reads the target's layer outputs, which the ranks split "
-                             "between them: across ranks use --drafter model or ngram")
-        require_draft_model(cls.name, pair)
-        if not is_eagle3_config(pair.draft.config):
-            raise UsageError("--drafter eagle3 needs an EAGLE-3 draft checkpoint (speculators format)")
+        require_tapping_draft("EAGLE-3", cls.name, pair, world,
+                              pair.draft is not None and is_eagle3_config(pair.draft.config), "an EAGLE-3 draft checkpoint (speculators format)")
         return cls(pair.draft.model, pair.target.model)
 
     def reset(self) -> None:
