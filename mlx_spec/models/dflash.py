@@ -224,7 +224,7 @@ class Model(nn.Module):
         projected into the context, then one block forward."""
         head = TargetHead(target, self.args.final_logit_softcapping)
         state = Context(len(self.layers))
-        taps = mx.zeros((1, context, self.fc.weight.shape[1]))
+        taps = mx.zeros((1, context, len(self.args.target_layer_ids) * self.args.hidden_size))  # fc.weight is packed when quantized
         self.extend(state, taps)
         mx.eval([c.state for c in state.caches])
         block = mx.array([[self.args.mask_token_id] * self.block_size])

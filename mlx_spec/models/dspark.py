@@ -244,7 +244,7 @@ class Model(nn.Module):
     def step_timer(self, target, context: int) -> Callable[[], None]:
         """A round's drafting, as `dflash.Model.step_timer` times it."""
         state = Context(len(self.layers))
-        taps = mx.zeros((1, context, self.fc.weight.shape[1]))
+        taps = mx.zeros((1, context, len(self.args.target_layer_ids) * self.args.hidden_size))  # fc.weight is packed when quantized
         self.extend(state, taps)
         mx.eval([c.state for c in state.caches])
         block = mx.array([self.block_tokens(self.args.mask_token_id)])
