@@ -260,7 +260,7 @@ class Serving:
     def output_grammar(self, body: RequestBody, plan: ToolPlan = ToolPlan(),
                        template_kwargs: Optional[dict] = None) -> Optional[WantedGrammar]:
         """The grammar the answer must follow (compiled later, off this thread: `compiled`):
-        a forced strict call's (`tools.forced_call_grammar`), else the body's output format,
+        a forced call's (`tools.forced_grammar`), else the body's output format,
         else None. A grammar with thinking on (`template_kwargs`' enable_thinking) is a 400:
         it would hold from the first token, so the thought would be forced into the answer's
         shape or not be written."""
