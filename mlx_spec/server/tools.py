@@ -5,7 +5,8 @@ built from what they return.
 mlx-lm's tokenizer names the model's call syntax (`tool_call_start` / `tool_call_end`
 markers and a `tool_parser`), inferred from the chat template. A template with none (Gemma
 3's) cannot take tools, and a request that sends them is refused, as mlx-lm's server and
-Ollama refuse them for such models. `tool_choice` "required" or a named function is kept by
+Ollama refuse them for such models, but for a forced call: its answer is the call's JSON,
+by grammar (`BARE_JSON_CALLS`, as vLLM answers a forced call whatever the template). `tool_choice` "required" or a named function is kept by
 ending the prompt with the start marker, so the model's first words are a call (a named
 function is the only tool the template shows), and the call itself follows a grammar in the
 model's own call syntax (`call_grammars`: JSON calls, mlx-lm's `json_tools`, and Gemma 4's
@@ -46,6 +47,16 @@ class ToolSyntax:
     # for a syntax it does not know (the call is forced by the start marker alone).
     grammar_format: Optional[str] = None
     token_ids: tuple = ()  # (text, id) of the marker texts that are single tokens
+
+
+def _bare_json_call(text: str, tools=None):
+    return json.loads(text)
+
+
+# A forced call on a model whose template has no call format (Gemma 3's): no markers, the
+# whole answer is the call as JSON calls write it (`{"name": ..., "arguments": {...}}`), by
+# the grammar. Such a template does not show the tools: the grammar alone spells the call.
+BARE_JSON_CALLS = ToolSyntax("", "", _bare_json_call, "json")
 
 
 def tool_syntax(tokenizer) -> Optional[ToolSyntax]:
@@ -91,6 +102,8 @@ def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax]
     "required", or the name of one function); refuses tools the model cannot call. A forced
     call follows its grammar (`forced_grammar`)."""
     forced = choice not in (None, "auto", "none")
+    if forced and syntax is None:  # no call format: the answer is the call's JSON (`BARE_JSON_CALLS`)
+        syntax = BARE_JSON_CALLS
     for i, tool in enumerate(tools or []):
         if tool["function"].get("strict") and not (forced and syntax is not None and syntax.grammar_format):
             why = ("needs tool_choice 'required' or a named function (the call the answer must be)"
@@ -302,7 +315,7 @@ class CallSplitter:
         out: list[Event] = []
         while True:
             if self.in_call:
-                end = self.buffer.find(self.syntax.end)
+                end = self.buffer.find(self.syntax.end) if self.syntax.end else -1  # none: to the end
                 if end < 0:
                     return out
                 out += self._call(self.buffer[:end], self.syntax.end)
