@@ -24,6 +24,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, ClassVar, Optional
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,7 @@ from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, 
 from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
 from mlx_spec.server.request_base import RequestBody
+from mlx_spec.server.call_grammars import QUOTE
 from mlx_spec.server.tools import CallSplitter, ToolPlan, ToolSyntax, tool_syntax
 from mlx_spec.server.worker import Worker, keep_alive_seconds
 
@@ -64,6 +66,19 @@ class ServedModel:
     prompts: ChatPrompts
     prompter: Optional[ImagePrompter]  # the processor needs no weights: it stays through an unload
     drafter: str  # the drafter's name, "none" without one
+
+    @cached_property  # ControlTokens loads transformers' tokenizer behind a FastTokenizer: at first use
+    def skipped_ids(self) -> frozenset:
+        """The special tokens left out of answers' text (`skip_special_tokens`): every one but
+        those the answer is parsed by afterwards, the call markers (and Gemma 4's string
+        delimiter) and the thought markers, which the parsers take out themselves."""
+        markers = [self.tool_syntax.start, self.tool_syntax.end] if self.tool_syntax else []
+        if self.tool_syntax is not None and self.tool_syntax.grammar_format == "gemma4":
+            markers.append(QUOTE)
+        if self.think is not None:
+            markers += [self.think.start, self.think.end]
+        kept = {t for marker in markers for t in self.tokenizer.encode(marker, add_special_tokens=False)}
+        return frozenset(self.prompts.controls.ids.values()) - kept
 
     @classmethod
     def of(cls, engine, tokenizer, parse_special_in_text: bool) -> ServedModel:
@@ -346,7 +361,8 @@ class Serving:
                   thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
                   thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
                   grammar=request.grammar, score_prompt=score_prompt,
-                  tenant=getattr(sender.state, "tenant", None) if sender is not None else None)
+                  tenant=getattr(sender.state, "tenant", None) if sender is not None else None,
+                  skip_ids=frozenset() if request.body.skip_special_tokens is False else self.model.skipped_ids)
         try:
             self.worker.submit(job)
         except (Busy, ShuttingDown) as error:
@@ -380,13 +396,9 @@ class Serving:
             self.worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
     def splitter(self, request: CheckedRequest) -> CallSplitter:
-        """The answer's `CallSplitter`: its calls parsed, control tokens left out of its text
-        unless the request keeps them (`skip_special_tokens: false`), as vLLM's and
-        llama.cpp's answers leave them out."""
-        # Under a grammar nothing is skipped: the value is the grammar's, and its text may hold
-        # a control token's text written as plain text (grammar.py never lets one be drawn).
-        keep = request.body.skip_special_tokens is False or request.wanted is not None
-        return CallSplitter(request.plan, None if keep else self.model.prompts.controls.strip)
+        """The answer's `CallSplitter`: its calls parsed from its text (whose special tokens
+        the worker left out by id, `ServedModel.skipped_ids`, unless the request keeps them)."""
+        return CallSplitter(request.plan)
 
     def extra(self, done: Done) -> dict:
         """An answer's extra `mlx_spec` field: the drafter, γ and `statistics`."""

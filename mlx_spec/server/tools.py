@@ -285,30 +285,14 @@ class CallSplitter:
     the text it was.
     """
 
-    def __init__(self, plan: ToolPlan, clean: Optional[Callable[[str], str]] = None):
+    def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.syntax = plan.syntax
         self.buffer = ""
         self.in_call = plan.forced  # a forced call's start marker ended the prompt
         self.calls = 0
-        self.clean = clean  # applied to the text between calls (special tokens skipped)
 
     def feed(self, text: str) -> list[Event]:
-        return self._cleaned(self._feed(text))
-
-    def finish(self) -> list[Event]:
-        """What is left when the answer ends: an unterminated call is parsed as it is."""
-        return self._cleaned(self._finish())
-
-    def _cleaned(self, events: list[Event]) -> list[Event]:
-        """Text between calls through `clean`; a call that did not parse stays the text it
-        was, markers and all (`CallText`)."""
-        if self.clean is None:
-            return events
-        events = [self.clean(e) if isinstance(e, str) and not isinstance(e, CallText) else e for e in events]
-        return [e for e in events if not isinstance(e, str) or e]
-
-    def _feed(self, text: str) -> list[Event]:
         if self.syntax is None:
             return [text] if text else []
         self.buffer += text
@@ -330,7 +314,8 @@ class CallSplitter:
                     out.append(self.buffer[:start])
                 self.buffer, self.in_call = self.buffer[start + len(self.syntax.start):], True
 
-    def _finish(self) -> list[Event]:
+    def finish(self) -> list[Event]:
+        """What is left when the answer ends: an unterminated call is parsed as it is."""
         rest, self.buffer = self.buffer, ""
         if self.syntax is None or not rest and not self.in_call:
             return [rest] if rest else []
