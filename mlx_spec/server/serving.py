@@ -70,15 +70,20 @@ class ServedModel:
     @cached_property  # ControlTokens loads transformers' tokenizer behind a FastTokenizer: at first use
     def skipped_ids(self) -> frozenset:
         """The special tokens left out of answers' text (`skip_special_tokens`): every one but
-        those the answer is parsed by afterwards, the call markers (and Gemma 4's string
-        delimiter) and the thought markers, which the parsers take out themselves."""
+        the markers the answer is parsed by afterwards (`markers`)."""
+        kept = {t for marker in self.markers for t in self.tokenizer.encode(marker, add_special_tokens=False)}
+        return frozenset(self.prompts.controls.ids.values()) - kept
+
+    @cached_property
+    def markers(self) -> tuple[str, ...]:
+        """The texts the parsers read the answer by: the call markers (and Gemma 4's string
+        delimiter) and the thought markers. They read them as text, as they always have."""
         markers = [self.tool_syntax.start, self.tool_syntax.end] if self.tool_syntax else []
         if self.tool_syntax is not None and self.tool_syntax.grammar_format == "gemma4":
             markers.append(QUOTE)
         if self.think is not None:
             markers += [self.think.start, self.think.end]
-        kept = {t for marker in markers for t in self.tokenizer.encode(marker, add_special_tokens=False)}
-        return frozenset(self.prompts.controls.ids.values()) - kept
+        return tuple(m for m in markers if m)
 
     @classmethod
     def of(cls, engine, tokenizer, parse_special_in_text: bool) -> ServedModel:
@@ -396,9 +401,13 @@ class Serving:
             self.worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
     def splitter(self, request: CheckedRequest) -> CallSplitter:
-        """The answer's `CallSplitter`: its calls parsed from its text (whose special tokens
-        the worker left out by id, `ServedModel.skipped_ids`, unless the request keeps them)."""
-        return CallSplitter(request.plan)
+        """The answer's `CallSplitter`: its calls parsed from its text, whose special tokens
+        the worker left out by id (`ServedModel.skipped_ids`) unless the request keeps them.
+        The parsers' own markers are text to them: one left over outside a call or thought
+        (a stray end marker) is left out too, but under a grammar, which never draws them,
+        so its value keeps any such text it spells."""
+        skip = request.body.skip_special_tokens is not False and request.wanted is None
+        return CallSplitter(request.plan, self.model.markers if skip else ())
 
     def extra(self, done: Done) -> dict:
         """An answer's extra `mlx_spec` field: the drafter, γ and `statistics`."""

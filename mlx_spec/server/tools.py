@@ -285,14 +285,36 @@ class CallSplitter:
     the text it was.
     """
 
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, strays: tuple[str, ...] = ()):
         self.plan = plan
         self.syntax = plan.syntax
         self.buffer = ""
         self.in_call = plan.forced  # a forced call's start marker ended the prompt
         self.calls = 0
+        self.strays = strays  # marker texts left out of the text between calls
 
     def feed(self, text: str) -> list[Event]:
+        return self._without_strays(self._feed(text))
+
+    def finish(self) -> list[Event]:
+        """What is left when the answer ends: an unterminated call is parsed as it is."""
+        return self._without_strays(self._finish())
+
+    def _without_strays(self, events: list[Event]) -> list[Event]:
+        """Text between calls without `strays`; a call that did not parse stays the text it
+        was, markers and all (`CallText`)."""
+        if not self.strays:
+            return events
+        out = []
+        for event in events:
+            if isinstance(event, str) and not isinstance(event, CallText):
+                for marker in self.strays:
+                    event = event.replace(marker, "")
+            if not isinstance(event, str) or event:
+                out.append(event)
+        return out
+
+    def _feed(self, text: str) -> list[Event]:
         if self.syntax is None:
             return [text] if text else []
         self.buffer += text
@@ -314,8 +336,7 @@ class CallSplitter:
                     out.append(self.buffer[:start])
                 self.buffer, self.in_call = self.buffer[start + len(self.syntax.start):], True
 
-    def finish(self) -> list[Event]:
-        """What is left when the answer ends: an unterminated call is parsed as it is."""
+    def _finish(self) -> list[Event]:
         rest, self.buffer = self.buffer, ""
         if self.syntax is None or not rest and not self.in_call:
             return [rest] if rest else []
