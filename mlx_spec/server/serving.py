@@ -281,16 +281,16 @@ class Serving:
                        template_kwargs: Optional[dict] = None) -> Optional[WantedGrammar]:
         """The grammar the answer must follow (compiled later, off this thread: `compiled`):
         a forced call's (`tools.forced_grammar`), else the body's output format,
-        else None. A grammar with thinking on (`template_kwargs`' enable_thinking) is a 400:
-        it would hold from the first token, so the thought would be forced into the answer's
-        shape or not be written."""
+        else None. An output format with thinking on (`template_kwargs`' enable_thinking) is a
+        400: it would hold from the first token, so the thought would be forced into the
+        answer's shape or not be written. A forced call's is not: its prompt ends with the
+        call's start marker, so no thought comes before the call either way."""
         if plan.grammar is not None:
-            wanted = WantedGrammar("lark", plan.grammar, "tools")
-        else:
-            output = body.output_format()
-            if output is None:
-                return None
-            wanted = WantedGrammar(*output, body.FORMAT_PARAM)
+            return WantedGrammar("lark", plan.grammar, "tools")
+        output = body.output_format()
+        if output is None:
+            return None
+        wanted = WantedGrammar(*output, body.FORMAT_PARAM)
         if (template_kwargs or {}).get("enable_thinking"):
             raise ApiError(400, f"{wanted.param}: structured output cannot be combined with thinking yet (the "
                                 "grammar would hold from the first token, the thought's); turn thinking off",

@@ -260,3 +260,19 @@ def test_unexpressible_schemas(servers):
         assert name == "f" and isinstance(arguments, dict)
     else:
         assert answer.choices[0].finish_reason == "length"
+
+
+def test_a_forced_call_with_thinking_on(servers):
+    """Thinking on (`enable_thinking`, Anthropic's `thinking`): the prompt ends with the call's
+    start marker, so no thought comes before it and the call is still the grammar's."""
+    answer = chat(servers[0], tools=[WEATHER], tool_choice="required",
+                  extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    [(name, arguments)] = arguments_of(answer)
+    assert name == "get_weather" and not answer.choices[0].message.model_extra.get("reasoning_content")
+    jsonschema.validate(arguments, WEATHER_SCHEMA)
+    client = anthropic.Anthropic(base_url=servers[0].base.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=60)
+    message = client.messages.create(model=MODEL, max_tokens=120, messages=ASK, tool_choice={"type": "any"},
+                                     tools=[{"name": "get_weather", "input_schema": WEATHER_SCHEMA}],
+                                     thinking={"type": "enabled", "budget_tokens": 50})
+    [block] = [b for b in message.content if b.type == "tool_use"]
+    jsonschema.validate(block.input, WEATHER_SCHEMA)
