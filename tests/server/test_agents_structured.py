@@ -143,3 +143,16 @@ def test_forced_calls_through_the_openai_sdk(server, tool_choice):
     assert answer.choices[0].finish_reason == "tool_calls" and answer.choices[0].message.content is None
     schema = {"Trip": Trip, "City": City}[call.function.name].model_json_schema()
     jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_streamed_forced_call_equals_the_whole_one(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": 400,
+            "tools": [{"type": "function", "function": {"name": "City", "parameters": City.model_json_schema()}}],
+            "tool_choice": "required"}
+    client = openai_client(server, [])
+    whole = client.chat.completions.create(**body).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    streamed = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    assert next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason) == "tool_calls"
