@@ -214,6 +214,7 @@ class WantedGrammar:
     kind: str
     source: object
     param: str
+    fallback: Optional[str] = None  # a Lark grammar to take if `source` cannot compile (`ToolPlan.fallback`)
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,7 @@ class Serving:
         answer's shape or not be written. A forced call's is not: its prompt ends with the
         call's start marker, so no thought comes before the call either way."""
         if plan.grammar is not None:
-            return WantedGrammar("lark", plan.grammar, "tools")
+            return WantedGrammar("lark", plan.grammar, "tools", plan.fallback)
         output = body.output_format()
         if output is None:
             return None
@@ -308,7 +309,11 @@ class Serving:
             grammar = await self.compiling.run(compile_grammar, self.model.tokenizer, wanted.kind, wanted.source,
                                                self.model.eos_ids)
         except UsageError as error:
-            raise ApiError(400, f"{wanted.param}: {error}", param=wanted.param, code="invalid_value") from None
+            if wanted.fallback is None:
+                raise ApiError(400, f"{wanted.param}: {error}", param=wanted.param, code="invalid_value") from None
+            # a forced call that is not strict is still a call, its arguments any object
+            grammar = await self.compiling.run(compile_grammar, self.model.tokenizer, "lark", wanted.fallback,
+                                               self.model.eos_ids)
         return replace(checked, grammar=grammar)
 
     # -- the prompt (on the tokenizer thread) ---------------------------------------------

@@ -86,6 +86,8 @@ class ToolPlan:
         names: the functions the model may call.
         single: one call per answer (parallel_tool_calls false); later calls are dropped.
         grammar: the forced call's grammar (a Lark text, `forced_grammar`), or None.
+        fallback: where no forced tool is strict, the grammar of a call with any arguments,
+            taken if llguidance cannot compile `grammar` (a schema feature it lacks).
     """
 
     tools: Optional[list[dict]] = None
@@ -94,6 +96,7 @@ class ToolPlan:
     names: frozenset = frozenset()
     single: bool = False
     grammar: Optional[str] = None
+    fallback: Optional[str] = None
 
 
 def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax],
@@ -127,7 +130,12 @@ def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax]
             raise ApiError(400, f"tool_choice: no tool is named {choice!r}", param="tool_choice")
     grammar = forced_grammar(tools, indices, syntax, param) if forced else None
     tools = [tools[i] for i in indices]
-    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single, grammar)
+    fallback = None
+    if grammar is not None and not any(t["function"].get("strict") for t in tools):
+        free = [{**t, "function": {**t["function"], "parameters": {"type": "object"}}} for t in tools]
+        fallback = forced_grammar(free, list(range(len(free))), syntax, param)
+    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single, grammar,
+                    fallback)
 
 
 def forced_grammar(tools: list[dict], indices: list[int], syntax: ToolSyntax, param: str) -> Optional[str]:
