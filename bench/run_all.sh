@@ -52,3 +52,4 @@ py prompt_cache_disk.py --tokens 8192 --repeats 2 --warm 3
 py kv_decode_profile.py
 py suffix.py --max-tokens 64
 py suffix_memory.py --tokens 1000000   # add --arctic DIR (Arctic Inference's _C module, built by hand) for its rows
+py agents.py   # Claude Code, Codex, opencode from npm (npm i -g ...); a client not installed is recorded so

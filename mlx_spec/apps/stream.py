@@ -144,17 +144,21 @@ class TextStream:
     (a thought budget's, `mlx_spec.server.worker`) keeps one across them, so a stop string
     or a character that straddles two runs is found whole."""
 
-    def __init__(self, tokenizer, stop: Sequence[str], eos_ids):
+    def __init__(self, tokenizer, stop: Sequence[str], eos_ids, skip_ids: frozenset = frozenset()):
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
         self.stops = _StopText(stop)
         self.eos_ids = eos_ids
+        # Tokens that are not text (vLLM's skip_special_tokens: special tokens by id, never
+        # by their text, which the model may also spell out in plain tokens): the detokenizer
+        # never sees them, so the text is that of the other tokens alone.
+        self.skip_ids = skip_ids
         self.said = ""  # the text of every token added, none held back (`take_said` empties it)
 
     def add(self, tokens: Sequence[int], accepted: int = 0) -> None:
         """Committed tokens, the first `accepted` of them accepted drafts."""
         for i, t in enumerate(tokens):
-            if t in self.eos_ids:
+            if t in self.eos_ids or t in self.skip_ids:  # no text; released with the next
                 self.stops.add(t, "", [])
                 continue
             self._add(t, t, i < accepted)

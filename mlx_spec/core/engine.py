@@ -41,7 +41,7 @@ from mlx_spec.core.cache.sequence import PromptCache
 from mlx_spec.core.constraint import Constraint
 from mlx_spec.core.drafter import KEEP, Draft, Drafter
 from mlx_spec.core.grammar import Matcher, constrain
-from mlx_spec.core.passes import TargetPass, run_alone
+from mlx_spec.core.passes import RoundClock, TargetPass, run_alone
 from mlx_spec.core.policy import MAX_GAMMA, GammaPolicy, as_policy
 from mlx_spec.core.sampling import UNDECIDED, KeyStream, LogitProcessor, SamplingParams, likeliest
 from mlx_spec.core.stats import Stats
@@ -233,20 +233,20 @@ class Engine:
         try:
             yield from g.prefill(prefill_progress)
             while g.generated < g.max_tokens:
-                start = perf_counter()
+                start, clock = perf_counter(), RoundClock()  # in a batch: its share of the forwards
                 scored = g.take_queued()  # steps 1-3 of a plain round queued by the last round
                 together = scored is None and g.in_company()  # this round's passes go to the batch
                 if scored is None:
                     key_draft, key_verify = g.keys(2)
                     branching = g.can_branch and not together
                     gamma = g.choose_gamma(branching)  # 1
-                    proposal = yield from g.draft(gamma, key_draft, together, branching)  # 2
-                    scored = yield from g.score(proposal, key_verify, together)  # 3
+                    proposal = yield from clock.through(g.draft(gamma, key_draft, together, branching))  # 2
+                    scored = yield from clock.through(g.score(proposal, key_verify, together))  # 3
                 drafted = perf_counter()
                 g.queue_plain_round(scored)  # 3b
                 verdict = g.decide(scored)  # 4
                 rnd, path = g.commit(scored, verdict)  # 5
-                g.observe(scored, rnd, path, start, drafted)  # 6
+                g.observe(scored, rnd, path, start, drafted, clock)  # 6
                 yield rnd
                 if rnd.finish_reason:
                     return
@@ -506,9 +506,13 @@ class Generation:
             return emitted[:room], "length"
         return emitted, None
 
-    def observe(self, scored: Scored, rnd: Round, path: list[int], start: float, drafted: float) -> None:
+    def observe(self, scored: Scored, rnd: Round, path: list[int], start: float, drafted: float,
+                clock: RoundClock) -> None:
         """6. The round's outcome and measured time teach the policy (auto γ learns its
-        costs from the drafter's tokens) and go into the stats."""
+        costs from the drafter's tokens) and go into the stats: draft time up to the target
+        pass, verify time after it, each in a batch with this request's share of the shared
+        forwards in place of the wait for them (`passes.RoundClock`); decode time is the
+        round's wall time."""
         end = perf_counter()
         draft, drafted_by = scored.draft, scored.drafted_by
         accepted = min(rnd.accepted, drafted_by)
@@ -520,7 +524,9 @@ class Generation:
         stats = self.stats
         stats.grammar_forced += max(0, min(rnd.accepted, len(rnd.tokens)) - drafted_by)
         depth = draft.tree.max_depth if draft.tree is not None else drafted_by
-        stats.observe_round(drafted_by, accepted, len(rnd.tokens), drafted - start, end - drafted, depth=depth)
+        draft_s = drafted - start - clock.waited + clock.draft_share
+        verify_s = end - drafted + clock.verify_share
+        stats.observe_round(drafted_by, accepted, len(rnd.tokens), draft_s, verify_s, depth=depth, decode_s=end - start)
         if self.drafting:
             stats.draft_forwards += (draft.forwards if draft.forwards is not None
                                      else drafted_by * self.drafter.passes_per_token)

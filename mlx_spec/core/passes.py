@@ -19,11 +19,18 @@ the greedy rule's near-tie check absorbs as it does for a verify block's width).
 
 Cost: each layer copies every row's visible keys and values into the batch tensor once
 per forward (a row's whole context on full-attention layers, its window on sliding ones).
+
+Time: a forward shared by several requests is timed once, and each pass in it is given its
+share, `Pass.seconds`, in proportion to its rows (rows cost about the same whichever
+request they belong to). `RoundClock` puts a batched round's shares into its draft and
+verify times, in place of the time it waited for the batch (`Stats.draft_time` /
+`verify_time`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Optional
 
 import mlx.core as mx
@@ -40,6 +47,9 @@ from mlx_spec.platform import blas
 class Pass:
     """A forward that a request's round needs: run alone (`run`), or beside other requests'
     passes of the same `group` in one call (`run_together`)."""
+
+    seconds: float = 0.0  # this pass's share of the shared forward that ran it (`run_passes`)
+    rows: int = 1  # positions it feeds, which its share is in proportion to
 
     def group(self) -> tuple:
         """Passes that can share one forward have equal groups."""
@@ -69,6 +79,10 @@ class ModelPass(Pass):
 
     def group(self) -> tuple:
         return ModelPass, id(self.cache.model), self.hidden
+
+    @property
+    def rows(self) -> int:
+        return self.block.shape[0]
 
     def run(self) -> None:
         """The pass alone, as a request without a batch runs it."""
@@ -130,7 +144,54 @@ def run_passes(passes: list[Pass]) -> None:
     for p in passes:
         groups.setdefault(p.group(), []).append(p)
     for group in groups.values():
+        start = perf_counter()
         type(group[0]).run_together(group)
+        share_time(group, perf_counter() - start)
+
+
+def share_time(group: list[Pass], seconds: float) -> None:
+    """Each pass of a forward that took `seconds` is given its share, by its rows. A pass
+    run alone is left lazy (`ModelPass.run`): ~0 here, its request evaluates it in its own
+    time."""
+    rows = sum(p.rows for p in group)
+    for p in group:
+        p.seconds = seconds * p.rows / rows if rows else seconds / len(group)
+
+
+class RoundClock:
+    """A batched round's time, as `Engine.run` reports it. While its generator is suspended
+    on a pass, the batch runs the other requests' work and the shared forwards: that wall
+    time (`waited`) is not this request's; its passes' shares (`Pass.seconds`) are, the
+    target's (`TargetPass`) as verify time, the draft model's as draft time."""
+
+    def __init__(self):
+        self.waited = self.draft_share = self.verify_share = 0.0
+
+    def through(self, steps):
+        """`steps` (a generator of passes that returns a value) with its items yielded up
+        and the suspensions timed; returns its value. Errors the batch throws in go on to
+        `steps`."""
+        try:
+            item = next(steps)
+            while True:
+                suspended = perf_counter()
+                try:
+                    yield item
+                except GeneratorExit:
+                    steps.close()
+                    raise
+                except BaseException as error:
+                    self.waited += perf_counter() - suspended
+                    item = steps.throw(error)
+                    continue
+                self.waited += perf_counter() - suspended
+                if isinstance(item, TargetPass):
+                    self.verify_share += item.seconds
+                elif isinstance(item, Pass):
+                    self.draft_share += item.seconds
+                item = next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 
 def pad_left(x: mx.array, width: int, axis: int) -> mx.array:

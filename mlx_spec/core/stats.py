@@ -54,11 +54,13 @@ class Stats:
 
     def observe_round(
         self, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
-        depth: int | None = None,
+        depth: int | None = None, decode_s: float | None = None,
     ) -> None:
         """One round: `gamma` drafted, the first `accepted` taken, `emitted` tokens kept. A
         draft tree's round drafted `gamma` nodes at most `depth` deep and accepted a path of
-        `accepted` (the position counters count depth)."""
+        `accepted` (the position counters count depth). `decode_s`: the round's wall time
+        where it is more than draft + verify (in a batch, which also waits for the others'
+        share of the forwards)."""
         self.rounds += 1
         self.target_forwards += 1
         self.drafted += gamma
@@ -79,7 +81,7 @@ class Stats:
             self.accepted_at[i] += 1
         self.draft_time += draft_s
         self.verify_time += verify_s
-        self.decode_time += draft_s + verify_s
+        self.decode_time += draft_s + verify_s if decode_s is None else decode_s
 
     def observe_tree(self, attempts: list[tuple[int, int, bool]]) -> None:
         """A tree round's tried nodes, as `TreeShape.attempts` lists them."""

@@ -18,7 +18,7 @@ class Answer:
     the ids that end an answer (no text)."""
 
     def __init__(self, job: Job, tokenizer, eos_ids):
-        self.text = TextStream(tokenizer, job.stop, eos_ids)
+        self.text = TextStream(tokenizer, job.stop, eos_ids, job.skip_ids)
         self.splitter = ThoughtSplitter(job.think, job.thinking)  # the released text's
         # Every committed token's text, none held back by a stop string: which part a round
         # began in, as the model wrote it (a round that crosses a marker counts for the first).

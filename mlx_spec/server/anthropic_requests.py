@@ -314,7 +314,7 @@ def tool_plan(body: MessagesRequest, syntax) -> ToolPlan:
         raise ApiError(400, "tool_choice.name: a tool choice of type tool needs a name",
                        param="tool_choice.name")
     named = {None: None, "auto": "auto", "any": "required", "none": "none"}
-    # A forced tool's input follows its input_schema where the call format is JSON (`tools.py`).
+    # A forced tool's input follows its input_schema in the model's call syntax (`tools.py`).
     return plan_tools(tools or None, choice.name if choice and choice.type == "tool"
                       else named[choice.type if choice else None], syntax,
-                      single=bool(choice and choice.disable_parallel_tool_use), constrain_forced=True)
+                      single=bool(choice and choice.disable_parallel_tool_use))

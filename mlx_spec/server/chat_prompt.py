@@ -39,14 +39,6 @@ class ControlTokens:
         self._lengths = {first: sorted(n, reverse=True) for first, n in lengths.items()}
         self._firsts = re.compile("[" + "".join(map(re.escape, lengths)) + "]") if lengths else None
 
-    def strip(self, text: str) -> str:
-        """`text` without its control tokens' texts (vLLM's `skip_special_tokens`)."""
-        out, at = [], 0
-        for a, b in self.spans(text):
-            out.append(text[at:a])
-            at = b
-        return "".join(out) + text[at:] if out else text
-
     def spans(self, text: str) -> Iterator[tuple[int, int]]:
         """(start, end) of each control token's text in `text`, in order."""
         at = 0

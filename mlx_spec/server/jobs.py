@@ -68,6 +68,7 @@ class Job:
     batch_size: int = 1  # the most requests decoded in one forward with this one (set by the worker)
     tenant: Optional[str] = None  # its API key's digest (`guards.tenant`); None without keys
     score_prompt: bool = False  # send the prompt's log-probs first (completions' echo with logprobs)
+    skip_ids: frozenset = frozenset()  # special tokens left out of the text (`skip_special_tokens`)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -47,9 +47,10 @@ class AnswerBytes:
     `text_offset`). Bytes go through an incremental UTF-8 decoder, so a character split
     over byte tokens counts once, and each of its tokens is at its start."""
 
-    def __init__(self, trims_first_space: bool = False):
+    def __init__(self, trims_first_space: bool = False, skipped: frozenset = frozenset()):
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._trim = trims_first_space
+        self.skipped = skipped  # tokens left out of the text (`Job.skip_ids`): they add no bytes
         self.chars = 0
 
     def add(self, data: bytes) -> tuple[int, bytes]:
@@ -72,7 +73,7 @@ def logprobs_object(chat: bool, scored: list, describe, answer: AnswerBytes) -> 
     labels, shown, offsets = [], [], []
     for t, _, _ in scored:
         label, data = describe(t)
-        at, data = answer.add(data)
+        at, data = answer.add(b"" if t in answer.skipped else data)
         labels.append(label)
         shown.append(data)
         offsets.append(at)

@@ -24,6 +24,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, ClassVar, Optional
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,7 @@ from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, 
 from mlx_spec.server.logprobs import token_describer
 from mlx_spec.server.options import ServerOptions
 from mlx_spec.server.request_base import RequestBody
+from mlx_spec.server.call_grammars import QUOTE
 from mlx_spec.server.tools import CallSplitter, ToolPlan, ToolSyntax, tool_syntax
 from mlx_spec.server.worker import Worker, keep_alive_seconds
 
@@ -64,6 +66,24 @@ class ServedModel:
     prompts: ChatPrompts
     prompter: Optional[ImagePrompter]  # the processor needs no weights: it stays through an unload
     drafter: str  # the drafter's name, "none" without one
+
+    @cached_property  # ControlTokens loads transformers' tokenizer behind a FastTokenizer: at first use
+    def skipped_ids(self) -> frozenset:
+        """The special tokens left out of answers' text (`skip_special_tokens`): every one but
+        the markers the answer is parsed by afterwards (`markers`)."""
+        kept = {t for marker in self.markers for t in self.tokenizer.encode(marker, add_special_tokens=False)}
+        return frozenset(self.prompts.controls.ids.values()) - kept
+
+    @cached_property
+    def markers(self) -> tuple[str, ...]:
+        """The texts the parsers read the answer by: the call markers (and Gemma 4's string
+        delimiter) and the thought markers. They read them as text, as they always have."""
+        markers = [self.tool_syntax.start, self.tool_syntax.end] if self.tool_syntax else []
+        if self.tool_syntax is not None and self.tool_syntax.grammar_format == "gemma4":
+            markers.append(QUOTE)
+        if self.think is not None:
+            markers += [self.think.start, self.think.end]
+        return tuple(m for m in markers if m)
 
     @classmethod
     def of(cls, engine, tokenizer, parse_special_in_text: bool) -> ServedModel:
@@ -194,6 +214,7 @@ class WantedGrammar:
     kind: str
     source: object
     param: str
+    fallback: Optional[str] = None  # a Lark grammar to take if `source` cannot compile (`ToolPlan.fallback`)
 
 
 @dataclass(frozen=True)
@@ -260,17 +281,17 @@ class Serving:
     def output_grammar(self, body: RequestBody, plan: ToolPlan = ToolPlan(),
                        template_kwargs: Optional[dict] = None) -> Optional[WantedGrammar]:
         """The grammar the answer must follow (compiled later, off this thread: `compiled`):
-        a forced strict call's (`tools.forced_call_grammar`), else the body's output format,
-        else None. A grammar with thinking on (`template_kwargs`' enable_thinking) is a 400:
-        it would hold from the first token, so the thought would be forced into the answer's
-        shape or not be written."""
+        a forced call's (`tools.forced_grammar`), else the body's output format,
+        else None. An output format with thinking on (`template_kwargs`' enable_thinking) is a
+        400: it would hold from the first token, so the thought would be forced into the
+        answer's shape or not be written. A forced call's is not: its prompt ends with the
+        call's start marker, so no thought comes before the call either way."""
         if plan.grammar is not None:
-            wanted = WantedGrammar("lark", plan.grammar, "tools")
-        else:
-            output = body.output_format()
-            if output is None:
-                return None
-            wanted = WantedGrammar(*output, body.FORMAT_PARAM)
+            return WantedGrammar("lark", plan.grammar, "tools", plan.fallback)
+        output = body.output_format()
+        if output is None:
+            return None
+        wanted = WantedGrammar(*output, body.FORMAT_PARAM)
         if (template_kwargs or {}).get("enable_thinking"):
             raise ApiError(400, f"{wanted.param}: structured output cannot be combined with thinking yet (the "
                                 "grammar would hold from the first token, the thought's); turn thinking off",
@@ -288,7 +309,11 @@ class Serving:
             grammar = await self.compiling.run(compile_grammar, self.model.tokenizer, wanted.kind, wanted.source,
                                                self.model.eos_ids)
         except UsageError as error:
-            raise ApiError(400, f"{wanted.param}: {error}", param=wanted.param, code="invalid_value") from None
+            if wanted.fallback is None:
+                raise ApiError(400, f"{wanted.param}: {error}", param=wanted.param, code="invalid_value") from None
+            # a forced call that is not strict is still a call, its arguments any object
+            grammar = await self.compiling.run(compile_grammar, self.model.tokenizer, "lark", wanted.fallback,
+                                               self.model.eos_ids)
         return replace(checked, grammar=grammar)
 
     # -- the prompt (on the tokenizer thread) ---------------------------------------------
@@ -346,7 +371,8 @@ class Serving:
                   thinking=chat and opens_thought(self.model.tokenizer, think, prompt_ids),
                   thought_budget=thought_budget, keep_alive=request.keep_alive, images=images,
                   grammar=request.grammar, score_prompt=score_prompt,
-                  tenant=getattr(sender.state, "tenant", None) if sender is not None else None)
+                  tenant=getattr(sender.state, "tenant", None) if sender is not None else None,
+                  skip_ids=frozenset() if request.body.skip_special_tokens is False else self.model.skipped_ids)
         try:
             self.worker.submit(job)
         except (Busy, ShuttingDown) as error:
@@ -380,13 +406,13 @@ class Serving:
             self.worker.cancel(job)  # a no-op once done; stops the job if this request was dropped
 
     def splitter(self, request: CheckedRequest) -> CallSplitter:
-        """The answer's `CallSplitter`: its calls parsed, control tokens left out of its text
-        unless the request keeps them (`skip_special_tokens: false`), as vLLM's and
-        llama.cpp's answers leave them out."""
-        # Under a grammar nothing is skipped: the value is the grammar's, and its text may hold
-        # a control token's text written as plain text (grammar.py never lets one be drawn).
-        keep = request.body.skip_special_tokens is False or request.wanted is not None
-        return CallSplitter(request.plan, None if keep else self.model.prompts.controls.strip)
+        """The answer's `CallSplitter`: its calls parsed from its text, whose special tokens
+        the worker left out by id (`ServedModel.skipped_ids`) unless the request keeps them.
+        The parsers' own markers are text to them: one left over outside a call or thought
+        (a stray end marker) is left out too, but under a grammar, which never draws them,
+        so its value keeps any such text it spells."""
+        skip = request.body.skip_special_tokens is not False and request.wanted is None
+        return CallSplitter(request.plan, self.model.markers if skip else ())
 
     def extra(self, done: Done) -> dict:
         """An answer's extra `mlx_spec` field: the drafter, γ and `statistics`."""

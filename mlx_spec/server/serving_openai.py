@@ -140,7 +140,8 @@ class OpenAIServing(Serving):
                                    reasoning="".join(p.reasoning for p in pieces))
         if job.logprobs is not None:
             answer["choices"][0]["logprobs"] = logprobs_object(chat, scored, self.model.describe,
-                                                               AnswerBytes(self.model.trims_first_space and not echo))
+                                                               AnswerBytes(self.model.trims_first_space and not echo,
+                                                                           job.skip_ids))
         if calls:
             answer["choices"][0]["message"].update(content=text or None, tool_calls=calls)
         return answer
@@ -148,7 +149,7 @@ class OpenAIServing(Serving):
     async def _stream(self, job: Job, chat: bool, rid: str, include_usage: bool, splitter: CallSplitter):
         created = int(time.time())
         name = self.options.model_name
-        calls, answer = 0, AnswerBytes(self.model.trims_first_space)
+        calls, answer = 0, AnswerBytes(self.model.trims_first_space, job.skip_ids)
 
         def pieces(parts: list, scored: list, reasoning: str = ""):
             nonlocal calls

@@ -163,8 +163,8 @@ class Answer:
     def __init__(self, serving: ResponsesServing, job: Job, call: ResponsesCall):
         self.serving, self.job, self.call = serving, job, call
         self.items = OutputItems(call.namespaces)
-        self.splitter = serving.splitter(call.checked)  # control tokens left out, as chat completions does
-        self.answer_bytes = AnswerBytes(serving.model.trims_first_space)
+        self.splitter = serving.splitter(call.checked)
+        self.answer_bytes = AnswerBytes(serving.model.trims_first_space, job.skip_ids)
 
     def read(self, event) -> list[dict]:
         if isinstance(event, Failed):

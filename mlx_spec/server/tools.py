@@ -5,16 +5,18 @@ built from what they return.
 mlx-lm's tokenizer names the model's call syntax (`tool_call_start` / `tool_call_end`
 markers and a `tool_parser`), inferred from the chat template. A template with none (Gemma
 3's) cannot take tools, and a request that sends them is refused, as mlx-lm's server and
-Ollama refuse them for such models. `tool_choice` "required" or a named function is kept by
+Ollama refuse them for such models, but for a forced call: its answer is the call's JSON,
+by grammar (`BARE_JSON_CALLS`, as vLLM answers a forced call whatever the template). `tool_choice` "required" or a named function is kept by
 ending the prompt with the start marker, so the model's first words are a call (a named
-function is the only tool the template shows). A forced call's arguments follow the
-function's `parameters` schema (`strict: true` for OpenAI; always for Anthropic's forced
-tool) where the call format is JSON (mlx-lm's `json_tools`: `{"name": ..., "arguments": {...}}`
-after the start marker): the answer is constrained to that object, the schema embedded as
-the arguments (`forced_call_grammar`). Other formats (Gemma's `call:NAME{...}`) have no JSON
-arguments to constrain: `strict` is refused there. Whatever fails to parse, names a function
-that was not offered, or has arguments with no strict JSON form (NaN, a set), is the model's
-text: it is returned as content, never as an error.
+function is the only tool the template shows), and the call itself follows a grammar in the
+model's own call syntax (`call_grammars`: JSON calls, mlx-lm's `json_tools`, and Gemma 4's
+`call:NAME{...}<tool_call|>`): one of the offered functions, its arguments following its
+`parameters` schema, strict or not (as vLLM constrains a forced call). Where the schema has
+a keyword Gemma's syntax cannot express, a non-strict call is still a call to the function,
+its arguments any object; a strict one is refused. `strict` needs a forced call and one of
+those syntaxes. Whatever fails to parse, names a function that was not offered, or has
+arguments with no strict JSON form (NaN, a set), is the model's text: it is returned as
+content, never as an error.
 
 A tool's answer reaches the template as Hugging Face's `tool` turn, except for templates that
 read it from the model's own turn (Gemma 4's `message.tool_responses`): `native_tool_turns`.
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from mlx_spec.apps.thinking import partial_suffix
-from mlx_spec.core.grammar import JSON_OPTIONS, closed_objects
 from mlx_spec.server.api_error import ApiError
+from mlx_spec.server.call_grammars import QUOTE, CallGrammarError, gemma4_call_grammar, json_call_grammar
 from mlx_spec.server.body_bounds import parse_json
 from mlx_spec.server.openai_requests import ChatRequest, Message
 
@@ -41,13 +43,36 @@ class ToolSyntax:
     start: str
     end: str
     parse: Callable  # (text between the markers, tools) -> {"name", "arguments"} or a list
+    # What a forced call's grammar is written in (`call_grammars`): "json", "gemma4", or None
+    # for a syntax it does not know (the call is forced by the start marker alone).
+    grammar_format: Optional[str] = None
+    token_ids: tuple = ()  # (text, id) of the marker texts that are single tokens
+
+
+def _bare_json_call(text: str, tools=None):
+    return json.loads(text)
+
+
+# A forced call on a model whose template has no call format (Gemma 3's): no markers, the
+# whole answer is the call as JSON calls write it (`{"name": ..., "arguments": {...}}`), by
+# the grammar. Such a template does not show the tools: the grammar alone spells the call.
+BARE_JSON_CALLS = ToolSyntax("", "", _bare_json_call, "json")
 
 
 def tool_syntax(tokenizer) -> Optional[ToolSyntax]:
     """The tokenizer's tool-call syntax, or None when its template has none."""
     if not getattr(tokenizer, "has_tool_calling", False):
         return None
-    return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+    module = getattr(tokenizer.tool_parser, "__module__", "")
+    grammar_format = ("json" if module.endswith("json_tools") else
+                      "gemma4" if module.endswith(".gemma4") else None)
+    token_ids = []
+    for text in (tokenizer.tool_call_end, QUOTE):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1:
+            token_ids.append((text, ids[0]))
+    return ToolSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser,
+                      grammar_format, tuple(token_ids))
 
 
 @dataclass
@@ -60,7 +85,9 @@ class ToolPlan:
         syntax: how calls are parsed from the answer; None: the answer is all text.
         names: the functions the model may call.
         single: one call per answer (parallel_tool_calls false); later calls are dropped.
-        grammar: the forced call's grammar (a Lark text, `forced_call_grammar`), or None.
+        grammar: the forced call's grammar (a Lark text, `forced_grammar`), or None.
+        fallback: where no forced tool is strict, the grammar of a call with any arguments,
+            taken if llguidance cannot compile `grammar` (a schema feature it lacks).
     """
 
     tools: Optional[list[dict]] = None
@@ -69,18 +96,22 @@ class ToolPlan:
     names: frozenset = frozenset()
     single: bool = False
     grammar: Optional[str] = None
+    fallback: Optional[str] = None
 
 
 def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax],
-               param: str = "tools", single: bool = False, constrain_forced: bool = False) -> ToolPlan:
+               param: str = "tools", single: bool = False) -> ToolPlan:
     """A `ToolPlan` from OpenAI-shaped `tools` and `tool_choice` ("none", "auto",
-    "required", or the name of one function); refuses tools the model cannot call.
-    A forced call is constrained to its schema when a tool is `strict` or `constrain_forced`."""
+    "required", or the name of one function); refuses tools the model cannot call. A forced
+    call follows its grammar (`forced_grammar`)."""
     forced = choice not in (None, "auto", "none")
+    if forced and syntax is None:  # no call format: the answer is the call's JSON (`BARE_JSON_CALLS`)
+        syntax = BARE_JSON_CALLS
     for i, tool in enumerate(tools or []):
-        if tool["function"].get("strict") and not (forced and syntax is not None and json_calls(syntax)):
+        if tool["function"].get("strict") and not (forced and syntax is not None and syntax.grammar_format):
             why = ("needs tool_choice 'required' or a named function (the call the answer must be)"
-                   if not forced else "needs a JSON tool-call format, and this model's template has another")
+                   if not forced else "needs a tool-call format a grammar can follow (JSON calls or Gemma 4's), "
+                                      "and this model's template has another")
             raise ApiError(400, f"{param}[{i}].function.strict: a strict schema {why}",
                            param=f"{param}[{i}].function.strict", code="unsupported_parameter")
     if not tools and choice not in (None, "auto", "none"):
@@ -92,30 +123,43 @@ def plan_tools(tools: Optional[list[dict]], choice, syntax: Optional[ToolSyntax]
         raise ApiError(400, f"{param}: this model's chat template has no tool-call format, so it "
                             "cannot call tools", param=param, code="unsupported_parameter")
     forced = choice not in (None, "auto")
+    indices = list(range(len(tools)))  # each tool's place in the request, for errors
     if forced and choice != "required":
-        tools = [t for t in tools if t["function"]["name"] == choice]
-        if not tools:
+        indices = [i for i in indices if tools[i]["function"]["name"] == choice]
+        if not indices:
             raise ApiError(400, f"tool_choice: no tool is named {choice!r}", param="tool_choice")
-    strict = any(t["function"].get("strict") for t in tools) or constrain_forced
-    grammar = forced_call_grammar(tools) if forced and strict and json_calls(syntax) else None
-    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single, grammar)
+    grammar = forced_grammar(tools, indices, syntax, param) if forced else None
+    tools = [tools[i] for i in indices]
+    fallback = None
+    if grammar is not None and not any(t["function"].get("strict") for t in tools):
+        free = [{**t, "function": {**t["function"], "parameters": {"type": "object"}}} for t in tools]
+        fallback = forced_grammar(free, list(range(len(free))), syntax, param)
+    return ToolPlan(tools, forced, syntax, frozenset(t["function"]["name"] for t in tools), single, grammar,
+                    fallback)
 
 
-def json_calls(syntax: ToolSyntax) -> bool:
-    """Whether calls are written as JSON objects (mlx-lm's json_tools parser)."""
-    return getattr(syntax.parse, "__module__", "").endswith("json_tools")
-
-
-def forced_call_grammar(tools: list[dict]) -> str:
-    """A Lark grammar (llguidance's dialect) for one JSON call to one of `tools`, each with its
-    arguments as its `parameters` schema (%json), in json_tools' shape."""
-    rules, calls = [], []
-    for i, tool in enumerate(tools):
-        schema = {**closed_objects(tool["function"].get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
-        head = json.dumps('{"name": ' + json.dumps(tool["function"]["name"]) + ', "arguments": ')
-        calls.append(f"{head} args{i} \"}}\"")
-        rules.append(f"args{i}: %json {json.dumps(schema)}")
-    return "start: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
+def forced_grammar(tools: list[dict], indices: list[int], syntax: ToolSyntax, param: str) -> Optional[str]:
+    """The Lark grammar of a forced call to one of `tools[i]` for i in `indices` in the
+    model's call syntax, or None for a syntax `call_grammars` does not know. A schema Gemma
+    4's syntax cannot express is refused for a strict tool (a 400 naming `param[i]` and the
+    keyword) and leaves a non-strict tool's arguments free."""
+    chosen = [tools[i] for i in indices]
+    if syntax.grammar_format == "json":
+        return json_call_grammar(chosen)
+    if syntax.grammar_format != "gemma4":
+        return None
+    token_ids = dict(syntax.token_ids)
+    free = []
+    for i in indices:
+        try:
+            gemma4_call_grammar([tools[i]], syntax.end, token_ids)
+        except CallGrammarError as error:
+            where, why = str(error).split(": ", 1)
+            at = f"{param}[{i}]{where.removeprefix('tools[0]')}"
+            if tools[i]["function"].get("strict") or where.endswith(".name"):
+                raise ApiError(400, f"{at}: {why}", param=at, code="unsupported_parameter") from None
+            free.append(tools[i]["function"]["name"])
+    return gemma4_call_grammar(chosen, syntax.end, token_ids, free_arguments=free)
 
 
 def openai_plan(body: ChatRequest, syntax: Optional[ToolSyntax]) -> ToolPlan:
@@ -249,28 +293,34 @@ class CallSplitter:
     the text it was.
     """
 
-    def __init__(self, plan: ToolPlan, clean: Optional[Callable[[str], str]] = None):
+    def __init__(self, plan: ToolPlan, strays: tuple[str, ...] = ()):
         self.plan = plan
         self.syntax = plan.syntax
         self.buffer = ""
         self.in_call = plan.forced  # a forced call's start marker ended the prompt
         self.calls = 0
-        self.clean = clean  # applied to the text between calls (special tokens skipped)
+        self.strays = strays  # marker texts left out of the text between calls
 
     def feed(self, text: str) -> list[Event]:
-        return self._cleaned(self._feed(text))
+        return self._without_strays(self._feed(text))
 
     def finish(self) -> list[Event]:
         """What is left when the answer ends: an unterminated call is parsed as it is."""
-        return self._cleaned(self._finish())
+        return self._without_strays(self._finish())
 
-    def _cleaned(self, events: list[Event]) -> list[Event]:
-        """Text between calls through `clean`; a call that did not parse stays the text it
+    def _without_strays(self, events: list[Event]) -> list[Event]:
+        """Text between calls without `strays`; a call that did not parse stays the text it
         was, markers and all (`CallText`)."""
-        if self.clean is None:
+        if not self.strays:
             return events
-        events = [self.clean(e) if isinstance(e, str) and not isinstance(e, CallText) else e for e in events]
-        return [e for e in events if not isinstance(e, str) or e]
+        out = []
+        for event in events:
+            if isinstance(event, str) and not isinstance(event, CallText):
+                for marker in self.strays:
+                    event = event.replace(marker, "")
+            if not isinstance(event, str) or event:
+                out.append(event)
+        return out
 
     def _feed(self, text: str) -> list[Event]:
         if self.syntax is None:
@@ -279,7 +329,7 @@ class CallSplitter:
         out: list[Event] = []
         while True:
             if self.in_call:
-                end = self.buffer.find(self.syntax.end)
+                end = self.buffer.find(self.syntax.end) if self.syntax.end else -1  # none: to the end
                 if end < 0:
                     return out
                 out += self._call(self.buffer[:end], self.syntax.end)

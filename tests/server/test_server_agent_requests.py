@@ -361,6 +361,34 @@ def test_refusals_are_logged_in_one_line_and_counted_by_reason(served, caplog):
 # -- special tokens -------------------------------------------------------------------------
 
 
+def test_special_tokens_are_skipped_by_id_not_by_their_text(served):
+    """Issue 42, item 7: a special token is left out by its id, as vLLM's detokenizer skips
+    ids; the same text spelled in plain tokens (markup the model writes) is text, kept, with
+    or without a grammar. Each token's log-prob `bytes` joined give the content exactly."""
+    server = served(TOOL_TEMPLATE)
+    plain = list(server.tokenizer.encode("<bos>", add_special_tokens=False, split_special_tokens=True))
+    special = list(server.tokenizer.encode("<bos>", add_special_tokens=False))
+    assert len(plain) == 5 and len(special) == 1
+    words = lambda text: list(server.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    server.model.script = words("a") + plain + words("b") + special + words("c")
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    chat = server.post("/v1/chat/completions", ask).json()["choices"][0]
+    assert chat["message"]["content"] == "a<bos>bc"
+    assert bytes(b for entry in chat["logprobs"]["content"] for b in entry["bytes"]).decode() == "a<bos>bc"
+    named = [(entry["token"], entry["bytes"]) for entry in chat["logprobs"]["content"]]
+    assert ("<bos>", []) in named  # the skipped token still named, adding no bytes
+    kept = server.post("/v1/chat/completions", {**ask, "skip_special_tokens": False}).json()
+    assert kept["choices"][0]["message"]["content"] == "a<bos>b<bos>c"
+    # a call's end marker with no call open (a random model's) is the parser's, left out too
+    server.model.script = words("a<tool_call|>b")
+    assert server.post("/v1/chat/completions", ask).json()["choices"][0]["message"]["content"] == "ab"
+    # under a grammar: a value spelling a control token's text keeps it (the grammar never draws the id)
+    server.model.script = words('"x') + plain + words('"')
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string"}}}
+    value = server.post("/v1/chat/completions", {**ask, "response_format": schema}).json()
+    assert json.loads(value["choices"][0]["message"]["content"]) == "x<bos>"
+
+
 def test_special_tokens_are_left_out_of_answers_unless_kept(served):
     """vLLM's `skip_special_tokens` (default true): control tokens the model writes are not
     text; a tool call's markers are still read (they are parsed before)."""

@@ -149,7 +149,7 @@ def test_completion_logprobs_and_checks(spec_server, tiny_dirs, reference):
 
 def test_tools_on_a_template_without_tool_calls_are_refused(spec_server, tiny_dirs):
     """Gemma 3's template has no tool-call format: tools are refused (as mlx-lm's server and
-    Ollama refuse them), unless tool_choice is "none"."""
+    Ollama refuse them), unless tool_choice is "none" (or forces a call: test_agents_structured.py)."""
     tool = {"type": "function", "function": {"name": "get_time"}}
     chat = {"model": tiny_dirs[0], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert_openai_error(spec_server.post("/chat/completions", {**chat, "tools": [tool]}), 400,

@@ -289,3 +289,50 @@ def test_outcome_counts_change_under_the_lock(pair):
     run_jobs(worker, specs, act=cancel_the_third)
     assert (worker.counts["completed"], worker.counts["failed"], worker.counts["cancelled"]) == (1, 1, 1)
     assert not unlocked
+
+
+# -- issue 42, item 7: each request's draft and verify time under batching --------------------
+
+SHARED_FORWARD_S = 0.1  # added to every target forward shared by several rows, so it dominates
+
+
+def test_share_time_splits_a_forward_by_rows():
+    from mlx_spec.core.passes import Pass, share_time
+
+    passes = [Pass(), Pass(), Pass()]
+    for p, rows in zip(passes, (1, 3, 4)):
+        p.rows = rows
+    share_time(passes, 0.8)
+    assert [p.seconds for p in passes] == pytest.approx([0.1, 0.3, 0.4])
+
+
+def test_each_request_is_given_its_share_of_the_shared_forwards(pair, monkeypatch):
+    """Three requests decode together, every shared target forward slowed by a known time: it
+    goes into their verify times, split among them (not into their draft times, each of which
+    held the whole forward), so their draft and verify times add up to no more than the run's
+    wall time, and their verify times to the forwards' time."""
+    import time
+
+    from mlx_spec.core.passes import ModelPass, TargetPass
+
+    shared = []
+
+    def slowed(cls, passes):
+        if len(passes) > 1:
+            shared.append(len(passes))
+            time.sleep(SHARED_FORWARD_S)
+        return ModelPass.run_together.__func__(cls, passes)
+
+    monkeypatch.setattr(TargetPass, "run_together", classmethod(slowed))
+    specs = [{"prompt": p, "max_tokens": n} for p, n in zip(PROMPTS[:3], LENGTHS[:3])]
+    started = time.perf_counter()
+    results = run_jobs(make_worker(pair, parallel=3), specs)
+    wall = time.perf_counter() - started
+    stats = [done.stats for _, done in results]
+    assert all(isinstance(done, Done) and done.batch_size == 3 for _, done in results) and len(shared) > 5
+    slept = SHARED_FORWARD_S * len(shared)
+    assert sum(s.verify_time for s in stats) >= 0.95 * slept
+    assert sum(s.draft_time for s in stats) < slept  # it held each forward whole: 3 × slept
+    assert sum(s.draft_time + s.verify_time for s in stats) <= wall
+    for s in stats:  # each waited for the others' rows too: its round times are longer than its share
+        assert s.decode_time >= s.draft_time + s.verify_time > 0

@@ -138,3 +138,20 @@ def test_anthropic_output_format(server):
         extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}})
     assert message.stop_reason == "end_turn"
     jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_a_forced_tool_whose_schema_cannot_compile(server):
+    """Issue 42: a forced call is constrained strict or not. A schema llguidance cannot take:
+    a strict tool is a 400 naming the feature; one that is not strict is still a call to it,
+    its arguments any object."""
+    odd = {"type": "object", "properties": {"a": {"type": "string"}}, "dependentSchemas": {"a": {}}}
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 80,
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    strict = httpx.post(server.base + "/chat/completions", timeout=60, json={
+        **body, "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": odd}}]})
+    assert_openai_error(strict, 400, "tools", "dependentSchemas")
+    completion = server.client().chat.completions.create(
+        **body, seed=1, tools=[{"type": "function", "function": {"name": "f", "parameters": odd}}])
+    assert completion.choices[0].finish_reason == "tool_calls"
+    [call] = completion.choices[0].message.tool_calls
+    assert call.function.name == "f" and isinstance(json.loads(call.function.arguments), dict)
