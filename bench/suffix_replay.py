@@ -13,6 +13,13 @@ does, less the clock).
 
     python bench/suffix_replay.py record     # the answers (minutes on our CPU)
     python bench/suffix_replay.py replay     # every drafter and policy (seconds)
+    python bench/suffix_replay.py timed --requests "repeat q2 send 1" "ordinary long"
+
+`timed` runs chosen requests for real again, n-gram and suffix alternating `--repeats`
+times (after a warm-up), the suffix drafter's memory rebuilt each time from the recorded
+answers of the requests before it (what a server's memory held then): medians of decode
+tok/s and their ratio, with `uptime` before and after (a check of bench/suffix.py's
+single runs on a shared machine).
 """
 
 from __future__ import annotations
@@ -148,9 +155,68 @@ def replay(out: str) -> None:
     print(f"wrote {path}")
 
 
+def timed(names: list[str], repeats: int, out: str) -> None:
+    import statistics
+    import subprocess
+
+    from mlx_spec.apps.runner import gamma_policy
+    from mlx_spec.core.engine import Engine
+    from mlx_spec.core.stats import Stats
+    from mlx_spec.drafters import NgramDrafter, SuffixDrafter
+    from mlx_spec.drafters.token_memory import Memories
+
+    def uptime() -> str:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+    requests = json.loads(ANSWERS.read_text())["requests"]
+    loaded = gemma270m("float32")
+    eos = set(loaded.tokenizer.eos_token_ids)
+    engines = {"ngram": Engine(loaded.model, NgramDrafter(), eos_ids=eos),
+               "suffix": Engine(loaded.model, SuffixDrafter(memories=Memories(0)), eos_ids=eos)}
+    load = {"start": uptime()}
+
+    def run(kind: str, index: int, max_tokens: int) -> tuple[list[int], Stats]:
+        engine, r = engines[kind], requests[index]
+        if kind == "suffix":  # the memory a server held then: every earlier request, remembered
+            memory = Memories().get()
+            for earlier in requests[:index]:
+                memory.remember(earlier["prompt"], earlier["answer"])
+            engine = engine.for_request(memory=memory)
+        stats = Stats()
+        gamma = gamma_policy("auto", engine, context=len(r["prompt"]))
+        tokens = [t for rnd in engine.rounds(r["prompt"], gamma=gamma, max_tokens=max_tokens, stats=stats)
+                  for t in rnd.tokens]
+        return tokens, stats
+
+    for kind in engines:  # warm-up
+        run(kind, 0, 8)
+    results = {}
+    for name in names:
+        index = next(i for i, r in enumerate(requests) if f"{r['workload']} {r['request']}" == name)
+        answer = requests[index]["answer"]
+        runs = {"ngram": [], "suffix": []}
+        for rep in range(repeats):
+            for kind in (("ngram", "suffix") if rep % 2 == 0 else ("suffix", "ngram")):
+                tokens, stats = run(kind, index, len(answer))
+                assert tokens == answer, f"{name}: {kind} differs from plain decoding"
+                runs[kind].append({"tps": stats.decode_tps, "rounds": stats.rounds})
+        medians = {k: statistics.median(r["tps"] for r in v) for k, v in runs.items()}
+        results[name] = {"runs": runs, "median_tps": medians, "suffix_vs_ngram": medians["suffix"] / medians["ngram"],
+                         "rounds": {k: [r["rounds"] for r in v] for k, v in runs.items()}}
+        print(f"{name}: n-gram {medians['ngram']:.2f}, suffix {medians['suffix']:.2f} tok/s (medians of {repeats}), "
+              f"suffix/n-gram {results[name]['suffix_vs_ngram']:.2f}, rounds {results[name]['rounds']}", flush=True)
+    load["end"] = uptime()
+    print("load:", load)
+    path = write_results(out, {"bench": "suffix_replay timed", "repeats": repeats, "load": load,
+                               "identical": True, "requests": results})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("record", "replay"))
+    parser.add_argument("step", choices=("record", "replay", "timed"))
+    parser.add_argument("--requests", nargs="*", default=[], help="timed: the requests, as 'workload request'")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--edit-tokens", type=int, default=160)
     parser.add_argument("--out", default="suffix_replay_gemma270m")
@@ -158,6 +224,8 @@ def main() -> None:
     mx.random.seed(0)
     if args.step == "record":
         record(args.max_tokens, args.edit_tokens)
+    elif args.step == "timed":
+        timed(args.requests, args.repeats, args.out if args.out != "suffix_replay_gemma270m" else "suffix_timed_gemma270m")
     else:
         replay(args.out)
 
