@@ -3,7 +3,7 @@
     from mlx_spec import load_pair, build_engine, gamma_policy, generate, SamplingParams
 
     pair = load_pair(None)                  # the embedded Gemma 3 270M (or HF id, folder, .gguf)
-    engine = build_engine(pair)             # drafter: the draft model if loaded, else n-gram
+    engine = build_engine(pair)             # drafter: the draft model if loaded, else suffix
     result = generate(engine, pair.tokenizer, "The capital of France is",
                       SamplingParams(temperature=0), gamma=gamma_policy("auto", engine))
     print(result.text, result.stats.acceptance_rate)

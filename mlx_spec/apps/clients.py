@@ -124,6 +124,8 @@ def bench_clients(pair, prompts: Sequence[list[int]], *, drafter: Optional[str] 
         raise MlxSpecError("no prompts to benchmark")
     plain = build_engine(pair, "none", **(engine_options or {}))
     spec = build_engine(pair, drafter, **(engine_options or {}))
+    if spec.drafter is not None and spec.drafter.remembers:  # runs must not draft from earlier runs' answers
+        spec = spec.for_request(memory=None)
     settings: list[Gamma] = [Gamma.OFF] + [g for g in gammas if g != 0]
     total, done = len(settings) * (runs + 1), 0
     warm: dict[str, list[ClientsRun]] = {setting_label(g): [] for g in settings}

@@ -103,7 +103,7 @@ class Choice:
     Attributes:
         preset: the `Preset` used for defaults, or None.
         target: the target model's source; draft: the draft model's, or None.
-        drafter: "model" | "mtp" | "ngram" | "none", or None for `build_engine`'s default
+        drafter: "model" | "mtp" | "suffix" | "ngram" | "none", or None for `build_engine`'s default
             (which tells an MTP assistant from another draft model once it is loaded).
         gamma: the `Gamma` from the flag, else the model file's or the preset's (auto
             when neither says); 0 for drafter "none".
@@ -187,8 +187,10 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
     Args:
         pair: `mlx_spec.loading.ModelPair` (target, optional draft, tokenizer, vocab widths).
         drafter: "model" (needs pair.draft), "mtp" (needs a Gemma 4 MTP assistant as
-            pair.draft), "ngram", "none", or None: "mtp" for an assistant, "model" for
-            another draft model, "ngram" without one.
+            pair.draft), "suffix", "ngram", "none" (or another registered name), or None:
+            "mtp" for an assistant, "model" for another draft model, "suffix" without one
+            (it never took more target forwards than n-gram on bench/suffix_replay.py's
+            answers at auto γ, and drafts from earlier requests too).
         world: the `distributed.World` the target is sharded over (default: this process's).
             Rank 0's verdict is broadcast every round; a draft model loaded on rank 0 only
             drafts there and its tokens are broadcast (`distributed.load_pair`).
@@ -200,7 +202,7 @@ def build_engine(pair, drafter: Optional[str] = None, *, max_gamma: int = MAX_GA
         remote_draft = w.active and pair.draft is None and pair.vocab_size_draft is not None
         family = draft_family(pair.draft.config) if pair.draft is not None else None
         drafter = (family if family is not None else
-                   "model" if pair.draft is not None or remote_draft else "ngram")
+                   "model" if pair.draft is not None or remote_draft else "suffix")
     chosen_class = drafter_class(drafter)
     chosen = None if chosen_class is None else chosen_class.for_pair(pair, w)
     check_kv_group(pair.target.model, kv, "--kv-group-size")

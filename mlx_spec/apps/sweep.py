@@ -288,7 +288,8 @@ def run_sweep(
     Args:
         pair: a loaded `ModelPair` (target, optional draft, tokenizer, vocab widths).
         prompts: name → prompt token ids.
-        drafter: "model", "mtp", "ngram" or None (as `build_engine` chooses).
+        drafter: "model", "mtp", "suffix", "ngram" or None (as `build_engine` chooses); a
+            drafter that remembers earlier requests (suffix) drafts without that memory here.
         gammas: the γ values (`Gamma`s: numbers and/or "auto", "tree") to compare with the
             baseline.
         warm_runs: timed runs per setting after the cold one.
@@ -307,7 +308,9 @@ def run_sweep(
     plain = build_engine(pair, "none", **(engine_options or {}))
     spec = build_engine(pair, drafter, **(engine_options or {}))
     if spec.drafter is None:
-        raise MlxSpecError("the sweep needs a drafter: --drafter model, mtp or ngram")
+        raise MlxSpecError("the sweep needs a drafter: --drafter model, mtp, suffix or ngram")
+    if spec.drafter.remembers:  # runs of one prompt must not draft from each other's answers
+        spec = spec.for_request(memory=None)
     drafter_name = spec.drafter.name
     draft_model = None if spec.drafter is None else spec.drafter.model
     target_bytes = weight_bytes(spec.target)

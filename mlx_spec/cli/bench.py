@@ -89,7 +89,7 @@ def bench(
     auto: Annotated[bool, typer.Option("--auto", help="Also run --gamma auto.")] = False,
     tree: Annotated[bool, typer.Option(
         "--tree", help="Also run draft trees (several continuations verified in one pass, shaped by "
-                       "the cost curve: the n-gram drafter's earlier matches, a draft model's or MTP "
+                       "the cost curve: the suffix or n-gram drafter's earlier matches, a draft model's or MTP "
                        "assistant's next likeliest tokens where it is unsure); reports acceptance by "
                        "sibling rank.")] = False,
     recalibrate: RecalibrateOpt = False,
@@ -139,8 +139,8 @@ def bench(
     w = world()
     with w.together():  # across ranks: rank 0 reads the files, and a bad flag ends every rank
         if drafter == "none":
-            raise UsageError("bench compares drafting with drafting off: --drafter must be model, mtp or ngram")
-        store = store_drafting(model) if model is not None and draft_model is None and drafter != "ngram" else None
+            raise UsageError("bench compares drafting with drafting off: --drafter must be model, mtp, suffix or ngram")
+        store = store_drafting(model) if model is not None and draft_model is None and drafter not in ("ngram", "suffix") else None
         if store is not None and store.draft is None:
             store = None
         gamma_list = parse_gammas(gammas) if gammas else [Gamma(AUTO)] if clients else default_gammas(store)

@@ -43,7 +43,7 @@ DrafterOpt = Annotated[Optional[str], typer.Option(
     "--drafter", rich_help_panel=MODELS, metavar="|".join(DRAFTER_NAMES),
     help="Who drafts: " + ", ".join(f"'{name}' ({cls.summary})" for name, cls in DRAFTERS.items())
          + f" or '{NO_DRAFTER}' (plain decoding). Default: the preset's, else mtp when the draft is an "
-         "assistant checkpoint, model for another draft, else ngram.")]
+         "assistant checkpoint, model for another draft, else suffix.")]
 PresetOpt = Annotated[Optional[str], typer.Option(
     "--preset", rich_help_panel=MODELS, metavar="NAME",
     help="A named target + draft pair with default γ and sampling (see `mlx-spec models list`). "
@@ -91,7 +91,7 @@ GammaOpt = Annotated[Optional[str], typer.Option(
     help="Draft tokens per round γ: a whole number (0 = plain decoding), 'auto' (chosen each "
          "round from measured costs and live acceptance) or 'tree' (auto, plus draft trees: "
          "several continuations verified in one pass, shaped by the measured cost of width; "
-         "the n-gram drafter branches at earlier matches, a draft model or MTP assistant at "
+         "the suffix and n-gram drafters branch at earlier matches, a draft model or MTP assistant at "
          "its next likeliest tokens where it is unsure). Default: the preset's, else auto.")]
 
 RecalibrateOpt = Annotated[bool, typer.Option(

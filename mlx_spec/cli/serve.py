@@ -123,7 +123,8 @@ def serve(
              "(and all at exit) there, and this or a later server reuses them by longest "
              "prefix, so a restart does not prefill a long prompt again. Files are checked "
              "against the models, tokenizer, dtype and window; unusable ones are skipped with "
-             "a warning. Several servers may share DIR.")] = None,
+             "a warning. Several servers may share DIR. The suffix drafter's memory is kept "
+             "there too, one file per --draft-memory scope.")] = None,
     prompt_cache_disk: Annotated[float, typer.Option(
         "--prompt-cache-disk", rich_help_panel=SERVER, min=0.0, metavar="GB",
         help="Disk space the files in --prompt-cache-dir may take; the least recently used "

@@ -5,9 +5,14 @@ The drafter looks the context's last tokens up in two `token_memory` indexes: th
 request's prompt and output so far (updated as each round commits), and a bounded memory
 of earlier requests' prompts and outputs (shared by every request of a server or a chat
 session; `fork(memory=...)` gives a request another, or none). The occurrences whose
-preceding tokens match the context longest vote on what comes next: a continuation's
-probability is the share of those occurrences that continued so (the suffix tree's count
-over its parent's), multiplied down the draft; it stops below `min_prob`. Its length is
+preceding tokens match the context longest vote on what comes next, the latest loudest
+(this request's before the memory's, each vote `recency` times the one after it): a
+continuation's probability is the share of those votes that continued so (the suffix
+tree's count over its parent's, recency-weighted), multiplied down the draft; it stops
+below `min_prob`. With `recency` 0.5 the latest occurrence outvotes all older ones
+together, as the n-gram drafter's latest match does: text that loops or a file edited
+turn after turn continues as it did last, where plain counts followed the older majority
+(bench/suffix_replay.py: the editing turn where suffix lost a forward to n-gram). Its length is
 capped by the match's (`factor` · match + `offset`, and γ): a long match earns a long
 draft, a two-token one a short draft. `propose_tree` expands the likeliest nodes best
 first, so where earlier text continued several ways, each way is verified.
@@ -36,7 +41,8 @@ class SuffixDrafter(Drafter):
     new one of a million tokens if None), `depth` (context tokens a match is measured
     over), `limit` (occurrences measured per index and lookup), `factor`/`offset` (the draft
     length cap from the match length), `min_prob` (the least estimated probability a
-    drafted token may have)."""
+    drafted token may have), `recency` (each older occurrence's vote over the next newer's:
+    1 counts them alike, as SuffixDecoding does)."""
 
     name = "suffix"
     summary = "suffix lookup in this request's and earlier requests' text, no model"
@@ -44,11 +50,11 @@ class SuffixDrafter(Drafter):
     remembers = True
 
     def __init__(self, memories: Optional[Memories] = None, *, depth: int = 32, limit: int = 48,
-                 factor: float = 1.0, offset: float = 3.0, min_prob: float = 0.1):
+                 factor: float = 1.0, offset: float = 3.0, min_prob: float = 0.1, recency: float = 0.5):
         self.memories = Memories() if memories is None else memories
         self.memory = self.memories.get()
         self.depth, self.limit = depth, limit
-        self.factor, self.offset, self.min_prob = factor, offset, min_prob
+        self.factor, self.offset, self.min_prob, self.recency = factor, offset, min_prob, recency
         self.reset()
 
     @classmethod
@@ -112,16 +118,20 @@ class SuffixDrafter(Drafter):
         if self.memory is not None and len(self.memory):
             found.append((self.memory.lookup(tail, self.depth, length, self.limit), False))
         longest = max((int(m.lengths.max()) for m, _ in found if m.lengths.size), default=0)
-        counts: dict[tuple, int] = {}
+        counts: dict[tuple, float] = {}
         own: dict[tuple, bool] = {}
+        rank = 0  # of the occurrences that continue, latest first: this request's, then the memory's
         for matches, is_context in found:
             if not matches.lengths.size:
                 continue
             # the occurrences under the suffix tree's deepest matching node
             for row in matches.follow[matches.lengths >= longest].tolist():
                 row = tuple(row[: row.index(SEPARATOR)] if SEPARATOR in row else row)
-                counts[row] = counts.get(row, 0) + 1
+                if not row:
+                    continue  # a remembered request ended there: nothing to draft
+                counts[row] = counts.get(row, 0) + self.recency ** rank
                 own[row] = own.get(row, False) or is_context
+                rank += 1
         rows = list(counts)
         return rows, [counts[r] for r in rows], [own[r] for r in rows], longest
 

@@ -306,22 +306,58 @@ class Memory(TokenIndex):
         self.extend(output)
         self.separate()
 
+    def held(self) -> np.ndarray:
+        """The tokens held, oldest first, SEPARATOR between sequences (int32): what
+        `restored` rebuilds this memory from."""
+        return self.at(np.arange(self.start, self.end)).astype(np.int32)
+
+    @classmethod
+    def restored(cls, held: np.ndarray, capacity: int) -> "Memory":
+        """A memory of `capacity` tokens holding `held` (`held()`'s layout; the newest
+        `capacity` of them where there are more), its chains rebuilt from the tokens alone:
+        nothing but token ids is taken from a file."""
+        memory = cls(capacity)
+        held = np.asarray(held, np.int64)[-capacity:]
+        cuts = np.flatnonzero(held == SEPARATOR)
+        begin = 0
+        for cut in [*cuts.tolist(), held.size]:
+            memory.extend(held[begin:cut])
+            if cut < held.size:
+                memory.separate()
+            begin = cut + 1
+        return memory
+
 
 class Memories:
     """The memories of earlier requests a server (or a chat session) keeps, by scope: one
     `Memory` of `tokens` tokens per scope (None: the one shared memory; a tenant's name:
-    its own), made when first asked for. `tokens` 0 keeps none. Not thread-safe: the
-    thread that decodes (the server's worker) is the only one that uses it."""
+    its own), made when first asked for. `tokens` 0 keeps none. `files` (a server's
+    `memory_files.MemoryFiles`, or None): where each scope's memory is read from when it is
+    first asked for, and written to by `persist`, that scope's file only. Not thread-safe:
+    the thread that decodes (the server's worker) is the only one that uses it."""
 
-    def __init__(self, tokens: int = 1 << 20):
+    def __init__(self, tokens: int = 1 << 20, files=None):
         if tokens < 0:
             raise ValueError("the memory's size must be >= 0 tokens")
-        self.tokens = tokens
+        self.tokens, self.files = tokens, files
         self.scopes: dict[Hashable, Memory] = {}
+        self._saved: dict[Hashable, int] = {}  # scope -> its memory's `end` when last read or written
 
     def get(self, scope: Hashable = None) -> Optional[Memory]:
         if self.tokens == 0:
             return None
         if scope not in self.scopes:
-            self.scopes[scope] = Memory(self.tokens)
+            memory = self.files.load(scope, self.tokens) if self.files is not None else None
+            self.scopes[scope] = Memory(self.tokens) if memory is None else memory
+            self._saved[scope] = self.scopes[scope].end
         return self.scopes[scope]
+
+    def persist(self) -> None:
+        """Write each memory that changed since it was read or written to its scope's file
+        (`files`; failures are its warnings)."""
+        if self.files is None:
+            return
+        for scope, memory in self.scopes.items():
+            if memory.end != self._saved.get(scope):
+                if self.files.save(scope, memory):
+                    self._saved[scope] = memory.end

@@ -64,6 +64,7 @@ from mlx_spec.errors import MlxSpecError
 from mlx_spec.server.answer import Answer
 from mlx_spec.server.cache_pool import CachePool, default_budget
 from mlx_spec.server.disk_caches import DiskCaches
+from mlx_spec.server.memory_files import MemoryFiles
 from mlx_spec.server.jobs import SHUTTING_DOWN, Busy, Done, Failed, Job, Piece, ShuttingDown, cached_count
 from mlx_spec.server.metrics import Metrics
 from mlx_spec.server.prompt_scores import prompt_logprobs
@@ -75,6 +76,7 @@ FOREVER = math.inf  # a keep-alive that never unloads
 STUCK_S = 300.0  # a running job with no progress this long: `/health` calls the worker stuck
 ERROR_PAUSE_S = 0.1  # after an error the worker loop survived, so a lasting one cannot spin it
 MEMORY_SCOPES = ("server", "key", "off")  # `Worker`'s draft_memory
+MEMORY_SAVE_S = 60.0  # with a cache folder, changed draft memories are written at most this often
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -148,7 +150,10 @@ class Worker:
         draft_memory: for a drafter that `remembers` (the suffix drafter), whose earlier
             requests a job drafts from: "server" (every job's), "key" (its API key's:
             `Job.tenant`), "off" (none). The memories live as long as the worker, across
-            keep-alive unloads; draft_memory_tokens bounds each.
+            keep-alive unloads; draft_memory_tokens bounds each. With a `cache_dir` each
+            scope's memory is read from its file there when first used, and written back
+            (`memory_files`) when the server stops or unloads, and at most every
+            `MEMORY_SAVE_S` after a request.
     """
 
     def __init__(self, engine, tokenizer, gamma: Gamma | str = "auto", queue_size: int = 8,
@@ -170,6 +175,7 @@ class Worker:
             raise ValueError(f"draft_memory must be one of {', '.join(MEMORY_SCOPES)}")
         self.draft_memory = draft_memory
         self.memories = Memories(0 if draft_memory == "off" else draft_memory_tokens)
+        self._memories_saved = time.monotonic()
         self.gamma = Gamma.parse(gamma) if engine.drafter is not None else Gamma.OFF
         self.caches = CachePool(engine.make_prompt_cache,
                                 default_budget() if cache_budget is None else cache_budget)
@@ -304,6 +310,7 @@ class Worker:
                 self._alone = batch.alone
                 time.sleep(ERROR_PAUSE_S)
         self.caches.persist()
+        self._save_memories()
 
     def _step(self, batch: Batch, jobs: dict) -> bool:
         """Admit waiting jobs while there is room, then run one step of the batch; False once
@@ -354,6 +361,8 @@ class Worker:
     def _open_disk(self) -> None:
         if self.cache_dir is None:
             return
+        if self.memories.tokens:
+            self.memories.files = MemoryFiles.for_model(self.cache_dir, self.engine.target, self.tokenizer)
         try:
             self.disk = DiskCaches(self.cache_dir, self.cache_disk, cache_key(self.engine, self.tokenizer))
         except OSError as error:
@@ -436,10 +445,23 @@ class Worker:
             self._durations.append(time.perf_counter() - self.running.pop(job, time.perf_counter()))
             self._idle_for = self.keep_alive if job.keep_alive is None or self.load is None else job.keep_alive
             self._idle_since = time.monotonic()
+        if time.monotonic() - self._memories_saved >= MEMORY_SAVE_S:
+            self._save_memories()
+
+    def _save_memories(self) -> None:
+        """Write the draft memories that changed to their files (with a cache folder). A
+        memory file is an optimisation: whatever goes wrong is a warning, never a failed
+        request or an ended worker."""
+        self._memories_saved = time.monotonic()
+        try:
+            self.memories.persist()
+        except Exception as error:  # noqa: BLE001 - see above
+            log.warning("could not write the draft memories (%s: %s)", type(error).__name__, _first_line(error))
 
     def _unload(self) -> None:
         """Drop both models and every prompt cache, and give their memory back."""
         self.caches.persist()
+        self._save_memories()
         self.engine = None
         self.caches = CachePool(None, self.caches.budget, self.disk)
         gc.collect()

@@ -180,10 +180,14 @@ def test_csv_to_stdout_and_committed_prompts(models):
     assert [r["prompt"] for r in rows] == ["short", "short", "custom", "custom"]
 
 
-def test_ngram_drafter(tiny_dirs):
+def test_a_model_free_drafter_without_a_draft_model(tiny_dirs):
+    """suffix by default (drafting without its memory of earlier runs: every run is the
+    same prompt), ngram when asked."""
     target, _ = tiny_dirs
     out = invoke_json(["bench", "--model", target, *FAST, "--gamma", "2"])
-    assert out["drafter"] == "ngram" and out["ok"] and out["costs"]["draft_step"] == 0.0
+    assert out["drafter"] == "suffix" and out["ok"] and out["costs"]["draft_step"] == 0.0
+    out = invoke_json(["bench", "--model", target, *FAST, "--gamma", "2", "--drafter", "ngram"])
+    assert out["drafter"] == "ngram" and out["ok"]
 
 
 @pytest.mark.parametrize("extra, fragment", [

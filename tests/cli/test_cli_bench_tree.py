@@ -9,14 +9,15 @@ from cli_support import invoke, invoke_json
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, private_cost_cache
 pytestmark = pytest.mark.usefixtures("private_cost_cache")
 
-# " the" is followed by three different words: the n-gram drafter branches at the end
+# " the" is followed by three different words: the default (suffix) drafter branches at the
+# end, as n-gram does
 BRANCHING = ["--prompt", "the cat sat. the dog ran. the cow ate. the", "--runs", "1", "--max-tokens", "16"]
 
 
 def test_tree_beside_the_sweep(tiny_dirs):
     target, _ = tiny_dirs
     out = invoke_json(["bench", "--model", target, *BRANCHING, "--gamma", "2", "--tree"])
-    assert out["ok"] and out["drafter"] == "ngram"
+    assert out["ok"] and out["drafter"] == "suffix"
     tree = next(s for s in out["settings"] if s["setting"] == "tree")
     assert [s["setting"] for s in out["settings"]] == ["off", "γ=2", "tree"]
     assert tree["identical"] is True and tree["md5"] == out["settings"][0]["md5"]
@@ -44,13 +45,13 @@ def test_a_corrupted_tree_verdict_fails_the_identity_check(tiny_dirs, monkeypatc
 
 
 def test_generate_with_trees_reports_acceptance_by_rank(tiny_dirs):
-    """`--gamma tree` with the n-gram drafter: the same tokens as plain decoding, and the
+    """`--gamma tree` with the default (suffix) drafter: the same tokens as plain decoding, and the
     stats in --json, the panel and the summary line say how each sibling rank fared."""
     target, _ = tiny_dirs
     text = "the cat sat. the dog ran. the cow ate. the"
     plain = invoke_json(["generate", text, "--model", target, "-n", "24", "--raw", "--gamma", "0"])
     tree = invoke_json(["generate", text, "--model", target, "-n", "24", "--raw", "--gamma", "tree"])
-    assert tree["text"] == plain["text"] and tree["gamma"] == "tree" and tree["drafter"] == "ngram"
+    assert tree["text"] == plain["text"] and tree["gamma"] == "tree" and tree["drafter"] == "suffix"
     stats = tree["stats"]
     # (siblings below the root are tried only where their parent is accepted: test_trees.py)
     assert stats["tree_rounds"] > 0 and stats["acceptance_by_rank"] and stats["tried_at_rank"][0] > 0

@@ -93,10 +93,13 @@ def test_drafter_none_and_auto_gamma(models):
     assert (auto["stats"]["measured_speedup"] is None) == (auto["stats"]["drafted"] == 0)
 
 
-def test_ngram_without_a_draft_model(tiny_dirs):
+def test_suffix_without_a_draft_model_and_ngram_when_asked(tiny_dirs):
     target, _ = tiny_dirs
     out = invoke_json(["generate", "abcabcabcabc", "--model", target, "-n", "12", "--raw", "--gamma", "2"])
-    assert out["drafter"] == "ngram" and out["stats"]["draft_forwards"] == 0
+    assert out["drafter"] == "suffix" and out["stats"]["draft_forwards"] == 0
+    ngram = invoke_json(["generate", "abcabcabcabc", "--model", target, "-n", "12", "--raw", "--gamma", "2",
+                         "--drafter", "ngram"])
+    assert ngram["drafter"] == "ngram" and ngram["text"] == out["text"]
 
 
 def test_sampling_flags_and_seed(models):

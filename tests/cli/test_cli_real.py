@@ -9,11 +9,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_generate_on_the_default_preset(gemma270m):
-    """No model flags: the "default" preset (embedded 270M, n-gram drafts, γ auto)."""
+    """No model flags: the "default" preset (embedded 270M, suffix drafts, γ auto)."""
     spec = invoke_json(["generate", "The three most useful habits for a new programmer are",
                         "--raw", "-n", "16"])
     assert spec["models"] == {"target": "default", "draft": None, "preset": "default"}
-    assert spec["drafter"] == "ngram" and spec["gamma"] == "auto"
+    assert spec["drafter"] == "suffix" and spec["gamma"] == "auto"
     assert spec["text"].strip() and spec["generated_tokens"] == 16
     plain = invoke_json(["generate", "The three most useful habits for a new programmer are",
                          "--raw", "-n", "16", "--drafter", "none"])

@@ -31,7 +31,7 @@ def test_list_plain_when_piped():
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
     assert lines[0].split("\t")[:3] == ["name", "target", "draft"]
-    assert lines[1].startswith("default\tdefault\t-\tngram\tauto\t")
+    assert lines[1].startswith("default\tdefault\t-\tsuffix\tauto\t")
     assert "\x1b[" not in result.stdout  # no colour codes in a pipe
 
 

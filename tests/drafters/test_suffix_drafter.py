@@ -105,6 +105,24 @@ def test_a_resent_conversation_adds_only_its_new_turn():
     assert len(memory) - before < 3 + 20 + 2 + 16 + 4  # the turn, its overlap and separators
 
 
+def test_the_latest_occurrence_outvotes_an_older_majority():
+    """A line rewritten with a change: the old version thrice, then the new one. The drafter
+    drafts what the text did last, as the n-gram drafter does, this request's text over the
+    memory's; plain counts followed the old majority (bench/suffix_replay.py: an editing
+    turn where the suffix drafter took a forward more than n-gram)."""
+    line, old, new = [10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22], [30, 31, 32]
+    drafter = SuffixDrafter()
+    drafter.begin((line + old) * 3 + line + new + line)
+    assert drafter.propose(3).tokens.tolist() == new
+    remembering = SuffixDrafter()
+    for _ in range(3):
+        remembering.memory.remember(line + old, [])
+    remembering.begin([5] + line + new + line)
+    assert remembering.propose(3).tokens.tolist() == new
+    remembering.begin([5] + line)  # where this request has no vote, the memory's majority drafts
+    assert remembering.propose(3).tokens.tolist() == old
+
+
 @pytest.mark.parametrize("prompt", [SHORT_PROMPT, LONG_PROMPT], ids=["short", "long"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 def test_greedy_matches_plain_decoding_first_and_repeated(tiny_target, prompt, gamma):

@@ -12,7 +12,7 @@ def test_default_preset_is_the_offline_embedded_model():
     default = get_preset("default")
     assert list_presets()[0] == default
     assert default.target == "default" and default.draft is None
-    assert default.drafter == "ngram" and default.gamma == "auto"
+    assert default.drafter == "suffix" and default.gamma == "auto"
 
 
 def test_every_model_preset_names_hub_models():
@@ -70,7 +70,7 @@ def test_base_model_preset_defaults_to_raw_prompts():
 
 def test_no_flags_mean_the_default_preset():
     choice = resolve_choice()
-    assert (choice.target, choice.draft, choice.drafter, choice.gamma) == ("default", None, "ngram", "auto")
+    assert (choice.target, choice.draft, choice.drafter, choice.gamma) == ("default", None, "suffix", "auto")
     assert choice.models == {"target": "default", "draft": None, "preset": "default"}
 
 

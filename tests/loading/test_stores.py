@@ -64,7 +64,7 @@ def test_ollama_names_resolve_as_ollama_does(env, tiny_pair):
     assert defaults.draft == "ollama:tiny#draft" and defaults.gamma == 4  # Ollama's default
     assert drafting_defaults("ollama:someone/mixed:q8").draft is None  # case-insensitive; no draft
     out = invoke_json(["generate", PROMPT, "-m", "ollama:someone/mixed:q8", "-n", "4", "--raw"])
-    assert out["drafter"] == "ngram" and out["models"]["draft"] is None
+    assert out["drafter"] == "suffix" and out["models"]["draft"] is None
 
 
 def test_ollama_refuses_what_it_cannot_read_in_one_line(env, tiny_pair, tmp_path):

@@ -36,7 +36,7 @@ def test_completion_equals_mlx_lm(server, gemma270m):
     assert answer.choices[0].text == reference
     assert answer.usage.completion_tokens == 12
     stats = answer.model_extra["mlx_spec"]
-    assert stats["drafter"] == "ngram" and stats["gamma"] == "3"
+    assert stats["drafter"] == "suffix" and stats["gamma"] == "3"
 
 
 def test_chat_second_turn_reuses_the_first(server, gemma270m):

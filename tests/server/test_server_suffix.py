@@ -66,3 +66,32 @@ def test_a_second_key_learns_from_the_first_only_in_one_server_memory(tiny_dirs,
     else:
         assert second["accepted_from"]["memory"] > 0
         assert second["target_forwards"] < first["target_forwards"]
+
+
+@pytest.mark.parametrize("scope", ["key", "server"])
+def test_a_restarted_server_drafts_from_the_memory_it_saved(tiny_dirs, cost_cache, reference, tmp_path, scope):
+    """`--prompt-cache-dir`: the memory is written when the server stops and read by the
+    next one, in its scope: the first key's repeat drafts from it after the restart; with
+    `--draft-memory key` the second key's first request still learns nothing from it."""
+    flags = ("--draft-memory", scope, "--prompt-cache-dir", str(tmp_path / "caches"))
+    server = start(tiny_dirs, cost_cache, *flags)
+    try:
+        text, first = completion(server, KEYS[0])
+    finally:
+        server.stop()
+    assert any(p.name.startswith("draft-memory-") for p in (tmp_path / "caches").iterdir())
+    server = start(tiny_dirs, cost_cache, *flags)
+    try:
+        again, repeat = completion(server, KEYS[0])
+        other, second = completion(server, KEYS[1])
+        assert "Traceback" not in server.log and "skipping the draft memory" not in server.log
+    finally:
+        server.stop()
+    assert text == again == other == reference[1]
+    assert first["drafted_from"].get("memory", 0) == 0
+    assert repeat["accepted_from"]["memory"] > 0  # what the stopped server remembered
+    assert repeat["target_forwards"] < first["target_forwards"]
+    if scope == "key":
+        assert second["drafted_from"].get("memory", 0) == 0  # another key's file is not read for it
+    else:
+        assert second["accepted_from"]["memory"] > 0

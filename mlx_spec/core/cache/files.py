@@ -165,7 +165,7 @@ def _bytes(array: mx.array) -> memoryview:
     return memoryview(array)
 
 
-def _digest(arrays: dict, metadata: str = "") -> str:
+def content_digest(arrays: dict, metadata: str = "") -> str:
     """sha256 of `metadata` (text) and of every array's name, shape, dtype and bytes."""
     digest = hashlib.sha256(f"{len(metadata)}:{metadata};".encode())
     for name in sorted(arrays):
@@ -389,7 +389,7 @@ def save_prompt_cache(path: Path, cache: PromptCache, key: dict, extra: Optional
     if cache.draft is not None and cache.draft.ids and key.get("draft") is not None:
         info["draft"] = sequence_arrays(cache.draft, "draft", arrays)
     text = json.dumps(info)
-    metadata = {"format": FORMAT, "mlx_spec": text, "digest": _digest(arrays, text)}
+    metadata = {"format": FORMAT, "mlx_spec": text, "digest": content_digest(arrays, text)}
     return write_safetensors(path, arrays, metadata)
 
 
@@ -409,7 +409,7 @@ def load_prompt_cache(path: Path, engine, key: dict) -> tuple[PromptCache, Optio
     why = _mismatch(info.get("key") or {}, key)
     if why:
         raise CacheFileError(f"{path} does not fit this model: {why}")
-    if metadata.get("digest") != _digest(arrays, metadata["mlx_spec"]):
+    if metadata.get("digest") != content_digest(arrays, metadata["mlx_spec"]):
         raise CacheFileError(f"{path} is damaged (its metadata or arrays do not match their digest)")
     try:
         cache = engine.make_prompt_cache()

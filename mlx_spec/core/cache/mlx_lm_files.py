@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache
 
-from mlx_spec.core.cache.files import CacheFileError, _digest, _mismatch, write_safetensors
+from mlx_spec.core.cache.files import CacheFileError, _mismatch, content_digest, write_safetensors
 from mlx_spec.core.cache.global_layers import TreeKVCache
 from mlx_spec.core.cache.layers import make_cache
 from mlx_spec.core.cache.sequence import PromptCache, SequenceCache
@@ -70,7 +70,7 @@ def save_mlx_lm_cache(path: Path, seq: SequenceCache, key: dict, model_name: str
     (mlx-lm continues right after them). Raises OSError when the write fails."""
     layers = [_theirs(layer) for layer in seq.cache]
     arrays, scalars = _state_arrays(layers)
-    ours = {"key": key, "ids": seq.ids, "digest": _digest(arrays)}
+    ours = {"key": key, "ids": seq.ids, "digest": content_digest(arrays)}
     user = {"model": model_name, "tokenizer_config": json.dumps({}), "mlx_spec": json.dumps(ours)}
     metadata = dict(tree_flatten([user, [type(layer).__name__ for layer in layers], scalars]))
     return write_safetensors(path, arrays, metadata)
@@ -99,7 +99,7 @@ def load_mlx_lm_cache(path: Path, engine, key: dict, model_names: tuple) -> tupl
         if why:
             raise CacheFileError(f"{path} does not fit this model: {why}")
         # the loaded layers' states are the file's arrays: no second read of the file
-        if ours.get("digest") != _digest(_state_arrays(layers)[0]):
+        if ours.get("digest") != content_digest(_state_arrays(layers)[0]):
             raise CacheFileError(f"{path} is damaged (its arrays do not match their digest)")
     elif user.get("model") not in (None, *model_names) and not any(_same_path(user["model"], name)
                                                                   for name in model_names):

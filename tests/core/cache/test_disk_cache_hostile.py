@@ -205,8 +205,7 @@ def _rewrite(path: Path, change, digest: bool) -> None:
     text = json.dumps(info)
     metadata = {**metadata, "mlx_spec": text}
     if digest:
-        takes_text = files._digest.__code__.co_argcount > 1
-        metadata["digest"] = files._digest(arrays, text) if takes_text else files._digest(arrays)
+        metadata["digest"] = files.content_digest(arrays, text)
     files.write_safetensors(path, arrays, metadata)
 
 
