@@ -105,8 +105,13 @@ class DFlashDrafter(Drafter):
                 contexts.append(tuple(mx.concatenate([pad_left(kv[j], width, 2) for kv in rows]) for j in (0, 1)))
                 masks.append(sequence_mask(lengths, width, size))
             offsets = mx.array([d.context.length for d in drafters], mx.int32)
-        logits = self.draft_logits(self.model.hidden(self.embed(tokens), contexts, offsets, masks))
-        return [logits[i] for i in range(len(passes))]
+        return self.block_rows(self.model.hidden(self.embed(tokens), contexts, offsets, masks))
+
+    def block_rows(self, hidden: mx.array) -> list:
+        """What each pass gets from its block's final hidden states [B, block_size, H]: its
+        draft positions' logits."""
+        logits = self.draft_logits(hidden)
+        return [logits[i] for i in range(hidden.shape[0])]
 
     def block_tokens(self, token: int) -> list[int]:
         """The block a round feeds: the last committed token, then mask tokens."""

@@ -46,8 +46,10 @@ def draft_facts(config: dict) -> Optional[dict]:
     if family == "dflash":
         return {"family": family, "block_size": args.block_size, "tap_layers": list(args.target_layer_ids)}
     if family == "dspark":
-        return {"family": family, "block_size": args.proposal_length + 1, "tap_layers": list(args.target_layer_ids),
-                "k_eq_v": args.attention_k_eq_v, "markov_rank": args.markov_rank}
+        return {"family": family, "packaging": args.packaging, "backbone": args.backbone,
+                "block_size": args.proposal_length + 1, "tap_layers": list(args.target_layer_ids),
+                "k_eq_v": args.attention_k_eq_v, "markov_rank": args.markov_rank,
+                "draft_vocab": args.draft_vocab_size, "confidence_head": args.enable_confidence_head}
     if family == "eagle3":
         return {"family": family, "tap_layers": list(args.tap_layers), "draft_vocab": args.draft_vocab_size,
                 "speculative_tokens": args.speculative_tokens}

@@ -42,5 +42,6 @@ def test_models_info_shows_the_drafts_family_block_and_taps(folders):
              for family in ("dflash", "eagle3", "dspark")}
     assert facts["dflash"] == {"family": "dflash", "block_size": 8, "tap_layers": [1, 3, 5]}
     assert facts["eagle3"] == {"family": "eagle3", "tap_layers": [1, 3, 4], "draft_vocab": 64, "speculative_tokens": 3}
-    assert facts["dspark"] == {"family": "dspark", "block_size": 8, "tap_layers": [1, 3, 5], "k_eq_v": True,
-                               "markov_rank": 8}
+    assert facts["dspark"] == {"family": "dspark", "packaging": "deepspec", "backbone": "gemma4", "block_size": 8,
+                               "tap_layers": [1, 3, 5], "k_eq_v": True, "markov_rank": 8, "draft_vocab": None,
+                               "confidence_head": True}
