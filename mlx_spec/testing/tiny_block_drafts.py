@@ -11,6 +11,11 @@ EAGLE-3: vLLM's speculators packaging (`speculators_config`, a Llama
 `transformer_layer_config`, a reduced vocabulary with `d2t` and `t2d`); the weights are
 mlx-vlm's `Eagle3DraftModel`'s.
 
+DFlash 2: DFlash's packaging with `architectures: ["DFlash2DraftModel"]` and the DFlash 2
+fields under `dflash_config`; the weights are mlx-vlm's `DFlash2DraftModel`'s (its base
+kernels, zero at construction, drawn at random too), the two codebooks stored without a
+`.weight` suffix as released.
+
 DSpark: DeepSpec's native Gemma 4 packaging (`Gemma4DSparkModel`, `model_type: gemma4_text`,
 flat DSpark fields); the weights are mlx-vlm's `Gemma4DSparkDraftModel`'s, which cannot be
 built with `attention_k_eq_v` (it crashes), so a K = V folder is written from a K ≠ V one
@@ -29,6 +34,8 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_vlm.speculative.drafters.dflash2 import DFlash2DraftModel
+from mlx_vlm.speculative.drafters.dflash2.config import DFlash2Config
 from mlx_vlm.speculative.drafters.dspark import DSparkDraftModel
 from mlx_vlm.speculative.drafters.dspark.config import DSparkConfig
 from mlx_vlm.speculative.drafters.eagle3 import Eagle3DraftModel
@@ -335,6 +342,55 @@ def save_tiny_speculators_dspark(path: str | Path, config: dict | None = None, v
         weights["t2d"] = mx.zeros((width,), mx.bool_).at[rows].add(True)
     if config["transformer_layer_config"].get("attention_k_eq_v"):
         weights = {k: v for k, v in weights.items() if ".v_proj." not in k}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# DFlash 2
+# ---------------------------------------------------------------------------------------
+
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def tiny_dflash2_config(target_config: dict | None = None, *, block_size: int = 8, taps=(1, 3, 5),
+                        **overrides) -> dict:
+    """A DFlash 2 config.json for the tiny Gemma 4 target: DFlash's tiny backbone, two-tap
+    convolutions over groups of 16 channels, a rank-8 selector over the top 6 candidates,
+    embeddings scaled by 0.05 (at the target's own scale, √H, every row stays near the
+    mask token's embedding and drafts it) and logits by 0.8."""
+    config = tiny_dflash_config(target_config, block_size=block_size, taps=taps)
+    config.update(architectures=["DFlash2DraftModel"], hidden_act="silu")
+    config["dflash_config"] = dict(config["dflash_config"], conv_kernel_size=2, conv_group_size=16,
+                                   selector_rank=8, selector_top_k=6, input_embedding_scale=0.05,
+                                   output_multiplier=0.8)
+    config.update(overrides)
+    return config
+
+
+def reference_dflash2(config: dict, seed: int = 0) -> DFlash2DraftModel:
+    """mlx-vlm's DFlash 2 draft for `config`, random weights (seeded), base kernels included
+    and the selector's projection scaled up."""
+    mx.random.seed(seed)
+    model = DFlash2DraftModel(DFlash2Config.from_dict(config))
+    for layer in model.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = 0.3 * mx.random.normal(conv.base_kernel.shape)
+    selector = model.candidate_selector  # lattice terms as large as the logits' spread, so they matter
+    selector.hidden_projection.weight = 4 * selector.hidden_projection.weight
+    evaluate_all(model)
+    return model
+
+
+def save_tiny_dflash2(path: str | Path, config: dict | None = None, seed: int = 0) -> Path:
+    """Write a tiny DFlash 2 folder, the codebooks without `.weight` as released."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config or tiny_dflash2_config()
+    weights = dict(tree_flatten(reference_dflash2(config, seed).parameters()))
+    for name in CODEBOOKS:
+        weights[name] = weights.pop(f"{name}.weight")
     mx.save_safetensors(str(path / "model.safetensors"), weights)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

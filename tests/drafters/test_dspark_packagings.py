@@ -180,8 +180,8 @@ def test_sampling_with_a_reduced_vocabulary_matches_target_distribution(small):
 
 
 def test_a_draft_that_does_not_fit_is_refused_in_one_line(folders):
-    save_tiny_speculators_dspark(folders / "wrong", tiny_speculators_dspark_config(draft_vocab=DRAFT_VOCAB,
-                                                                                    aux_hidden_state_layer_ids=[2, 4, 9]))
+    config = tiny_speculators_dspark_config(draft_vocab=DRAFT_VOCAB, aux_hidden_state_layer_ids=[2, 4, 9])
+    save_tiny_speculators_dspark(folders / "wrong", config)
     with pytest.raises(IncompatibleModelsError, match="no layer 8") as error:
         load_pair(str(folders / "target"), str(folders / "wrong"), progress=False)
     assert "\n" not in str(error.value)
