@@ -89,10 +89,9 @@ class DFlash2Drafter(DFlashDrafter):
                 row = mx.full(logits[j : j + 1].shape, -mx.inf, scores.dtype)
                 row[:, ids[0]] = scores
                 if grammar is not None:
-                    allowed = grammar.mask_after(path)[None]
-                    if not mx.any(allowed[:, ids[0]]).item():  # no candidate is allowed
+                    row = constrain(row, grammar.mask_after(path)[None])
+                    if not mx.any(row > -mx.inf).item():  # no candidate is allowed
                         break
-                    row = constrain(row, allowed)
                 if greedy:
                     previous = mx.argmax(row, axis=-1)
                 else:

@@ -116,7 +116,8 @@ class DSparkDrafter(DFlashDrafter):
             row = base[j : j + 1] + self.model.markov_head(previous)  # [1, draft vocabulary]
             if grammar is not None:
                 allowed = grammar.mask_after(path)[None]
-                if self.reduced:
+                if self.reduced:  # the mask over the target's logits (constrain's padding), read at the draft's ids
+                    allowed = constrain(mx.zeros((1, self.width)), allowed) == 0
                     allowed = allowed[:, self.target_ids]
                     if not mx.any(allowed).item():  # nothing the grammar allows is in the draft vocabulary
                         break

@@ -6,7 +6,8 @@ Gemma 4 target, loaded by our loader and paired.
   bit for bit and its tokens (the candidate selector's path) are mlx-vlm's `draft_block`,
   inside and past the sliding window, and the selector changes the tokens the base logits
   alone would give;
-- greedy output is mlx-lm's plain `generate_step`, alone and batched;
+- greedy output is mlx-lm's plain `generate_step`, alone and batched, and the target's own
+  constrained decoding under a JSON-schema grammar;
 - at T = 1 the first two tokens fit the target's exact joint (chi-square), q being zero
   outside each position's candidates; a draft that does not fit is refused in one line.
 """
@@ -17,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_vlm.speculative.drafters import load_drafter
 
 from conftest import greedy_reference
+from grammar_support import drafted_under_the_address_schema
 from distribution_support import PARAMS, VOCAB, chi_square, exact_joint, sampled_joint
 from mlx_spec.apps.runner import build_engine
 from mlx_spec.core.batch import Batch
@@ -120,6 +122,11 @@ def test_batched_rows_match_plain_decoding(pair):
         batch.step()
     for rounds, prompt in zip(requests, (SHORT_PROMPT, LONG_PROMPT)):
         assert out[rounds] == greedy_reference(pair.target.model, prompt, MAX_TOKENS)
+
+
+def test_greedy_under_a_grammar_matches_constrained_decoding(pair):
+    tokens, reference, drafted = drafted_under_the_address_schema(pair.target.model, build_engine(pair).drafter)
+    assert tokens == reference and drafted > 0
 
 
 DRAWS = 1000

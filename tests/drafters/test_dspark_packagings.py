@@ -11,7 +11,8 @@
   mlx-vlm's Gemma 4 class over the whole vocabulary with every id outside the draft
   vocabulary masked, the same weights;
 - greedy output is mlx-lm's plain decoding for both (speculators: K = V, a draft vocabulary
-  that lacks most of what the target emits); chi-square at T = 1 with q mapped through d2t
+  that lacks most of what the target emits), and under a JSON-schema grammar the target's
+  own constrained decoding; chi-square at T = 1 with q mapped through d2t
   (zero outside the draft vocabulary); a draft that does not fit is refused in one line.
 """
 
@@ -21,6 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_vlm.speculative.drafters import load_drafter
 
 from conftest import greedy_reference
+from grammar_support import drafted_under_the_address_schema
 from distribution_support import PARAMS, VOCAB, chi_square, exact_joint, sampled_joint
 from mlx_spec.apps.runner import build_engine
 from mlx_spec.core.engine import Engine
@@ -146,6 +148,12 @@ def test_greedy_matches_plain_decoding(pairs, name, prompt, gamma):
               for t in r.tokens]
     assert tokens == greedy_reference(pair.target.model, prompt, MAX_TOKENS)
     assert stats.drafted > 0
+
+
+def test_greedy_under_a_grammar_matches_constrained_decoding(pairs):
+    pair = pairs["speculators_k_eq_v"]
+    tokens, reference, drafted = drafted_under_the_address_schema(pair.target.model, build_engine(pair).drafter)
+    assert tokens == reference and drafted > 0
 
 
 DRAWS = 1000
