@@ -81,4 +81,5 @@ def drafted_under_the_address_schema(target, drafter, gamma=5, max_tokens=60):
     stats = Stats()
     tokens = [t for r in engine.rounds(PROMPT, gamma=gamma, max_tokens=max_tokens, stats=stats, constraint=grammar)
               for t in r.tokens]
-    return [t for t in tokens if t not in EOS], constrained_reference(target, PROMPT, ADDRESS, max_tokens), stats.drafted
+    reference = constrained_reference(target, PROMPT, ADDRESS, max_tokens)
+    return [t for t in tokens if t not in EOS], reference, stats.drafted
