@@ -34,9 +34,15 @@ class DFlashDrafter(Drafter):
     needs_draft_model = True
     passes_per_block = 1  # one draft forward per round, whatever γ
     wants_hidden = True
+    # what a subclass family changes: its name in messages, the checkpoint it needs, and
+    # its config's detection and fit checks
+    family = "DFlash"
+    checkpoint = "a DFlash draft checkpoint (a config.json with dflash_config)"
+    detects = staticmethod(is_dflash_config)
+    target_mismatch = staticmethod(target_mismatch)
 
     def __init__(self, draft: Model, target):
-        mismatch = target_mismatch(draft.args, target)
+        mismatch = self.target_mismatch(draft.args, target)
         if mismatch:
             raise MlxSpecError(mismatch)
         self.model = draft
@@ -48,8 +54,8 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def for_pair(cls, pair, world) -> "DFlashDrafter":
-        require_tapping_draft("DFlash", cls.name, pair, world,
-                              pair.draft is not None and is_dflash_config(pair.draft.config), "a DFlash draft checkpoint (a config.json with dflash_config)")
+        require_tapping_draft(cls.family, cls.name, pair, world,
+                              pair.draft is not None and cls.detects(pair.draft.config), cls.checkpoint)
         return cls(pair.draft.model, pair.target.model)
 
     def reset(self) -> None:
@@ -84,7 +90,12 @@ class DFlashDrafter(Drafter):
             return Draft.empty()
         step = BlockPass(self, history[-1])
         yield step
-        return draw_block(step.logits[:gamma], self.processor, key)
+        return self.draw(step.logits, gamma, history[-1], key)
+
+    def draw(self, rows, gamma: int, anchor: int, key: Optional[mx.array]) -> Draft:
+        """The round's Draft from its pass's rows (`block_rows`), over the block's first γ
+        positions after `anchor`, the last committed token."""
+        return draw_block(rows[:gamma], self.processor, key)
 
     def block_logits(self, passes: list[BlockPass]) -> list[mx.array]:
         """Logits [block_size − 1, V] of each pass's block, in one forward: each row over its

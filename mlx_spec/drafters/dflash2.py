@@ -16,13 +16,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlx_spec.core.drafter import Draft, require_tapping_draft
+from mlx_spec.core.drafter import Draft
 from mlx_spec.core.grammar import constrain
 from mlx_spec.core.sampling import draw
-from mlx_spec.drafters.block import BlockPass
 from mlx_spec.drafters.dflash import DFlashDrafter
-from mlx_spec.errors import MlxSpecError
-from mlx_spec.models.dflash import TargetHead
 from mlx_spec.models.dflash2 import is_dflash2_config, target_mismatch
 
 
@@ -31,24 +28,10 @@ class DFlash2Drafter(DFlashDrafter):
 
     name = "dflash2"
     summary = "a DFlash 2 draft: a block per forward, candidates rescored after the token before"
-
-    def __init__(self, draft, target):
-        mismatch = target_mismatch(draft.args, target)
-        if mismatch:
-            raise MlxSpecError(mismatch)
-        self.model = draft
-        self.target = target
-        self.tap_layers = tuple(draft.args.target_layer_ids)
-        self.head = TargetHead(target, draft.args.final_logit_softcapping)
-        self.windows = [layer.self_attn.window for layer in draft.layers]
-        self.reset()
-
-    @classmethod
-    def for_pair(cls, pair, world) -> "DFlash2Drafter":
-        require_tapping_draft("DFlash 2", cls.name, pair, world,
-                              pair.draft is not None and is_dflash2_config(pair.draft.config),
-                              "a DFlash 2 draft checkpoint (DFlash2DraftModel)")
-        return cls(pair.draft.model, pair.target.model)
+    family = "DFlash 2"
+    checkpoint = "a DFlash 2 draft checkpoint (DFlash2DraftModel)"
+    detects = staticmethod(is_dflash2_config)
+    target_mismatch = staticmethod(target_mismatch)
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.model.embed(self.head, ids)
@@ -60,19 +43,11 @@ class DFlash2Drafter(DFlashDrafter):
         projected = self.model.candidate_selector.hidden_projection(hidden)
         return [(logits[i], projected[i]) for i in range(hidden.shape[0])]
 
-    def drafting(self, gamma: int, history: list[int], key: Optional[mx.array] = None):
-        gamma = min(gamma, self.model.block_size - 1)
-        if gamma <= 0 or self.context is None or self.context.held == 0:
-            return Draft.empty()
-        step = BlockPass(self, history[-1])
-        yield step
-        logits, projected = step.logits
-        return self._draw(logits[:gamma], projected[:gamma], history[-1], key)
-
-    def _draw(self, logits: mx.array, projected: mx.array, anchor: int, key: Optional[mx.array]) -> Draft:
+    def draw(self, rows, gamma: int, anchor: int, key: Optional[mx.array]) -> Draft:
         """Tokens one after another among each position's candidates [γ, top_k], scored
         after the token drawn before; under a grammar each row masked by what it allows
         (one host sync per position)."""
+        logits, projected = rows[0][:gamma], rows[1][:gamma]
         greedy = self.processor.params.greedy
         grammar = self.processor.constraint
         selector = self.model.candidate_selector

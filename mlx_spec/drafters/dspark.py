@@ -28,10 +28,9 @@ import mlx.core as mx
 from mlx_spec.core.cache.forward import text_model
 from mlx_spec.core.grammar import constrain
 from mlx_spec.core.sampling import draw
-from mlx_spec.core.drafter import Draft, require_tapping_draft
-from mlx_spec.drafters.block import BlockPass
+from mlx_spec.core.drafter import Draft
 from mlx_spec.drafters.dflash import DFlashDrafter
-from mlx_spec.errors import MlxSpecError, UsageError
+from mlx_spec.errors import UsageError
 from mlx_spec.models.dspark import is_dspark_config, target_mismatch
 
 DEFAULT_CONFIDENCE = 0.5
@@ -58,29 +57,19 @@ class DSparkDrafter(DFlashDrafter):
 
     name = "dspark"
     summary = "a DSpark draft (DeepSpec): a block per forward, Markov-corrected, from the target's taps"
+    family = "DSpark"
+    checkpoint = "a DSpark draft checkpoint (DeepSpec's Gemma4DSparkModel, vLLM speculators or SpecForge)"
+    detects = staticmethod(is_dspark_config)
+    target_mismatch = staticmethod(target_mismatch)
 
     def __init__(self, draft, target, confidence_threshold: Optional[float] = None):
-        mismatch = target_mismatch(draft.args, target)
-        if mismatch:
-            raise MlxSpecError(mismatch)
-        draft.bind(target)
-        self.model = draft
-        self.target = target
-        self.tap_layers = tuple(draft.args.target_layer_ids)
-        self.windows = [layer.self_attn.window for layer in draft.layers]
+        super().__init__(draft, target)
+        draft.bind(target)  # a Qwen 3 backbone borrows the target's embedding and head
         self.reduced = draft.args.draft_vocab_size is not None
         self.target_ids = draft.target_ids()  # [draft vocabulary]
         mx.eval(self.target_ids)  # now: a server decodes on another thread, where a lazy array made here fails
         self.width = text_model(target).model.embed_tokens.weight.shape[0]  # the target's logits
         self.threshold = resolve_threshold(draft.args, confidence_threshold)
-        self.reset()
-
-    @classmethod
-    def for_pair(cls, pair, world) -> "DSparkDrafter":
-        require_tapping_draft("DSpark", cls.name, pair, world,
-                              pair.draft is not None and is_dspark_config(pair.draft.config),
-                              "a DSpark draft checkpoint (DeepSpec's Gemma4DSparkModel, vLLM speculators or SpecForge)")
-        return cls(pair.draft.model, pair.target.model)
 
     def block_tokens(self, token: int) -> list[int]:
         return self.model.block_tokens(token)
@@ -93,20 +82,12 @@ class DSparkDrafter(DFlashDrafter):
         logits, rows = self.model.logits(hidden), self.model.head_hidden(hidden)
         return [(logits[i], rows[i]) for i in range(hidden.shape[0])]
 
-    def drafting(self, gamma: int, history: list[int], key: Optional[mx.array] = None):
-        gamma = min(gamma, self.model.block_size - 1)
-        if gamma <= 0 or self.context is None or self.context.held == 0:
-            return Draft.empty()
-        step = BlockPass(self, history[-1])
-        yield step
-        base, rows = step.logits
-        return self._draw(base[:gamma], rows[:gamma], history[-1], key)
-
-    def _draw(self, base: mx.array, rows: mx.array, anchor: int, key: Optional[mx.array]) -> Draft:
+    def draw(self, rows, gamma: int, anchor: int, key: Optional[mx.array]) -> Draft:
         """Tokens one after another from the block's base logits [γ, draft vocabulary], each
         row corrected by the Markov head for the token drawn before it; under a grammar each
         row masked by what it allows after them (one host sync per position); then the
         confidence cut."""
+        base, rows = rows[0][:gamma], rows[1][:gamma]
         greedy = self.processor.params.greedy
         grammar = self.processor.constraint
         keys = None if greedy else mx.random.split(key, base.shape[0])

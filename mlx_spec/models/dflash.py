@@ -223,22 +223,31 @@ class Model(nn.Module):
         the cost curve (`costs.measure_costs`): the last round's two committed positions
         projected into the context, then one block forward."""
         head = TargetHead(target, self.args.final_logit_softcapping)
-        state = Context(len(self.layers))
-        taps = mx.zeros((1, context, self.fc.weight.shape[1]))
-        self.extend(state, taps)
-        mx.eval([c.state for c in state.caches])
         block = mx.array([[self.args.mask_token_id] * self.block_size])
-
-        def run():
-            self.extend(state, taps[:, :2])
-            contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(self.layers)]
-            mx.eval(head.logits(self.hidden(head.embed(block), contexts, context + 2)))
-            state.trim(2)
-
-        return run
+        return block_timer(self, context, lambda contexts, offset:
+                           head.logits(self.hidden(head.embed(block), contexts, offset)))
 
     def sanitize(self, weights: dict) -> dict:
         return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def block_timer(model, context: int, draft: Callable[[list, int], mx.array]) -> Callable[[], None]:
+    """A block draft's round for the cost curve: after `context` zero positions of context,
+    the last round's two committed positions projected into it, then `draft(contexts,
+    offset)`, which computes what one block forward and its drawing do (DFlash's, DFlash 2's
+    and DSpark's `step_timer`)."""
+    state = Context(len(model.layers))
+    taps = mx.zeros((1, context, model.fc.weight.shape[1]))
+    model.extend(state, taps)
+    mx.eval([c.state for c in state.caches])
+
+    def run():
+        model.extend(state, taps[:, :2])
+        contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(model.layers)]
+        mx.eval(draft(contexts, context + 2))
+        state.trim(2)
+
+    return run
 
 
 class TargetHead:

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_spec.models import dflash
-from mlx_spec.models.dflash import Context, TargetHead
+from mlx_spec.models.dflash import TargetHead, block_timer
 
 EXTRA = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
          "input_embedding_scale", "output_multiplier")
@@ -147,27 +147,20 @@ class Model(dflash.Model):
     def step_timer(self, target, context: int) -> Callable[[], None]:
         """A round's drafting (`dflash.Model.step_timer`), the selector's scores included."""
         head = TargetHead(target, self.args.final_logit_softcapping)
-        state = Context(len(self.layers))
-        taps = mx.zeros((1, context, self.fc.weight.shape[1]))
-        self.extend(state, taps)
-        mx.eval([c.state for c in state.caches])
         block = mx.array([[self.args.mask_token_id] * self.block_size])
         selector = self.candidate_selector
 
-        def run():
-            self.extend(state, taps[:, :2])
-            contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(self.layers)]
-            hidden = self.hidden(self.embed(head, block), contexts, context + 2)[:, 1:]
+        def draft(contexts, offset):
+            hidden = self.hidden(self.embed(head, block), contexts, offset)[:, 1:]
             logits = self.logits(head, hidden)[0]
             candidates, projected = selector.candidates(logits), selector.hidden_projection(hidden[0])
             previous = mx.array([0])
             for j in range(logits.shape[0]):
                 scores = selector.scores(logits[j : j + 1], projected[j : j + 1], candidates[j : j + 1], previous)
                 previous = mx.take_along_axis(candidates[j : j + 1], mx.argmax(scores, axis=-1)[:, None], axis=-1)[:, 0]
-            mx.eval(previous)
-            state.trim(2)
+            return previous
 
-        return run
+        return block_timer(self, context, draft)
 
     def sanitize(self, weights: dict) -> dict:
         codebooks = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")

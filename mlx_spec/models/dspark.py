@@ -51,7 +51,8 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from mlx_spec.core.cache.forward import text_model
 from mlx_spec.models import dflash
-from mlx_spec.models.dflash import Context, TargetHead
+from mlx_spec.models.dflash import Context, TargetHead, block_timer
+from mlx_spec.models.eagle3 import drafting_weights
 
 DSPARK_FIELDS = ("mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
                  "confidence_head_with_markov", "confidence_threshold", "sample_from_anchor", "block_size")
@@ -322,13 +323,7 @@ class DSparkHeads:
             self.d2t = mx.zeros((args.draft_vocab_size,), mx.int32)
 
     def sanitize(self, weights: dict) -> dict:
-        out = {}
-        for key, value in weights.items():
-            key = key.removeprefix("model.")
-            if key == "t2d" or "rotary_emb" in key or key == "mask_embedding":
-                continue
-            out[key] = value.astype(mx.int32) if key == "d2t" else value
-        return out
+        return drafting_weights(weights)
 
 
 class Gemma4Model(DSparkHeads, nn.Module):
@@ -373,7 +368,7 @@ class Gemma4Model(DSparkHeads, nn.Module):
         return self.norm(h)
 
     def step_timer(self, target, context: int) -> Callable[[], None]:
-        return _step_timer(self, target, context)
+        return _step_timer(self, context)
 
 
 class Qwen3Model(DSparkHeads, dflash.Model):
@@ -403,7 +398,7 @@ class Qwen3Model(DSparkHeads, dflash.Model):
 
     def step_timer(self, target, context: int) -> Callable[[], None]:
         self.bind(target)
-        return _step_timer(self, target, context)
+        return _step_timer(self, context)
 
     def sanitize(self, weights: dict) -> dict:
         weights = DSparkHeads.sanitize(self, weights)
@@ -420,22 +415,16 @@ def Model(args: ModelArgs):  # noqa: N802 (mlx-lm's loader calls `Model(args)`)
     return Qwen3Model(args) if args.backbone == "qwen3" else Gemma4Model(args)
 
 
-def _step_timer(model, target, context: int) -> Callable[[], None]:
-    """A round's drafting, as `dflash.Model.step_timer` times it."""
-    state = Context(len(model.layers))
-    taps = mx.zeros((1, context, model.fc.weight.shape[1]))
-    model.extend(state, taps)
-    mx.eval([c.state for c in state.caches])
+def _step_timer(model, context: int) -> Callable[[], None]:
+    """A round's drafting (`dflash.block_timer`): the block forward, its logits, the Markov
+    correction."""
     block = mx.array([model.block_tokens(model.args.mask_token_id)])
 
-    def run():
-        model.extend(state, taps[:, :2])
-        contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(model.layers)]
-        logits = model.logits(model.hidden(model.embed(block), contexts, context + 2))
-        mx.eval(logits + model.markov_head(mx.zeros(logits.shape[:2], mx.int32)))
-        state.trim(2)
+    def draft(contexts, offset):
+        logits = model.logits(model.hidden(model.embed(block), contexts, offset))
+        return logits + model.markov_head(mx.zeros(logits.shape[:2], mx.int32))
 
-    return run
+    return block_timer(model, context, draft)
 
 
 def target_mismatch(args: ModelArgs, target) -> Optional[str]:

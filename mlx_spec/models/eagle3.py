@@ -209,13 +209,20 @@ class Model(nn.Module):
         return run
 
     def sanitize(self, weights: dict) -> dict:
-        out = {}
-        for key, value in weights.items():
-            key = key.removeprefix("model.")
-            if key == "t2d" or "rotary_emb" in key:
-                continue
-            out[key] = value.astype(mx.int32) if key == "d2t" else value
-        return out
+        return drafting_weights(weights)
+
+
+def drafting_weights(weights: dict) -> dict:
+    """A reduced-vocabulary draft's weights under our names (EAGLE-3's, DSpark's): `model.`
+    prefixes dropped, what drafting never reads left out (`t2d`, rotary buffers, a
+    `mask_embedding` placeholder), `d2t` as int32 offsets."""
+    out = {}
+    for key, value in weights.items():
+        key = key.removeprefix("model.")
+        if key in ("t2d", "mask_embedding") or "rotary_emb" in key:
+            continue
+        out[key] = value.astype(mx.int32) if key == "d2t" else value
+    return out
 
 
 def target_mismatch(args: ModelArgs, target) -> Optional[str]:

@@ -51,6 +51,24 @@ from mlx_spec.testing.tiny_gemma4 import WINDOW, tiny_gemma4_config
 MASK_ID = 3  # <unk> in the tiny byte tokenizer: a token the target never needs
 
 
+def reference_model(model_class, config_class, config: dict, seed: int):
+    """mlx-vlm's `model_class` for `config` (read by its `config_class`), random weights
+    (seeded)."""
+    mx.random.seed(seed)
+    model = model_class(config_class.from_dict(config))
+    evaluate_all(model)
+    return model
+
+
+def write_folder(path: str | Path, config: dict, weights: dict) -> Path:
+    """A draft folder as the Hub holds one: config.json and model.safetensors."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def tiny_dflash_config(target_config: dict | None = None, *, block_size: int = 8, taps=(1, 3, 5),
                        **overrides) -> dict:
     """A DFlash config.json for the tiny Gemma 4 target (`target_config`): 2 layers (sliding,
@@ -84,21 +102,13 @@ def tiny_dflash_config(target_config: dict | None = None, *, block_size: int = 8
 
 def reference_dflash(config: dict, seed: int = 0) -> DFlashDraftModel:
     """mlx-vlm's DFlash draft for `config`, random weights (seeded)."""
-    mx.random.seed(seed)
-    model = DFlashDraftModel(DFlashConfig.from_dict(config))
-    evaluate_all(model)
-    return model
+    return reference_model(DFlashDraftModel, DFlashConfig, config, seed)
 
 
 def save_tiny_dflash(path: str | Path, config: dict | None = None, seed: int = 0) -> Path:
     """Write a tiny DFlash draft folder (config.json, model.safetensors) as z-lab ships them."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = config or tiny_dflash_config()
-    model = reference_dflash(config, seed)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_folder(path, config, dict(tree_flatten(reference_dflash(config, seed).parameters())))
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,8 +165,6 @@ def reference_eagle3(config: dict, vocab_ids: list[int], seed: int = 0, embed: m
 def save_tiny_eagle3(path: str | Path, config: dict | None = None, vocab_ids: list[int] | None = None,
                      seed: int = 0, embed: mx.array | None = None) -> Path:
     """Write a tiny EAGLE-3 folder (config.json, model.safetensors with int64 d2t and bool t2d)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = config or tiny_eagle3_config()
     width = config["transformer_layer_config"]["vocab_size"]
     vocab_ids = vocab_ids or draft_vocabulary(config["draft_vocab_size"], width)
@@ -164,9 +172,7 @@ def save_tiny_eagle3(path: str | Path, config: dict | None = None, vocab_ids: li
     if "d2t" in weights:
         weights["d2t"] = weights["d2t"].astype(mx.int64)
         weights["t2d"] = mx.zeros((width,), mx.bool_).at[mx.array(vocab_ids)].add(True)
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_folder(path, config, weights)
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,24 +220,17 @@ def tiny_dspark_config(target_config: dict | None = None, *, proposal: int = 7, 
 
 def reference_dspark(config: dict, seed: int = 0):
     """mlx-vlm's Gemma 4 DSpark draft for `config` (K ≠ V only), random weights (seeded)."""
-    mx.random.seed(seed)
-    model = Gemma4DSparkDraftModel(Gemma4DsparkConfig.from_dict(config))
-    evaluate_all(model)
-    return model
+    return reference_model(Gemma4DSparkDraftModel, Gemma4DsparkConfig, config, seed)
 
 
 def save_tiny_dspark(path: str | Path, config: dict | None = None, seed: int = 0) -> Path:
     """Write a tiny Gemma 4 DSpark folder; with `attention_k_eq_v` the full layers' `v_proj`
     is left out, as in the released drafts."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = config or tiny_dspark_config()
     weights = dict(tree_flatten(reference_dspark({**config, "attention_k_eq_v": False}, seed).parameters()))
     if config.get("attention_k_eq_v"):
         weights = {k: v for k, v in weights.items() if ".v_proj." not in k}
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_folder(path, config, weights)
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,21 +254,13 @@ def tiny_specforge_dspark_config(target_config: dict | None = None, *, proposal:
 
 def reference_specforge_dspark(config: dict, seed: int = 0) -> DSparkDraftModel:
     """mlx-vlm's (Qwen 3) DSpark draft for `config`, random weights (seeded)."""
-    mx.random.seed(seed)
-    model = DSparkDraftModel(DSparkConfig.from_dict(config))
-    evaluate_all(model)
-    return model
+    return reference_model(DSparkDraftModel, DSparkConfig, config, seed)
 
 
 def save_tiny_specforge_dspark(path: str | Path, config: dict | None = None, seed: int = 0) -> Path:
     """Write a tiny SpecForge DSpark folder (no embedding or head: the target's are used)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = config or tiny_specforge_dspark_config()
-    model = reference_specforge_dspark(config, seed)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_folder(path, config, dict(tree_flatten(reference_specforge_dspark(config, seed).parameters())))
 
 
 # ---------------------------------------------------------------------------------------
@@ -328,8 +319,6 @@ def save_tiny_speculators_dspark(path: str | Path, config: dict | None = None, v
     """Write a tiny speculators DSpark folder: mlx-vlm's Gemma 4 class's weights for
     `speculators_as_native(config)`, lm_head and markov_w2 cut to the rows of `vocab_ids`
     (the draft vocabulary, ascending), int64 `d2t` and bool `t2d`; no `v_proj` with K = V."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = config or tiny_speculators_dspark_config()
     width = config["transformer_layer_config"]["vocab_size"]
     weights = dict(tree_flatten(reference_dspark(speculators_as_native(config), seed).parameters()))
@@ -342,9 +331,7 @@ def save_tiny_speculators_dspark(path: str | Path, config: dict | None = None, v
         weights["t2d"] = mx.zeros((width,), mx.bool_).at[rows].add(True)
     if config["transformer_layer_config"].get("attention_k_eq_v"):
         weights = {k: v for k, v in weights.items() if ".v_proj." not in k}
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_folder(path, config, weights)
 
 
 # ---------------------------------------------------------------------------------------
@@ -372,8 +359,7 @@ def tiny_dflash2_config(target_config: dict | None = None, *, block_size: int = 
 def reference_dflash2(config: dict, seed: int = 0) -> DFlash2DraftModel:
     """mlx-vlm's DFlash 2 draft for `config`, random weights (seeded), base kernels included
     and the selector's projection scaled up."""
-    mx.random.seed(seed)
-    model = DFlash2DraftModel(DFlash2Config.from_dict(config))
+    model = reference_model(DFlash2DraftModel, DFlash2Config, config, seed)
     for layer in model.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):
             conv.base_kernel = 0.3 * mx.random.normal(conv.base_kernel.shape)
@@ -385,12 +371,8 @@ def reference_dflash2(config: dict, seed: int = 0) -> DFlash2DraftModel:
 
 def save_tiny_dflash2(path: str | Path, config: dict | None = None, seed: int = 0) -> Path:
     """Write a tiny DFlash 2 folder, the codebooks without `.weight` as released."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = config or tiny_dflash2_config()
     weights = dict(tree_flatten(reference_dflash2(config, seed).parameters()))
     for name in CODEBOOKS:
         weights[name] = weights.pop(f"{name}.weight")
-    mx.save_safetensors(str(path / "model.safetensors"), weights)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return write_folder(path, config, weights)
