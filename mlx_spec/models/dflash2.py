@@ -94,14 +94,14 @@ class GroupedConv(nn.Module):
 
 
 class DecoderLayer(dflash.DecoderLayer):
-    def __init__(self, args: ModelArgs, index: int):
-        super().__init__(args, index)
+    def __init__(self, args: ModelArgs, index: int, rope):
+        super().__init__(args, index, rope)
         self.attention_conv = GroupedConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
         self.mlp_conv = GroupedConv(args.hidden_size, args.conv_kernel_size, args.conv_group_size)
 
-    def __call__(self, x, context, rope, offset, mask):
+    def __call__(self, x, context, offset, mask):
         h, kernel = self.attention_conv.prepare(self.input_layernorm(x))
-        h = x + self.attention_conv.finish(self.self_attn(h, context, rope, offset, mask), kernel)
+        h = x + self.attention_conv.finish(self.self_attn(h, context, offset, mask), kernel)
         y, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
         return h + self.mlp_conv.finish(self.mlp(y), kernel)
 
@@ -129,10 +129,11 @@ class CandidateSelector(nn.Module):
 class Model(dflash.Model):
     """The DFlash 2 draft; the drafter lends it the target's embedding and head."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.model_type = "dflash2"
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.candidate_selector = CandidateSelector(args)
 
     def embed(self, head: TargetHead, ids: mx.array) -> mx.array:

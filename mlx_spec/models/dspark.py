@@ -51,7 +51,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from mlx_spec.core.cache.forward import text_model
 from mlx_spec.models import dflash
-from mlx_spec.models.dflash import Context, TargetHead, block_timer
+from mlx_spec.models.dflash import BlockBackbone, ContextAttention, TargetHead, block_timer
 from mlx_spec.models.eagle3 import drafting_weights
 
 DSPARK_FIELDS = ("mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
@@ -190,9 +190,12 @@ class ModelArgs:
         return dflash.ModelArgs.from_dict({**self.backbone_config, "dflash_config": nested})
 
 
-class Attention(nn.Module):
+class Attention(ContextAttention):
+    """Gemma 4's: unit scale, global head size and K = V on full layers, values normed."""
+
     def __init__(self, args: ModelArgs, sliding: bool):
         super().__init__()
+        self.scale = 1.0
         self.k_eq_v = args.attention_k_eq_v and not sliding
         self.head_dim = args.head_dim if sliding or not args.global_head_dim else args.global_head_dim
         self.heads = args.num_attention_heads
@@ -221,16 +224,6 @@ class Attention(nn.Module):
             values = mx.fast.rms_norm(values, None, self.eps)
         keys = self.rope(self.k_norm(raw).transpose(0, 2, 1, 3), offset=offset)
         return keys, values.transpose(0, 2, 1, 3)
-
-    def __call__(self, x: mx.array, context: tuple, offset, mask) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
-        queries = self.rope(queries, offset=offset)
-        keys, values = self.keys_values(x, offset)
-        keys = mx.concatenate([context[0], keys], axis=2)
-        values = mx.concatenate([context[1], values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -326,7 +319,7 @@ class DSparkHeads:
         return drafting_weights(weights)
 
 
-class Gemma4Model(DSparkHeads, nn.Module):
+class Gemma4Model(DSparkHeads, BlockBackbone):
     """The Gemma 4 DSpark draft (same interface as `dflash.Model`, plus its own embedding
     and head)."""
 
@@ -352,20 +345,6 @@ class Gemma4Model(DSparkHeads, nn.Module):
     def logits(self, hidden: mx.array) -> mx.array:
         """Base logits [B, P, draft vocabulary] of a block's final hidden states [B, rows, H]."""
         return self.softcapped(self.lm_head(self.head_hidden(hidden)), self.args.final_logit_softcapping)
-
-    def extend(self, context: Context, taps: mx.array) -> None:
-        if taps.shape[1] == 0:
-            return
-        h = self.hidden_norm(self.fc(taps))
-        offset = context.length
-        for layer, cache in zip(self.layers, context.caches):
-            cache.update_and_fetch(*layer.self_attn.keys_values(h, offset))
-
-    def hidden(self, x: mx.array, contexts: list, offset, masks: Optional[list] = None) -> mx.array:
-        h = x
-        for i, (layer, context) in enumerate(zip(self.layers, contexts)):
-            h = layer(h, context, offset, None if masks is None else masks[i])
-        return self.norm(h)
 
     def step_timer(self, target, context: int) -> Callable[[], None]:
         return _step_timer(self, context)
