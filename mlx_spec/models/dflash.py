@@ -30,6 +30,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from mlx_spec.core.cache.forward import text_model
+from mlx_spec.models.draft_layers import GatedMLP
 
 
 def is_dflash_config(config: dict) -> bool:
@@ -133,22 +134,11 @@ class Attention(ContextAttention):
         return self.rope(keys, offset=offset), values
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int, rope):
         super().__init__()
         self.self_attn = Attention(args, args.layer_types[index] == "sliding_attention", rope)
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 

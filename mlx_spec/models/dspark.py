@@ -52,7 +52,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from mlx_spec.core.cache.forward import text_model
 from mlx_spec.models import dflash
 from mlx_spec.models.dflash import BlockBackbone, ContextAttention, TargetHead, block_timer
-from mlx_spec.models.eagle3 import drafting_weights
+from mlx_spec.models.draft_layers import GatedMLP, drafting_weights
 
 DSPARK_FIELDS = ("mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
                  "confidence_head_with_markov", "confidence_threshold", "sample_from_anchor", "block_size")
@@ -226,23 +226,12 @@ class Attention(ContextAttention):
         return keys, values.transpose(0, 2, 1, 3)
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
         self.self_attn = Attention(args, args.layer_types[index] == "sliding_attention")
-        self.mlp = MLP(args)
+        self.mlp = GatedMLP(H, args.intermediate_size, nn.gelu_approx)
         self.input_layernorm = nn.RMSNorm(H, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
