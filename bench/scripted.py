@@ -12,7 +12,9 @@ acceptance P(i accepted | 1..i-1 accepted) is a_i by construction, and the outpu
 plain greedy decoding's.
 
 `ScriptedMtpDrafter` does the same for Gemma 4's MTP assistant: it runs the assistant's
-greedy steps over the target's cache (`MtpDrafter`'s forwards) and proposes the script.
+greedy steps over the target's cache (`MtpDrafter`'s forwards) and proposes the script, and
+`scripted_block_drafter` for a block drafter (DSpark, DFlash): its one block forward over
+the target's tapped layers, then the script in place of the block's tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before m
 import mlx.core as mx
 
 from mlx_spec.drafters import Draft, ModelDrafter
+from mlx_spec.drafters.dflash import DFlashDrafter
+from mlx_spec.drafters.dspark import DSparkDrafter
 from mlx_spec.drafters.mtp import MtpDrafter
 
 # The seed's reference measurement (DESIGN §2: M3 Pro, 12B 4-bit target, T = 0) reported
@@ -35,9 +39,39 @@ from mlx_spec.drafters.mtp import MtpDrafter
 # u_4 + u_5 = 5 · 0.828 − 2.692 = 1.448) gives positions 4 and 5 one conditional rate a:
 # 0.852 · (a + a²) = 1.448, a = 0.896; past the list the last value repeats.
 SEED = (0.951, 0.889 / 0.951, 0.852 / 0.889, 0.896)
+
+
+def flat_for_accepted_length(length: float, gamma: int) -> float:
+    """The one conditional acceptance a at which a round of γ drafts commits `length` tokens
+    on average, the bonus token counted: E = (1 − a^(γ+1)) / (1 − a), solved by bisection.
+    Block drafters' papers and READMEs report this mean accepted length (τ)."""
+    if not 1 <= length <= gamma + 1:
+        raise ValueError(f"a mean accepted length of {length} is outside 1..{gamma + 1} at γ = {gamma}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if sum(a**k for k in range(gamma + 1)) < length:
+            lo = a
+        else:
+            hi = a
+    return round((lo + hi) / 2, 4)
+
+
+# Published mean accepted lengths of the block drafters for Gemma 4 12B, as flat profiles
+# (a block's acceptance decays along it; a flat rate over the block is the simplest
+# profile with the published mean, so the longest γ is where it errs most):
+# - DSpark (deepseek-ai/dspark_gemma4_12b_block7): mean accepted length 4.98 at its cap of
+#   7 (mlx-dspark's README, M4 Pro, 12B 8-bit, its chat/code/math mix), read as counting
+#   the bonus token (the lower, conservative reading).
+# - DFlash (z-lab/gemma4-12B-it-DFlash): "accept ~6" with its block of 16 on code and math
+#   (mlx-dspark's DSpark vs DFlash comparison on the same Mac); read the same way.
+DSPARK_12B = (flat_for_accepted_length(4.98, 7),)
+DFLASH_12B = (flat_for_accepted_length(6.0, 15),)
 PROFILES = {
     "seed": SEED,
     "flat0.8": (0.8,),  # the paper's independence assumption, α = 0.8
+    "dspark12b": DSPARK_12B,
+    "dflash12b": DFLASH_12B,
 }
 
 
@@ -154,3 +188,34 @@ class ScriptedMtpDrafter(MtpDrafter):
         if own.tokens.size == 0:
             return own  # γ = 0, or no hidden state (a first round that prefilled nothing)
         return Draft(self.script.through(own.tokens, len(history) - self.prompt_len))
+
+
+def scripted_block_drafter(drafter_class: type, name: str) -> type:
+    """A block drafter class (`DSparkDrafter`, `DFlashDrafter`) that runs its block forward
+    over the target's tapped layers (and DSpark's Markov-head draws) as the real one does,
+    then proposes the script's tokens in their place. Built as (draft, target, reference,
+    profile, seed), as `ScriptedMtpDrafter`."""
+
+    class ScriptedBlockDrafter(drafter_class):
+        def __init__(self, draft, target, reference: Sequence[int], profile: Sequence[float], seed: int = 0):
+            super().__init__(draft, target)
+            self.script = Script(reference, profile, draft.args.vocab_size, seed)
+            self.prompt_len = 0
+
+        def begin(self, prompt_ids: list[int], prompt_cache, processor) -> int:
+            self.prompt_len = len(prompt_ids)
+            return super().begin(prompt_ids, prompt_cache, processor)
+
+        def drafting(self, gamma: int, history: list[int], key=None):
+            own = yield from super().drafting(gamma, history, key)
+            if own.tokens.size == 0:
+                return own  # γ = 0, or no context yet
+            return Draft(self.script.through(own.tokens, len(history) - self.prompt_len), None, forwards=own.forwards)
+
+    ScriptedBlockDrafter.__name__ = ScriptedBlockDrafter.__qualname__ = f"Scripted{drafter_class.__name__}"
+    ScriptedBlockDrafter.name = name
+    return ScriptedBlockDrafter
+
+
+ScriptedDSparkDrafter = scripted_block_drafter(DSparkDrafter, "scripted-dspark")
+ScriptedDFlashDrafter = scripted_block_drafter(DFlashDrafter, "scripted-dflash")

@@ -2,15 +2,19 @@
 whatever MLX device this runs on (Apple GPU, CUDA GPU or CPU).
 
 Random-weight models with the exact shapes of real checkpoints (Gemma 4 12B with its MTP
-assistant, the seed's pair; Gemma 3 12B / 27B targets with 270M / 1B drafts; 4-bit group 64
-as their mlx-community checkpoints; shapes.py), a drafter that runs the real-shaped draft's
-forwards but proposes tokens the target accepts with a given per-position probability
-(scripted.py), and the real round loop (`Engine.rounds`).
+assistant, the seed's pair, and with its DSpark and DFlash block drafts; Gemma 3 12B / 27B
+targets with 270M / 1B drafts; 4-bit group 64 as their mlx-community checkpoints;
+shapes.py), a drafter that runs the real-shaped draft's forwards but proposes tokens the
+target accepts with a given per-position probability (scripted.py), and the real round loop
+(`Engine.rounds`). `--profiles published` plays each pair's published acceptance (the
+seed's measured profile for the MTP pair, the block drafts' published mean accepted length).
 Reports cost curves, achieved weight bandwidth, and measured tok/s for γ = 0..6 and auto
 next to the cost model's prediction and Theorem 3.8 (shaped_measure.py).
 
     python bench/shaped.py                        # full size, all pairs: ~17 GB at most
     python bench/shaped.py --pairs gemma4-12b/assistant --scale 0.125 --prompt-tokens 256
+    python bench/shaped.py --pairs gemma4-12b/assistant gemma4-12b/dspark gemma4-12b/dflash \
+        --profiles published --gammas 0 1 2 3 4 5 6 7 9 11 15
 
 Writes bench/results/shaped_<device>_<scale>.json and docs/shaped_<device>_<scale>.png.
 A run at --scale below 1 measures scaled-down shapes: its numbers describe those shapes on
@@ -23,6 +27,7 @@ import argparse
 import gc
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,6 +35,8 @@ import mlx_spec  # noqa: F401,E402  (first: it loads the optimised BLAS before m
 import mlx.core as mx  # noqa: E402
 from common import write_results  # noqa: E402
 from scripted import PROFILES, parse_profile  # noqa: E402
+
+PUBLISHED = "published"  # --profiles' name for each pair's own published profile
 from shaped_measure import (  # noqa: E402
     MAX_WIDTH,
     best_gamma,
@@ -48,9 +55,11 @@ from shaped_measure import (  # noqa: E402
 )
 from shapes import PAIRS, SHAPES, build  # noqa: E402
 
-from mlx_spec.apps.sweep import logit_gap  # noqa: E402
+from mlx_spec.apps.sweep import first_difference, logit_gap  # noqa: E402
+from mlx_spec.core.engine import Engine  # noqa: E402
 from mlx_spec.core.cost_model import weight_bytes  # noqa: E402
 from mlx_spec.core.sampling import SamplingParams  # noqa: E402
+from mlx_spec.core.stats import Stats  # noqa: E402
 from mlx_spec.errors import MlxSpecError  # noqa: E402
 from mlx_spec.loading.loader import default_dtype  # noqa: E402
 
@@ -73,7 +82,6 @@ def measure(pairs: list[str], profiles: dict, *, scale: float = 1.0, dtype: str 
     at a time when pairs are grouped by target (as PAIRS lists them).
     """
     dtype = dtype or default_dtype()
-    max_width = max(max_width, max(gammas) + 1, 7 if auto else 0)  # auto considers γ up to 6
     unknown = [p for p in pairs if p not in PAIRS]
     if unknown:
         raise MlxSpecError(f"unknown pair {unknown[0]!r}: choose from {', '.join(PAIRS)}")
@@ -110,9 +118,15 @@ def measure(pairs: list[str], profiles: dict, *, scale: float = 1.0, dtype: str 
 
 def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, *, gammas, auto,
                   max_width, prompt_tokens, max_tokens, repeats, log) -> dict:
-    """Pair `pairs[k]`: its reference continuation, cost curve and every profile's runs."""
+    """Pair `pairs[k]`: its reference continuation, cost curve and every profile's runs.
+    γ runs up to what the pair's drafter can propose in a round (`Pair.max_gamma`), auto
+    γ weighs the same range, and a block drafter's round is priced per draft forward."""
     pair_name = pairs[k]
     pair = PAIRS[pair_name]
+    gammas = [g for g in gammas if g <= pair.max_gamma]
+    max_width = max(max_width, max(gammas) + 1, pair.max_gamma + 1 if auto else 0)
+    profiles = {name: PROFILES[pair.published] if name == PUBLISHED else profile
+                for name, profile in profiles.items()}
     needed = {n for p in pairs[k:] for n in (PAIRS[p].target, PAIRS[p].draft)}
     for name in [n for n in built if n not in needed]:  # free what no remaining pair uses
         del built[name]
@@ -120,11 +134,18 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
     mx.clear_cache()
     target, draft = model(pair.target, 0), model(pair.draft, 1)
     ids = prompt_ids(prompt_tokens, target.config["vocab_size"])
-    log(f"[{pair_name}] reference: {max_tokens} tokens of plain greedy decoding (mlx-lm generate_step)")
-    reference, reference_s = timed(greedy_reference, target, ids, max_tokens)
+    log(f"[{pair_name}] reference: {max_tokens} tokens of plain greedy decoding (mlx-lm generate_step, "
+        "and the engine at γ = 0)")
+    mlx_lm_reference, reference_s = timed(greedy_reference, target, ids, max_tokens)
+    # The script proposes the engine's own plain continuation: in bfloat16 on a GPU, mlx-lm's
+    # prefill (one chunk of 2048) and ours (chunks of 512) round differently, and where the
+    # first token is a near-tie the two texts part at once; a script of mlx-lm's tokens would
+    # then be rejected from the first round on, at any profile (seen on an H200).
+    reference = plain_reference(target, ids, max_tokens)
+    plain_vs_mlx_lm = first_difference(reference, mlx_lm_reference)
     log(f"[{pair_name}] cost curve: widths 1..{max_width} and a draft step at {prompt_tokens} tokens of context")
     costs = measure_costs_for(target, draft, prompt_tokens, max_width)
-    curve = costs["curve"]
+    curve = replace(costs["curve"], block=pair.block)
     log(f"[{pair_name}] step {curve.verify[0] * 1e3:.1f} ms, c = {curve.c:.3f}, verify/step "
         + " ".join(f"{x:.2f}" for x in costs["json"]["verify_over_step"]))
     if pair.make_drafter:  # a drafter that is not a standalone model (an MTP head)
@@ -138,7 +159,11 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
                    "source": SHAPES[pair.target].source, "config": target.config},
         "draft": {"shape": pair.draft, "checkpoint": SHAPES[pair.draft].checkpoint,
                   "source": SHAPES[pair.draft].source, "config": draft.config},
+        "max_gamma": pair.max_gamma,
+        "block_drafter": pair.block,
+        "published_profile": pair.published,
         "reference_s": reference_s,
+        "plain_vs_mlx_lm": _mismatch(target, ids, mlx_lm_reference, plain_vs_mlx_lm),
         "costs": costs["json"],
         "profiles": {},
     }
@@ -147,15 +172,16 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
         curves = [curve]  # and re-measured before each warm repetition
 
         def recost():
-            curves.append(measure_costs_for(target, draft, prompt_tokens, max_width)["curve"])
+            curves.append(replace(measure_costs_for(target, draft, prompt_tokens, max_width)["curve"], block=pair.block))
             return curves[-1]
 
         runs = run_profile(target, make_drafter, ids, reference, curve, profile, gammas=list(gammas),
-                           auto=auto, max_tokens=max_tokens, repeats=repeats, recost=recost, log=log)
+                           auto=auto, max_gamma=pair.max_gamma, max_tokens=max_tokens, repeats=repeats,
+                           recost=recost, log=log)
         typical = median_curve(curves)
         result["profiles"][profile_name] = {
             "acceptance": list(profile),
-            "cost_model_best_gamma": best_gamma(profile, typical),
+            "cost_model_best_gamma": best_gamma(profile, typical, pair.max_gamma),
             "cost_curve_median": {"verify_over_step": [t / typical.verify[0] for t in typical.verify],
                                   "target_step_s": typical.verify[0], "c": typical.c},
             "target_step_s_by_repetition": [c.verify[0] for c in curves],
@@ -167,9 +193,27 @@ def _measure_pair(pairs: list[str], k: int, built: dict, model, profiles: dict, 
             # difference where the target's top-2 logits tie to rounding is a near-tie
             # (mlx-spec bench's rule), not an exactness failure.
             if setting["first_mismatch"] is not None:
-                gap, tolerance = logit_gap(target, ids + reference[: setting["first_mismatch"]], SamplingParams())
-                setting.update(mismatch_logit_gap=gap, near_tie_tolerance=tolerance, near_tie=gap <= tolerance)
+                mismatch = _mismatch(target, ids, reference, setting["first_mismatch"])
+                setting.update(mismatch_logit_gap=mismatch["logit_gap"],
+                               near_tie_tolerance=mismatch["near_tie_tolerance"], near_tie=mismatch["near_tie"])
     return result
+
+
+def plain_reference(target, ids: list[int], max_tokens: int) -> list[int]:
+    """The engine's own plain greedy decoding (γ = 0) of `ids`."""
+    tokens = []
+    for r in Engine(target, None).rounds(ids, SamplingParams(), gamma=0, max_tokens=max_tokens, stats=Stats()):
+        tokens += r.tokens
+    return tokens
+
+
+def _mismatch(target, ids: list[int], reference: list[int], at) -> dict:
+    """Where a text first parts from `reference` (None: it does not), and whether the
+    target's top two logits there tie to rounding (mlx-spec bench's near-tie rule)."""
+    if at is None:
+        return {"first_mismatch": None}
+    gap, tolerance = logit_gap(target, ids + reference[:at], SamplingParams())
+    return {"first_mismatch": at, "logit_gap": gap, "near_tie_tolerance": tolerance, "near_tie": gap <= tolerance}
 
 
 def print_table(results: dict) -> None:
@@ -196,7 +240,8 @@ def print_table(results: dict) -> None:
 
 def markdown_table(results: dict, profile: str = "seed") -> str:
     """docs/performance.md's table: speedup over γ = 0 per γ at one profile, measured (cost model)."""
-    fixed = [s["setting"] for s in results["pairs"][0]["profiles"][profile]["settings"] if s["setting"] != "γ=0"]
+    fixed = list(dict.fromkeys(s["setting"] for pair in results["pairs"] for s in pair["profiles"][profile]["settings"]
+                               if s["setting"] != "γ=0"))
     head = ["pair", "c", "verify 2 / 4 / 7 rows ÷ step", *fixed, "measured ÷ predicted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for pair in results["pairs"]:
@@ -206,8 +251,8 @@ def markdown_table(results: dict, profile: str = "seed") -> str:
         cells = [pair["pair"], f"{curve['c']:.2f}",
                  " / ".join(f"{curve['verify_over_step'][w - 1]:.2f}" for w in (2, 4, 7))]
         for name in fixed:
-            s = settings[name]
-            cells.append(f"{s['speedup']:.2f}× ({s['predicted_speedup_profile']:.2f})")
+            s = settings.get(name)  # a block drafter's γ runs past the others'
+            cells.append(f"{s['speedup']:.2f}× ({s['predicted_speedup_profile']:.2f})" if s else "—")
         cells.append(f"{min(ratios):.2f}–{max(ratios):.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -254,7 +299,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), help=f"from: {', '.join(PAIRS)}")
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES),
-                        help=f"named ({', '.join(PROFILES)}) or a_1,a_2,... (conditional acceptance by position)")
+                        help=f"named ({', '.join(PROFILES)}), {PUBLISHED} (each pair's own) or a_1,a_2,... "
+                             "(conditional acceptance by position)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink widths, vocabulary and depth (1 = real shapes)")
     parser.add_argument("--dtype", default=None, help="float dtype of scales/norms/activations (default: bfloat16 on a GPU, float32 on CPU)")
     parser.add_argument("--gammas", type=int, nargs="+", default=list(range(7)), help="fixed γ values (0 = plain decoding)")
@@ -264,6 +310,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="warm runs per setting, after one cold run")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time (default), or this process's CPU time on a CPU shared with other jobs")
+    parser.add_argument("--name", help="results file name, without .json (default: shaped_<device>_<scale>)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--from-json", type=Path, metavar="FILE",
                         help="measure nothing: print the tables and redraw the plot of a results file")
@@ -271,13 +318,14 @@ def main(argv=None) -> int:
     if args.from_json:
         results = json.loads(args.from_json.read_text())
         print_table(results)
-        if "seed" in results["pairs"][0]["profiles"]:
-            print("\n" + markdown_table(results, "seed"))
+        for name in ("seed", PUBLISHED):
+            if name in results["pairs"][0]["profiles"]:
+                print("\n" + markdown_table(results, name))
         if not args.no_plot:
             print(f"wrote {plot(results, DOCS / (args.from_json.stem + '.png'))}")
         return 0
     try:
-        profiles = dict(parse_profile(p) for p in args.profiles)
+        profiles = dict((PUBLISHED, None) if p == PUBLISHED else parse_profile(p) for p in args.profiles)
         if not 0 < args.scale <= 1:
             raise MlxSpecError("--scale must be in (0, 1]")
         if args.prompt_tokens < 2 or args.max_tokens < 2:
@@ -290,9 +338,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(results)
-    if "seed" in profiles:
-        print("\n" + markdown_table(results, "seed"))
-    name = f"shaped_{device_label()}_{scale_label(args.scale)}"
+    for name in ("seed", PUBLISHED):
+        if name in profiles:
+            print("\n" + markdown_table(results, name))
+    name = args.name or f"shaped_{device_label()}_{scale_label(args.scale)}"
     print(f"wrote {write_results(name, results)}")
     if not args.no_plot:
         print(f"wrote {plot(results, DOCS / f'{name}.png')}")
@@ -300,6 +349,12 @@ def main(argv=None) -> int:
     if any(s.get("near_tie") for s in settings):
         print("note: some outputs first differ from plain greedy decoding at a numerical near-tie "
               "(see near_tie, mismatch_logit_gap)", file=sys.stderr)
+    for p in results["pairs"]:
+        m = p["plain_vs_mlx_lm"]
+        if m["first_mismatch"] is not None:
+            print(f"note: [{p['pair']}] plain decoding parts from mlx-lm's generate_step at token "
+                  f"{m['first_mismatch']} (logit gap {m['logit_gap']:.3g}, near-tie tolerance "
+                  f"{m['near_tie_tolerance']:.3g})", file=sys.stderr)
     if not all(s["identical_to_reference"] or s.get("near_tie") for s in settings):
         print("error: an output differed from plain greedy decoding (see identical_to_reference)", file=sys.stderr)
         return 1

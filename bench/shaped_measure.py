@@ -2,7 +2,9 @@
 scripted acceptance profile, next to what the cost model and Theorem 3.8 predict.
 
 Per pair (random weights, real shapes, see shapes.py) and profile (see scripted.py):
-  1. the reference: the target's greedy continuation by mlx-lm's own `generate_step`
+  1. the reference: the target's greedy continuation by the engine at γ = 0, which the
+     scripts propose, checked against mlx-lm's own `generate_step` (where they part, the
+     logit gap says whether at a near-tie)
   2. the cost curve: target forwards at widths 1..9 and a draft step (c), at the prompt's
      context; weight bytes read per second against the device's nominal bandwidth
   3. γ = 0 (plain), each fixed γ and auto, one cold run each then `repeats` warm runs,
@@ -149,7 +151,8 @@ def median_curve(curves: Sequence[CostCurve]) -> CostCurve:
         return statistics.median(values)
 
     return CostCurve([med(c.verify[w] for c in curves) for w in range(len(curves[0].verify))],
-                     med(c.draft_step for c in curves), curves[0].context, med(c.draft_step2 for c in curves))
+                     med(c.draft_step for c in curves), curves[0].context, med(c.draft_step2 for c in curves),
+                     block=curves[0].block)
 
 
 def binomial_z(taken: int, reached: int, a: float) -> float:
@@ -193,12 +196,13 @@ def measure_costs_for(target, draft, context: int, max_width: int = MAX_WIDTH) -
 
 def run_profile(target, make_drafter: Callable, ids: list[int], reference: list[int], costs: CostCurve,
                 profile: Sequence[float], *, gammas: Sequence[int], auto: bool, max_tokens: int,
-                repeats: int, recost: Optional[Callable[[], CostCurve]] = None,
+                repeats: int, max_gamma: int = 6, recost: Optional[Callable[[], CostCurve]] = None,
                 log: Callable[[str], None] = lambda s: None) -> list[RunResult]:
     """Every setting, one cold run (rep 0) then `repeats` warm ones, order rotated.
 
     Args:
         make_drafter: (reference, profile, seed) -> a fresh scripted drafter.
+        max_gamma: the longest draft auto γ weighs (a block drafter's block).
         costs: the cost curve auto decides with, and the cold runs are predicted from.
         recost: re-measures the cost curve before each warm repetition, so each run is
             predicted from costs timed just before it (a shared machine's load drifts).
@@ -212,7 +216,7 @@ def run_profile(target, make_drafter: Callable, ids: list[int], reference: list[
             # its own acceptance draws per (repetition, setting): pooled runs stay independent
             seed = 1000 * rep + settings.index(setting)
             drafter = None if setting == 0 else make_drafter(reference, profile, seed)
-            policy = AutoGamma(costs, max_gamma=6) if setting == "auto" else setting
+            policy = AutoGamma(costs, max_gamma=max_gamma) if setting == "auto" else setting
             stats = Stats()
             tokens, rounds = [], []
             for r in Engine(target, drafter).rounds(ids, SamplingParams(), gamma=policy,

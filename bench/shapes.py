@@ -13,6 +13,9 @@ the float copy freed before the next block), and the embedding in row blocks. A 
 
 `--scale s` shrinks widths, vocabulary and depth by s so the same code runs on a small CPU.
 
+A block draft (DSpark, DFlash: `mlx_spec.models.drafts`) is built with our own model class
+from a config in its published packaging, its matrices random and quantized as the target's.
+
 To add a pair: a `Shape` per model (any mlx-lm `model_type`, or an MTP assistant's; record
 where its config comes from) and a `Pair` naming them; a drafter that is not a standalone
 model (Gemma 4's MTP assistant) gives the Pair its own `make_drafter` (see shaped.py).
@@ -32,6 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
 
 from mlx_spec.errors import MlxSpecError
+from mlx_spec.models.drafts import FAMILIES, draft_family
 from mlx_spec.models.gemma4_assistant import assistant_classes
 
 # Fields every Gemma 3 text checkpoint shares (google/gemma-3-*: config.json, text_config).
@@ -55,6 +59,11 @@ _GEMMA4_12B = dict(
     sliding_window=1024, sliding_window_pattern=6, vocab_size=262144, final_logit_softcapping=30.0,
     rms_norm_eps=1e-6, tie_word_embeddings=True,
 )
+
+# The taps a 5-layer block draft reads on a 48-layer target: z-lab's and DeepSpec's rule
+# (evenly from layer 1 to the third-last: sglang's build_target_layer_ids, mlx-vlm's
+# Qwen3 default [1, 8, 15, 22, 29] for 32 layers).
+_TAPS_48 = [1, 12, 23, 34, 45]
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,35 @@ SHAPES = {
             "target's K/V, the tied 262144 x 1024 embedding as its head, ~423M parameters",
             checkpoint="mlx-community/gemma-4-12B-it-assistant-4bit",
         ),
+        Shape(
+            "gemma4-12b-dspark",
+            dict(architectures=["Gemma4DSparkModel"], model_type="gemma4_text", hidden_size=3840,
+                 intermediate_size=15360, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=256, global_head_dim=512, num_global_key_value_heads=1, attention_k_eq_v=True,
+                 vocab_size=262144, final_logit_softcapping=30.0, sliding_window=1024, rms_norm_eps=1e-6,
+                 layer_types=["sliding_attention"] * 4 + ["full_attention"],
+                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                  "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0,
+                                                     "partial_rotary_factor": 0.25}},
+                 block_size=7, target_layer_ids=_TAPS_48, mask_token_id=4, markov_rank=256),
+            "deepseek-ai/dspark_gemma4_12b_block7 (Gemma4DSparkModel, ~3.43B parameters in bf16): "
+            "the widths are mlx-vlm 0.7.10's Gemma4DsparkConfig defaults (the 12B target's own), 5 layers "
+            "in Gemma 4's sliding/full pattern, its own embedding and head, Markov rank 256, block 7; taps "
+            "by DeepSpec's rule; quantized 4-bit as the target",
+        ),
+        Shape(
+            "gemma4-12b-dflash",
+            dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=3840,
+                 intermediate_size=7680, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=262144, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                 max_position_embeddings=131072,
+                 dflash_config={"block_size": 16, "target_layer_ids": _TAPS_48, "mask_token_id": 4}),
+            "z-lab/gemma4-12B-it-DFlash (model_type qwen3, ~0.73B parameters, no embedding or head: the "
+            "target's): its config could not be read here, so a Qwen3 backbone of 5 layers at the target's "
+            "width (z-lab's layout, as in Qwen3-4B-DFlash-b16) with the MLP sized to the published "
+            "parameter count (0.71B); block 16, taps by z-lab's rule, mask token 4 (mlx-vlm's Gemma 4 "
+            "DFlash default); quantized 4-bit as the target",
+        ),
     ]
 }
 
@@ -145,6 +183,13 @@ class Pair:
     # A drafter that is not a standalone model (an MTP head reading the target's hidden
     # states) builds its own scripted drafter: (target, draft, reference, profile, seed).
     make_drafter: Optional[Callable] = field(default=None, compare=False)
+    # The acceptance profile its drafter is published with (scripted.PROFILES' name), which
+    # `--profiles published` plays for this pair.
+    published: str = "seed"
+    # The longest draft a round can propose: a block drafter's block (one forward drafts
+    # it whatever γ), else auto γ's usual limit.
+    max_gamma: int = 6
+    block: bool = False  # one draft forward proposes the whole block (priced per forward)
 
 
 def _scripted_mtp(target, assistant, reference, profile, seed):
@@ -153,10 +198,28 @@ def _scripted_mtp(target, assistant, reference, profile, seed):
     return ScriptedMtpDrafter(assistant, target, reference, profile, seed)
 
 
+def _scripted_dspark(target, draft, reference, profile, seed):
+    from scripted import ScriptedDSparkDrafter  # bench/, beside this file
+
+    return ScriptedDSparkDrafter(draft, target, reference, profile, seed)
+
+
+def _scripted_dflash(target, draft, reference, profile, seed):
+    from scripted import ScriptedDFlashDrafter  # bench/, beside this file
+
+    return ScriptedDFlashDrafter(draft, target, reference, profile, seed)
+
+
 PAIRS = {
     "gemma4-12b/assistant": Pair("gemma4-12b", "gemma4-12b-assistant",
                                  "the seed's pair: Gemma 4 12B at 4-bit with its MTP assistant",
                                  make_drafter=_scripted_mtp),
+    "gemma4-12b/dspark": Pair("gemma4-12b", "gemma4-12b-dspark",
+                              "Gemma 4 12B with DeepSeek's DSpark block draft (7 a forward)",
+                              make_drafter=_scripted_dspark, published="dspark12b", max_gamma=7, block=True),
+    "gemma4-12b/dflash": Pair("gemma4-12b", "gemma4-12b-dflash",
+                              "Gemma 4 12B with z-lab's DFlash block draft (15 a forward)",
+                              make_drafter=_scripted_dflash, published="dflash12b", max_gamma=15, block=True),
     "gemma3-12b/270m": Pair("gemma3-12b", "gemma3-270m", "a 12B at 4-bit, a small draft"),
     "gemma3-12b/1b": Pair("gemma3-12b", "gemma3-1b"),
     "gemma3-27b/270m": Pair("gemma3-27b", "gemma3-270m"),
@@ -181,6 +244,8 @@ def scaled_config(config: dict, scale: float, group_size: int = 64) -> dict:
     as the target's hidden size does, so a scaled pair still fits together."""
     if scale == 1:
         return dict(config)
+    if draft_family(config) in ("dspark", "dflash"):
+        return _scaled_block_draft(config, scale, group_size)
     out = dict(config)
     if "text_config" in config:
         out["text_config"] = scaled_config(config["text_config"], scale, group_size)
@@ -203,6 +268,30 @@ def scaled_config(config: dict, scale: float, group_size: int = 64) -> dict:
         out["sliding_window_pattern"] = min(config["sliding_window_pattern"], layers)
     if "num_kv_shared_layers" in config:  # an assistant's layers all read the target's K/V
         out["num_kv_shared_layers"] = min(config["num_kv_shared_layers"], layers)
+    return out
+
+
+def _scaled_block_draft(config: dict, scale: float, group_size: int) -> dict:
+    """A block draft's config scaled as its target's (`scaled_config` of a 48-layer Gemma 4
+    12B): the same hidden size and vocabulary, its taps moved to the scaled depth."""
+    out = dict(config)
+    out["hidden_size"] = _round_to(config["hidden_size"] * scale, group_size, group_size)
+    out["intermediate_size"] = _round_to(config["intermediate_size"] * scale, group_size, group_size)
+    out["vocab_size"] = _round_to(config["vocab_size"] * scale, group_size, 4 * group_size)
+    for key in ("head_dim", "global_head_dim"):
+        if key in config:
+            out[key] = _round_to(config[key] * scale, 16, 32)
+    layers = max(2, int(round(config["num_hidden_layers"] * scale)))
+    out["num_hidden_layers"] = layers
+    if "layer_types" in config:  # keep the last layer full, as the unscaled draft's
+        out["layer_types"] = config["layer_types"][: layers - 1] + config["layer_types"][-1:]
+    target_depth = max(2, int(round(48 * scale)))
+    nested = dict(config.get("dflash_config") or {})
+    holder = nested if "target_layer_ids" in nested else out
+    holder["target_layer_ids"] = sorted({min(target_depth - 1, int(i * scale)) for i in
+                                         (nested or config)["target_layer_ids"]})
+    if nested:
+        out["dflash_config"] = nested
     return out
 
 
@@ -274,6 +363,8 @@ def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_sc
             f"in use), more than 80% of this device's {have / 1e9:.1f} GB: use a smaller --scale or other pairs"
         )
     mx.random.seed(seed)
+    if draft_family(config) in ("dspark", "dflash"):
+        return _build_block_draft(config, shape, float_dtype)
     model_class, args_class = assistant_classes(config)  # mlx-lm's, or our MTP assistant
     model = model_class(args_class.from_dict(config))  # lazy: nothing allocated yet
     model.sanitize({})  # no lm_head weight: tied to the embedding, as Gemma checkpoints are
@@ -309,4 +400,19 @@ def build(shape: Shape, *, scale: float = 1.0, dtype: str = "bfloat16", logit_sc
     if progress:
         progress(total, total)
     model.config = config
+    return model
+
+
+def _build_block_draft(config: dict, shape: Shape, float_dtype):
+    """A DSpark or DFlash draft (our model class, `models.drafts.FAMILIES`) from `config`,
+    random matrices in `float_dtype`, its linear layers and embeddings quantized as the
+    target (`shape.bits`, `shape.group_size`); evaluated one layer at a time."""
+    _, model_class, args_class = FAMILIES[draft_family(config)]
+    model = model_class(args_class.from_dict(config))
+    _random_weights(model, float_dtype)
+    nn.quantize(model, shape.group_size, shape.bits)
+    for part in [*model.layers, model]:
+        mx.eval(part.parameters())
+        mx.clear_cache()
+    model.config = {**config, "quantization": {"group_size": shape.group_size, "bits": shape.bits}}
     return model

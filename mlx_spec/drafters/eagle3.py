@@ -7,7 +7,8 @@ hands over the taps out of the passes it runs anyway: at `begin` every position 
 prefill fed, at `accept` the rows of the round's verify block the target's cache kept.
 `accept` rolls back the entries the round's own draft steps added, then feeds the
 committed tokens with those rows: one draft forward, whose last h is the new seed. A round
-of γ drafts takes γ forwards in all (that one, then γ − 1 steps on the draft's own h).
+of γ drafts takes γ forwards in all (that one, then γ − 1 steps on the draft's own h); in
+a batch, each of those steps runs as one draft forward for every request (`StepPass`).
 
 A reduced vocabulary (`d2t`) is mapped into the target's: a draft token is the target id
 of the draft id drawn, and q is the draft's processed distribution placed at those ids,
@@ -19,6 +20,7 @@ outside it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -27,8 +29,39 @@ from mlx_spec.core.cache.forward import text_model
 from mlx_spec.core.drafter import Draft, Drafter, require_tapping_draft
 from mlx_spec.errors import MlxSpecError
 from mlx_spec.core.grammar import constrain
+from mlx_spec.core.passes import Pass
 from mlx_spec.models.eagle3 import Model, is_eagle3_config, target_mismatch
 from mlx_spec.core.sampling import draw
+
+
+@dataclass
+class StepPass(Pass):
+    """One draft step of one request: the draft's h after `token` [1, 1] and its own h
+    [1, 1, H], written into the request's cache. In a batch every request's step of the
+    same draft runs as one forward (`Model.step_rows`)."""
+
+    drafter: "Eagle3Drafter"
+    token: mx.array
+    h: mx.array
+    out: Optional[mx.array] = None
+
+    def group(self) -> tuple:
+        return StepPass, id(self.drafter.model)
+
+    def run(self) -> None:
+        d = self.drafter
+        self.out = d.model.hidden(self.token, self.h, d.cache, d.length + 1, taps=False)
+
+    @classmethod
+    def run_together(cls, passes: list["StepPass"]) -> None:
+        if len(passes) == 1:
+            return passes[0].run()
+        drafters = [p.drafter for p in passes]
+        h = drafters[0].model.step_rows(mx.concatenate([p.token for p in passes]),
+                                        mx.concatenate([p.h for p in passes]),
+                                        [d.cache for d in drafters], [d.length + 1 for d in drafters])
+        for i, p in enumerate(passes):
+            p.out = h[i : i + 1]
 
 
 class Eagle3Drafter(Drafter):
@@ -93,11 +126,8 @@ class Eagle3Drafter(Drafter):
         self.seed = h[:, -1:]
 
     def drafting(self, gamma: int, history: list[int], key: Optional[mx.array] = None):
-        """`propose` as a generator (its steps run at once: they are not shared in a batch)."""
-        return self.propose(gamma, history, key)
-        yield  # a generator, though it yields no pass
-
-    def propose(self, gamma: int, history: list[int], key: Optional[mx.array] = None) -> Draft:
+        """`propose` as a generator that yields each draft step after the first as a
+        `StepPass` (the first reads the seed that `accept` left), and returns the Draft."""
         if gamma == 0 or self.seed is None:
             return Draft.empty()
         greedy = self.processor.params.greedy
@@ -106,7 +136,9 @@ class Eagle3Drafter(Drafter):
         h, tokens, qs, path = self.seed, [], [], []
         for j in range(gamma):
             if j:
-                h = self.model.hidden(tokens[-1][None], h, self.cache, self.length + 1, taps=False)
+                step = StepPass(self, tokens[-1][None], h)
+                yield step
+                h = step.out
                 self.stepped += 1
             logits = self.model.logits(h)[0].astype(mx.float32)  # [1, draft vocabulary]
             if grammar is not None:

@@ -243,7 +243,8 @@ def block_timer(model, context: int, draft: Callable[[list, int], mx.array]) -> 
     offset)`, which computes what one block forward and its drawing do (DFlash's, DFlash 2's
     and DSpark's `step_timer`)."""
     state = Context(len(model.layers))
-    taps = mx.zeros((1, context, model.fc.weight.shape[1]))
+    width = getattr(model.args, "target_hidden_size", None) or model.args.hidden_size
+    taps = mx.zeros((1, context, len(model.args.target_layer_ids) * width))  # fc.weight is packed when quantized
     model.extend(state, taps)
     mx.eval([c.state for c in state.caches])
 

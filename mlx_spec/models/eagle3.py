@@ -30,6 +30,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import KVCache
 
 from mlx_spec.core.cache.forward import text_model
+from mlx_spec.core.passes import pad_left
 from mlx_spec.models.draft_layers import GatedMLP, drafting_weights
 
 ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "gelu": nn.gelu, "gelu_new": nn.gelu_approx,
@@ -117,6 +118,23 @@ class Attention(nn.Module):
         out = scaled_dot_product_attention(queries, keys, values, cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def rows(self, x: mx.array, caches: list, offsets: mx.array) -> mx.array:
+        """One token per row (x [B, 1, ·]), row i into its own `caches[i]` at RoPE
+        `offsets[i]`: the projections as one call, each row attending to its own keys
+        (left-padded to the longest row's, the padding masked)."""
+        B, L, _ = x.shape
+        queries = self.rope(self.q_proj(x).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3), offset=offsets)
+        keys = self.rope(self.k_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3), offset=offsets)
+        values = self.v_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
+        rows = [cache.update_and_fetch(keys[i : i + 1], values[i : i + 1]) for i, cache in enumerate(caches)]
+        lengths = [k.shape[2] for k, _ in rows]
+        width = max(lengths)
+        keys, values = (mx.concatenate([pad_left(kv[j], width, 2) for kv in rows]) for j in (0, 1))
+        first = mx.array([width - n for n in lengths])[:, None]
+        mask = (mx.arange(width)[None] >= first)[:, None, None]  # [B, 1, 1, keys]
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
 
 def layer_mlp(args: ModelArgs) -> GatedMLP:
     """The layer config's gated MLP, with its `hidden_act`."""
@@ -139,14 +157,16 @@ class Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.mlp = layer_mlp(args)
 
-    def __call__(self, h: mx.array, embeds: Optional[mx.array], mask, cache, offset) -> mx.array:
+    def __call__(self, h: mx.array, embeds: Optional[mx.array], mask, cache, offset, rows: bool = False) -> mx.array:
+        """`rows`: one token per row, each into its own cache (`cache` a list, `offset` [B])."""
         if self.first:
             normed = self.hidden_norm(h)
             residual = normed if self.norm_before_residual else h
             x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
         else:
             residual, x = h, self.input_layernorm(h)
-        h = residual + self.self_attn(x, mask, cache, offset)
+        attended = self.self_attn.rows(x, cache, offset) if rows else self.self_attn(x, mask, cache, offset)
+        h = residual + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -175,6 +195,15 @@ class Model(nn.Module):
         h = g
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, embeds, create_attention_mask(h, layer_cache), layer_cache, offset)
+        return h
+
+    def step_rows(self, tokens: mx.array, h: mx.array, caches: list, offsets: list[int]) -> mx.array:
+        """Draft steps of B requests in one call: h [B, 1, H] for tokens [B, 1] after each
+        row's own h [B, 1, H], row i into its caches `caches[i]` at RoPE `offsets[i]`."""
+        embeds = self.embed_tokens(tokens)
+        positions = mx.array(offsets, mx.int32)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, embeds, None, [row[i] for row in caches], positions, rows=True)
         return h
 
     def logits(self, h: mx.array) -> mx.array:

@@ -22,6 +22,7 @@ import mlx_spec.core.verify as verify_module
 from conftest import chat_turn_matches_plain_decoding, greedy_reference
 from mlx_spec.core.cache.forward import final_hidden
 from mlx_spec.apps.conversation import ChatSession
+from mlx_spec.core.batch import Batch
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.core.engine import Engine
 from mlx_spec.errors import IncompatibleModelsError
@@ -145,6 +146,44 @@ def test_greedy_matches_plain_decoding(pair, prompt, gamma):
     tokens, stats = run(build_engine(pair), prompt, gamma)
     assert tokens == greedy_reference(pair.target.model, prompt, MAX_TOKENS)
     assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=7)], ids=["greedy", "seeded"])
+def test_batched_rows_draft_as_alone_with_each_step_one_forward(pair, params, monkeypatch):
+    """Two requests in one batch: each request drafts the tokens it drafts alone and its
+    rounds are its rounds alone (greedy: mlx-lm's plain decoding; seeded T = 1: the same
+    draws), and their draft steps after the first run as one draft forward for both rows."""
+    engine = build_engine(pair)
+    calls, drafted = [], {}
+    real_rows, real_drafting = eagle3.Model.step_rows, Eagle3Drafter.drafting
+
+    def drafting(self, gamma, history, key=None):
+        draft = yield from real_drafting(self, gamma, history, key)
+        drafted.setdefault(tuple(history[:3]), []).append(draft.tokens.tolist())
+        return draft
+
+    monkeypatch.setattr(eagle3.Model, "step_rows", lambda self, tokens, *a: calls.append(tokens.shape[0]) or real_rows(self, tokens, *a))
+    monkeypatch.setattr(Eagle3Drafter, "drafting", drafting)
+    out, requests, alone = {}, [], []
+    batch = Batch(out=lambda generator, r: out[generator].append((r.gamma, r.accepted, r.tokens)))
+    for prompt, gamma in ((SHORT_PROMPT, 3), (LONG_PROMPT, 4)):
+        rounds = engine.for_request().rounds(prompt, params, gamma=gamma, max_tokens=MAX_TOKENS, batched=True)
+        out[rounds] = []
+        requests.append(rounds)
+        batch.add(rounds)
+        alone.append([(r.gamma, r.accepted, r.tokens) for r in
+                      engine.for_request().rounds(prompt, params, gamma=gamma, max_tokens=MAX_TOKENS)])
+    assert not calls  # alone, a step runs by itself
+    drafted_alone, drafted = drafted, {}
+    while len(batch):
+        batch.step()
+    assert 2 in calls
+    assert drafted == drafted_alone and all(len(d) > 3 for d in drafted.values())
+    for rounds, prompt, own in zip(requests, (SHORT_PROMPT, LONG_PROMPT), alone):
+        if params.greedy:
+            assert [t for _, _, tokens in out[rounds] for t in tokens] == greedy_reference(
+                pair.target.model, prompt, MAX_TOKENS)
+        assert out[rounds] == own
 
 
 def test_greedy_is_exact_where_the_argmax_is_outside_the_draft_vocabulary(folders, outside):

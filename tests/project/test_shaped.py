@@ -244,3 +244,62 @@ def test_concurrency_prediction_follows_the_cost_model():
     gains = {name: [r["ngram auto"]["vs_off"] for r in result["rows"]] for name, result in predicted.items()}
     assert min(gains["apple-bf16"]) > 2.5
     assert gains["apple-4bit"][-1] < gains["apple-4bit"][0]
+
+
+def test_block_drafter_pairs_run_at_their_published_acceptance(quick_costs):
+    # Gemma 4 12B with its DSpark and DFlash block drafts: one real-shaped block forward a
+    # round over the target's taps, the published mean accepted length as a flat profile,
+    # γ up to each block, priced per draft forward; output plain greedy decoding's
+    from scripted import DFLASH_12B, DSPARK_12B, flat_for_accepted_length
+
+    assert sum(DSPARK_12B[0] ** k for k in range(8)) == pytest.approx(4.98, abs=1e-3)
+    assert sum(DFLASH_12B[0] ** k for k in range(16)) == pytest.approx(6.0, abs=1e-3)
+    with pytest.raises(ValueError):
+        flat_for_accepted_length(9, 7)
+    built = {}
+    results = measure(["gemma4-12b/dspark", "gemma4-12b/dflash"], {"published": None}, scale=SCALE,
+                      dtype="float32", gammas=[0, 3, 7, 15], auto=True, prompt_tokens=PROMPT, max_tokens=48,
+                      repeats=2, clock_name="cpu", built=built, log=lambda s: None)
+    target = built["gemma4-12b"]
+    reference = greedy_reference(target, prompt_ids(PROMPT, target.config["vocab_size"]), 48)
+    dspark, dflash = results["pairs"]
+    assert dspark["block_drafter"] and dspark["max_gamma"] == 7 and dflash["max_gamma"] == 15
+    assert dspark["plain_vs_mlx_lm"] == {"first_mismatch": None}
+    for pair, profile, gammas in [(dspark, DSPARK_12B, ["γ=0", "γ=3", "γ=7", "auto"]),
+                                  (dflash, DFLASH_12B, ["γ=0", "γ=3", "γ=7", "γ=15", "auto"])]:
+        prof = pair["profiles"]["published"]
+        assert prof["acceptance"] == list(profile)
+        settings = {s["setting"]: s for s in prof["settings"]}
+        assert list(settings) == gammas
+        for s in settings.values():
+            assert s["md5s"] == [token_md5(reference)], (pair["pair"], s["setting"])
+        three = settings["γ=3"]
+        assert min(three["reached"]) >= 20 and three["max_abs_z"] <= Z_MAX, three["reached"]
+        # one draft forward a round: the cost model's γ = 7 round is one draft step (c target
+        # steps) and a verify of 8 rows, not seven draft steps
+        curve = prof["cost_curve_median"]
+        expected = sum(profile[0] ** k for k in range(8))
+        block = expected / (curve["c"] + curve["verify_over_step"][7])
+        assert settings["γ=7"]["predicted_speedup_profile"] == pytest.approx(block, rel=1e-6)
+        assert block > 1.5 * expected / (7 * curve["c"] + curve["verify_over_step"][7])
+
+
+def test_predictions_for_the_12b_drafters_price_what_each_reads():
+    """bench/shaped_predict.py: γ 0 (1×) is always a choice; a block drafter's round is one
+    draft forward (DFlash's γ = 15 at c, not 15·c); on a Mac a draft costs the bytes it reads
+    over the target's, DFlash's borrowed head included."""
+    import shaped_predict as sp
+
+    results = sp.predict()
+    for name, pair in results["pairs"].items():
+        for shape, row in pair["by_curve"].items():
+            assert row["speedup"] >= 1.0 and row["speedup"] == max(row["speedup_by_gamma"].values())
+    measured = {p["pair"]: p["costs"] for p in json.loads((sp.RESULTS / sp.MEASURED).read_text())["pairs"]}
+    dflash = results["pairs"]["gemma4-12b/dflash"]["by_curve"]
+    costs = measured["gemma4-12b/dflash"]
+    assert dflash["apple-bf16"]["c"] == pytest.approx(
+        (costs["draft_weight_bytes"] + sp.HEAD_BYTES) / costs["target_weight_bytes"])
+    a = results["pairs"]["gemma4-12b/dflash"]["acceptance"][0]
+    h200 = dflash["nvidia-h200 (measured)"]
+    steps16 = costs["verify_over_step"][15]
+    assert h200["speedup_by_gamma"][15] == pytest.approx(sum(a**k for k in range(16)) / (h200["c"] + steps16))
