@@ -66,3 +66,20 @@ def constrained_reference(model, prompt, schema, max_tokens):
     return out
 
 
+
+
+def drafted_under_the_address_schema(target, drafter, gamma=5, max_tokens=60):
+    """Greedy decoding of PROMPT under the ADDRESS schema with `drafter`: the tokens (EOS
+    left out), what the target alone decodes under it (`constrained_reference`), and the
+    tokens drafted."""
+    from mlx_spec.core.engine import Engine
+    from mlx_spec.core.grammar import compile_grammar
+    from mlx_spec.core.stats import Stats
+
+    engine = Engine(target, drafter, eos_ids=EOS)
+    grammar = compile_grammar(TOKENIZER, "json_schema", ADDRESS, EOS).matcher(EOS)
+    stats = Stats()
+    tokens = [t for r in engine.rounds(PROMPT, gamma=gamma, max_tokens=max_tokens, stats=stats, constraint=grammar)
+              for t in r.tokens]
+    reference = constrained_reference(target, PROMPT, ADDRESS, max_tokens)
+    return [t for t in tokens if t not in EOS], reference, stats.drafted

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mlx_spec.core.drafter import Draft, Drafter
 from mlx_spec.drafters.dflash import DFlashDrafter
+from mlx_spec.drafters.dflash2 import DFlash2Drafter
 from mlx_spec.drafters.dspark import DSparkDrafter
 from mlx_spec.drafters.eagle3 import Eagle3Drafter
 from mlx_spec.drafters.model import ModelDrafter
@@ -24,8 +25,9 @@ DRAFTERS: dict[str, type[Drafter]] = {
     NgramDrafter.name: NgramDrafter,  # prompt lookup, no model
     SuffixDrafter.name: SuffixDrafter,  # suffix lookup here and in earlier requests, no model
     DFlashDrafter.name: DFlashDrafter,  # z-lab's DFlash: a block per forward from the target's taps
+    DFlash2Drafter.name: DFlash2Drafter,  # DFlash 2: DFlash's block, candidates rescored by a lattice
     Eagle3Drafter.name: Eagle3Drafter,  # EAGLE-3 (speculators format) over three target layers
-    DSparkDrafter.name: DSparkDrafter,  # Gemma 4 DSpark: DFlash's block, Markov-corrected
+    DSparkDrafter.name: DSparkDrafter,  # DSpark: DFlash's block, Markov-corrected
 }
 NO_DRAFTER = "none"
 # What `--drafter` accepts.
@@ -42,5 +44,5 @@ def drafter_class(name: str) -> type[Drafter] | None:
     return DRAFTERS[name]
 
 
-__all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "DFlashDrafter",
+__all__ = ["DRAFTERS", "DRAFTER_NAMES", "NO_DRAFTER", "Draft", "Drafter", "drafter_class", "DFlashDrafter", "DFlash2Drafter",
            "DSparkDrafter", "Eagle3Drafter", "ModelDrafter", "MtpDrafter", "NgramDrafter", "SuffixDrafter"]

@@ -34,9 +34,15 @@ class DFlashDrafter(Drafter):
     needs_draft_model = True
     passes_per_block = 1  # one draft forward per round, whatever γ
     wants_hidden = True
+    # what a subclass family changes: its name in messages, the checkpoint it needs, and
+    # its config's detection and fit checks
+    family = "DFlash"
+    checkpoint = "a DFlash draft checkpoint (a config.json with dflash_config)"
+    detects = staticmethod(is_dflash_config)
+    target_mismatch = staticmethod(target_mismatch)
 
     def __init__(self, draft: Model, target):
-        mismatch = target_mismatch(draft.args, target)
+        mismatch = self.target_mismatch(draft.args, target)
         if mismatch:
             raise MlxSpecError(mismatch)
         self.model = draft
@@ -48,8 +54,8 @@ class DFlashDrafter(Drafter):
 
     @classmethod
     def for_pair(cls, pair, world) -> "DFlashDrafter":
-        require_tapping_draft("DFlash", cls.name, pair, world,
-                              pair.draft is not None and is_dflash_config(pair.draft.config), "a DFlash draft checkpoint (a config.json with dflash_config)")
+        require_tapping_draft(cls.family, cls.name, pair, world,
+                              pair.draft is not None and cls.detects(pair.draft.config), cls.checkpoint)
         return cls(pair.draft.model, pair.target.model)
 
     def reset(self) -> None:
@@ -84,7 +90,12 @@ class DFlashDrafter(Drafter):
             return Draft.empty()
         step = BlockPass(self, history[-1])
         yield step
-        return draw_block(step.logits[:gamma], self.processor, key)
+        return self.draw(step.logits, gamma, history[-1], key)
+
+    def draw(self, rows, gamma: int, anchor: int, key: Optional[mx.array]) -> Draft:
+        """The round's Draft from its pass's rows (`block_rows`), over the block's first γ
+        positions after `anchor`, the last committed token."""
+        return draw_block(rows[:gamma], self.processor, key)
 
     def block_logits(self, passes: list[BlockPass]) -> list[mx.array]:
         """Logits [block_size − 1, V] of each pass's block, in one forward: each row over its
@@ -105,8 +116,13 @@ class DFlashDrafter(Drafter):
                 contexts.append(tuple(mx.concatenate([pad_left(kv[j], width, 2) for kv in rows]) for j in (0, 1)))
                 masks.append(sequence_mask(lengths, width, size))
             offsets = mx.array([d.context.length for d in drafters], mx.int32)
-        logits = self.draft_logits(self.model.hidden(self.embed(tokens), contexts, offsets, masks))
-        return [logits[i] for i in range(len(passes))]
+        return self.block_rows(self.model.hidden(self.embed(tokens), contexts, offsets, masks))
+
+    def block_rows(self, hidden: mx.array) -> list:
+        """What each pass gets from its block's final hidden states [B, block_size, H]: its
+        draft positions' logits."""
+        logits = self.draft_logits(hidden)
+        return [logits[i] for i in range(hidden.shape[0])]
 
     def block_tokens(self, token: int) -> list[int]:
         """The block a round feeds: the last committed token, then mask tokens."""

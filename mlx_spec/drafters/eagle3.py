@@ -142,7 +142,9 @@ class Eagle3Drafter(Drafter):
                 self.stepped += 1
             logits = self.model.logits(h)[0].astype(mx.float32)  # [1, draft vocabulary]
             if grammar is not None:
-                allowed = grammar.mask_after(path)[None][:, self.target_ids]
+                # the mask over the target's logits (constrain's padding), read at the draft's ids
+                allowed = constrain(mx.zeros((1, self.width)), grammar.mask_after(path)[None]) == 0
+                allowed = allowed[:, self.target_ids]
                 if not mx.any(allowed).item():  # nothing the grammar allows is in the draft vocabulary
                     break
                 logits = constrain(logits, allowed)

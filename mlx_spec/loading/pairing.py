@@ -20,7 +20,7 @@ from mlx_spec.errors import IncompatibleModelsError, ModelLoadError
 from mlx_spec.models.drafts import draft_family
 from mlx_spec.loading.loader import LoadedModel, load_model
 from mlx_spec.loading.sources import DEFAULT_SOURCE, assistant_as_target
-from mlx_spec.models import dflash, dspark, eagle3
+from mlx_spec.models import dflash, dflash2, dspark, eagle3
 from mlx_spec.models.gemma4_assistant import is_assistant_config, target_text_model
 
 if TYPE_CHECKING:  # importing it costs transformers (~1 s); see fast_tokenizer
@@ -164,7 +164,8 @@ def is_assistant(loaded: LoadedModel | None) -> bool:
 
 
 # families of drafts that read the target's tap layers -> why one cannot draft for a target
-TAPPING = {"dflash": dflash.target_mismatch, "eagle3": eagle3.target_mismatch, "dspark": dspark.target_mismatch}
+TAPPING = {"dflash": dflash.target_mismatch, "dflash2": dflash2.target_mismatch, "eagle3": eagle3.target_mismatch,
+           "dspark": dspark.target_mismatch}
 
 
 def is_block_draft(loaded: LoadedModel | None) -> bool:

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from mlx_spec.core.cache.forward import text_model
+from mlx_spec.models.draft_layers import GatedMLP
 
 
 def is_dflash_config(config: dict) -> bool:
@@ -93,11 +94,29 @@ class ModelArgs:
         )
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, sliding: bool):
+class ContextAttention(nn.Module):
+    """A block's attention over its context: queries from the block rows, keys and values the
+    context's (kept, `Context`) then the block's own (`keys_values`), no causal mask. A
+    subclass sets heads, q_proj, q_norm, o_proj, rope, scale and `keys_values` (DFlash's
+    below, DSpark's Gemma 4 one)."""
+
+    def __call__(self, x: mx.array, context: tuple, offset, mask) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=offset)
+        keys, values = self.keys_values(x, offset)
+        keys = mx.concatenate([context[0], keys], axis=2)
+        values = mx.concatenate([context[1], values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class Attention(ContextAttention):
+    def __init__(self, args: ModelArgs, sliding: bool, rope):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         self.scale = args.head_dim ** -0.5
+        self.rope = rope  # the model's one RoPE
         # the context rows a block sees on this layer (None: all)
         self.window = args.sliding_window - 1 if sliding and args.sliding_window else None
         self.q_proj = nn.Linear(args.hidden_size, self.heads * self.head_dim, bias=False)
@@ -107,45 +126,24 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
 
-    def keys_values(self, x: mx.array, rope, offset) -> tuple[mx.array, mx.array]:
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         """Keys (normed, RoPE at `offset` on) and values [B, kv_heads, L, head_dim] of x [B, L, H]."""
         B, L, _ = x.shape
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.kv_heads, -1).transpose(0, 2, 1, 3)
-        return rope(keys, offset=offset), values
-
-    def __call__(self, x: mx.array, context: tuple, rope, offset, mask) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.heads, -1)).transpose(0, 2, 1, 3)
-        queries = rope(queries, offset=offset)
-        keys, values = self.keys_values(x, rope, offset)
-        keys = mx.concatenate([context[0], keys], axis=2)
-        values = mx.concatenate([context[1], values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.rope(keys, offset=offset), values
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, index: int):
+    def __init__(self, args: ModelArgs, index: int, rope):
         super().__init__()
-        self.self_attn = Attention(args, args.layer_types[index] == "sliding_attention")
-        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.self_attn = Attention(args, args.layer_types[index] == "sliding_attention", rope)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x, context, rope, offset, mask):
-        h = x + self.self_attn(self.input_layernorm(x), context, rope, offset, mask)
+    def __call__(self, x, context, offset, mask):
+        h = x + self.self_attn(self.input_layernorm(x), context, offset, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -179,23 +177,10 @@ class Context:
         return cache.keys[..., first:used, :], cache.values[..., first:used, :]
 
 
-class Model(nn.Module):
-    """The DFlash draft. `bind(target)` lends it the target's embedding and head."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = "dflash"
-        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
-        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(args.head_dim, args.rope_theta, False, args.rope_scaling,
-                                    args.max_position_embeddings)
-
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
+class BlockBackbone(nn.Module):
+    """What every block draft's backbone does with `fc`, `hidden_norm`, `layers` (each with
+    a `ContextAttention`) and `norm`: project the target's taps into context keys and values,
+    and run a block over them."""
 
     def extend(self, context: Context, taps: mx.array) -> None:
         """Project the target's taps [1, n, k·H] at positions context.length.. into every
@@ -205,7 +190,7 @@ class Model(nn.Module):
         h = self.hidden_norm(self.fc(taps))
         offset = context.length
         for layer, cache in zip(self.layers, context.caches):
-            cache.update_and_fetch(*layer.self_attn.keys_values(h, self.rope, offset))
+            cache.update_and_fetch(*layer.self_attn.keys_values(h, offset))
 
     def hidden(self, x: mx.array, contexts: list, offset, masks: Optional[list] = None) -> mx.array:
         """Final hidden states [B, L, H] of the block embeddings x [B, L, H] after the
@@ -214,8 +199,29 @@ class Model(nn.Module):
         `masks[layer]` [B, 1, 1, S + L] hides a batch's padding (None: nothing hidden)."""
         h = x
         for i, (layer, context) in enumerate(zip(self.layers, contexts)):
-            h = layer(h, context, self.rope, offset, None if masks is None else masks[i])
+            h = layer(h, context, offset, None if masks is None else masks[i])
         return self.norm(h)
+
+
+class Model(BlockBackbone):
+    """The DFlash draft; the drafter lends it the target's embedding and head."""
+
+    layer_class = DecoderLayer
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = "dflash"
+        self.fc = nn.Linear(len(args.target_layer_ids) * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(args.head_dim, args.rope_theta, False, args.rope_scaling,
+                                    args.max_position_embeddings)
+        self.layers = [self.layer_class(args, i, self.rope) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
 
     def step_timer(self, target, context: int) -> Callable[[], None]:
         """A round's drafting as the drafter does it, after `context` zero positions of
@@ -223,22 +229,32 @@ class Model(nn.Module):
         the cost curve (`costs.measure_costs`): the last round's two committed positions
         projected into the context, then one block forward."""
         head = TargetHead(target, self.args.final_logit_softcapping)
-        state = Context(len(self.layers))
-        taps = mx.zeros((1, context, len(self.args.target_layer_ids) * self.args.hidden_size))  # fc.weight is packed when quantized
-        self.extend(state, taps)
-        mx.eval([c.state for c in state.caches])
         block = mx.array([[self.args.mask_token_id] * self.block_size])
-
-        def run():
-            self.extend(state, taps[:, :2])
-            contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(self.layers)]
-            mx.eval(head.logits(self.hidden(head.embed(block), contexts, context + 2)))
-            state.trim(2)
-
-        return run
+        return block_timer(self, context, lambda contexts, offset:
+                           head.logits(self.hidden(head.embed(block), contexts, offset)))
 
     def sanitize(self, weights: dict) -> dict:
         return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def block_timer(model, context: int, draft: Callable[[list, int], mx.array]) -> Callable[[], None]:
+    """A block draft's round for the cost curve: after `context` zero positions of context,
+    the last round's two committed positions projected into it, then `draft(contexts,
+    offset)`, which computes what one block forward and its drawing do (DFlash's, DFlash 2's
+    and DSpark's `step_timer`)."""
+    state = Context(len(model.layers))
+    width = getattr(model.args, "target_hidden_size", None) or model.args.hidden_size
+    taps = mx.zeros((1, context, len(model.args.target_layer_ids) * width))  # fc.weight is packed when quantized
+    model.extend(state, taps)
+    mx.eval([c.state for c in state.caches])
+
+    def run():
+        model.extend(state, taps[:, :2])
+        contexts = [state.layer(i, layer.self_attn.window) for i, layer in enumerate(model.layers)]
+        mx.eval(draft(contexts, context + 2))
+        state.trim(2)
+
+    return run
 
 
 class TargetHead:

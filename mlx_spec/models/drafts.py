@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlx_spec.models import dflash, dspark, eagle3, gemma4_assistant
+from mlx_spec.models import dflash, dflash2, dspark, eagle3, gemma4_assistant
 
 # family -> (detects its config.json, model class, args class)
 FAMILIES = {
     "mtp": (gemma4_assistant.is_assistant_config, gemma4_assistant.Model, gemma4_assistant.ModelArgs),
     "dflash": (dflash.is_dflash_config, dflash.Model, dflash.ModelArgs),
+    "dflash2": (dflash2.is_dflash2_config, dflash2.Model, dflash2.ModelArgs),
     "eagle3": (eagle3.is_eagle3_config, eagle3.Model, eagle3.ModelArgs),
     "dspark": (dspark.is_dspark_config, dspark.Model, dspark.ModelArgs),
 }
@@ -45,9 +46,14 @@ def draft_facts(config: dict) -> Optional[dict]:
     args = FAMILIES[family][2].from_dict(config)
     if family == "dflash":
         return {"family": family, "block_size": args.block_size, "tap_layers": list(args.target_layer_ids)}
+    if family == "dflash2":
+        return {"family": family, "block_size": args.block_size, "tap_layers": list(args.target_layer_ids),
+                "selector_top_k": args.selector_top_k, "conv_kernel_size": args.conv_kernel_size}
     if family == "dspark":
-        return {"family": family, "block_size": args.proposal_length + 1, "tap_layers": list(args.target_layer_ids),
-                "k_eq_v": args.attention_k_eq_v, "markov_rank": args.markov_rank}
+        return {"family": family, "packaging": args.packaging, "backbone": args.backbone,
+                "block_size": args.proposal_length + 1, "tap_layers": list(args.target_layer_ids),
+                "k_eq_v": args.attention_k_eq_v, "markov_rank": args.markov_rank,
+                "draft_vocab": args.draft_vocab_size, "confidence_head": args.enable_confidence_head}
     if family == "eagle3":
         return {"family": family, "tap_layers": list(args.tap_layers), "draft_vocab": args.draft_vocab_size,
                 "speculative_tokens": args.speculative_tokens}

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_spec.core.cache.forward import text_model
 from mlx_spec.core.passes import pad_left
+from mlx_spec.models.draft_layers import GatedMLP, drafting_weights
 
 ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "gelu": nn.gelu, "gelu_new": nn.gelu_approx,
                "gelu_pytorch_tanh": nn.gelu_approx, "gelu_approx": nn.gelu_approx}
@@ -135,18 +136,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        if args.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"EAGLE-3 hidden_act {args.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[args.hidden_act]
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+def layer_mlp(args: ModelArgs) -> GatedMLP:
+    """The layer config's gated MLP, with its `hidden_act`."""
+    if args.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"EAGLE-3 hidden_act {args.hidden_act!r} is not one of {', '.join(ACTIVATIONS)}")
+    return GatedMLP(args.hidden_size, args.intermediate_size, ACTIVATIONS[args.hidden_act])
 
 
 class Layer(nn.Module):
@@ -161,7 +155,7 @@ class Layer(nn.Module):
             self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.self_attn = Attention(args, 2 * H if first else H)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = layer_mlp(args)
 
     def __call__(self, h: mx.array, embeds: Optional[mx.array], mask, cache, offset, rows: bool = False) -> mx.array:
         """`rows`: one token per row, each into its own cache (`cache` a list, `offset` [B])."""
@@ -238,13 +232,7 @@ class Model(nn.Module):
         return run
 
     def sanitize(self, weights: dict) -> dict:
-        out = {}
-        for key, value in weights.items():
-            key = key.removeprefix("model.")
-            if key == "t2d" or "rotary_emb" in key:
-                continue
-            out[key] = value.astype(mx.int32) if key == "d2t" else value
-        return out
+        return drafting_weights(weights)
 
 
 def target_mismatch(args: ModelArgs, target) -> Optional[str]:

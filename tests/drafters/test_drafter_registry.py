@@ -11,8 +11,8 @@ from conftest import greedy_reference
 
 from mlx_spec.apps.runner import build_engine
 from mlx_spec.core.stats import Stats
-from mlx_spec.drafters import (DRAFTERS, DFlashDrafter, Draft, Drafter, DSparkDrafter, Eagle3Drafter, ModelDrafter,
-                               MtpDrafter, NgramDrafter, SuffixDrafter)
+from mlx_spec.drafters import (DRAFTERS, DFlash2Drafter, DFlashDrafter, Draft, Drafter, DSparkDrafter, Eagle3Drafter,
+                               ModelDrafter, MtpDrafter, NgramDrafter, SuffixDrafter)
 from mlx_spec.loading import load_pair
 
 pytest_plugins = ["cli_fixtures"]  # fixtures: tiny_dirs, private_cost_cache
@@ -45,7 +45,8 @@ def registered(monkeypatch):
 
 def test_the_built_in_drafters_are_registered_under_their_names():
     assert DRAFTERS == {"model": ModelDrafter, "mtp": MtpDrafter, "ngram": NgramDrafter, "suffix": SuffixDrafter,
-                        "dflash": DFlashDrafter, "eagle3": Eagle3Drafter, "dspark": DSparkDrafter}
+                        "dflash": DFlashDrafter, "dflash2": DFlash2Drafter, "eagle3": Eagle3Drafter,
+                        "dspark": DSparkDrafter}
     assert all(issubclass(cls, Drafter) and cls.name == name for name, cls in DRAFTERS.items())
 
 
@@ -70,5 +71,6 @@ def test_the_cli_takes_a_registered_drafter_by_name(registered, tiny_dirs, priva
 
 def test_an_unregistered_name_is_one_line_naming_the_registered_ones(tiny_dirs):
     result = invoke(["generate", PROMPT, "--model", tiny_dirs[0], "--drafter", "repeat", "--raw"])
-    assert_usage_error(result, "unknown drafter 'repeat'", "model, mtp, ngram, suffix, dflash, eagle3, dspark, none")
+    assert_usage_error(result, "unknown drafter 'repeat'",
+                       "model, mtp, ngram, suffix, dflash, dflash2, eagle3, dspark, none")
 

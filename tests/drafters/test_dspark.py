@@ -9,7 +9,11 @@ DeepSpec's native packaging, for a tiny Gemma 4 target.
   ours equals its class taken through its per-layer K = V path with values normed;
 - greedy output is mlx-lm's plain decoding (K = V), alone and batched; chi-square at T = 1
   with the Markov head conditioning each q on the token drawn before it, and a broken
-  rule fails the check; a draft that does not fit is refused in one line.
+  rule fails the check; a draft that does not fit is refused in one line;
+- the confidence head: its estimates are mlx-vlm's `confidence` for the same block; a
+  block is cut at the first position below the threshold (DeepSpec's prefix policy), which
+  drafts fewer tokens where confidence is low and none when it is nil, while greedy output
+  stays plain decoding's and T = 1 sampling the target's distribution (chi-square).
 """
 
 import mlx.core as mx
@@ -65,8 +69,10 @@ def reset(reference, target):
 
 
 def started(pair, prompt, v_norm=True):
-    """Our drafter after the prompt's prefill, and the prefill's taps."""
+    """Our drafter after the prompt's prefill, and the prefill's taps; no confidence cut
+    (mlx-vlm never cuts a block)."""
     drafter = build_engine(pair).drafter
+    drafter.threshold = 0.0
     for layer in drafter.model.layers:
         layer.self_attn.v_norm = v_norm
     cache = Engine(pair.target.model, drafter).make_prompt_cache()
@@ -117,9 +123,10 @@ def test_draft_parity_with_mlx_vlm_where_k_differs_from_v(folders, pairs, prompt
     assert drafter.propose(PROPOSAL, prompt).tokens.tolist() == expected[0].tolist()
     step = BlockPass(drafter, prompt[-1])
     step.run()
-    assert step.logits.shape[0] == PROPOSAL
+    logits, _ = step.logits
+    assert logits.shape[0] == PROPOSAL
     if name == "dspark":
-        assert mx.allclose(step.logits, reference_logits(reference, pair, prompt, taps), atol=1e-4).item()
+        assert mx.allclose(logits, reference_logits(reference, pair, prompt, taps), atol=1e-4).item()
 
 
 def test_values_are_normed_as_vllm_and_gemma4_norm_them(folders, pairs, monkeypatch):
@@ -128,11 +135,12 @@ def test_values_are_normed_as_vllm_and_gemma4_norm_them(folders, pairs, monkeypa
     drafter, taps = started(pair, SHORT_PROMPT)
     step = BlockPass(drafter, SHORT_PROMPT[-1])
     step.run()
+    logits, _ = step.logits
     mlx_vlm_own = reference_logits(reference, pair, SHORT_PROMPT, taps)
     monkeypatch.setattr(type(reference), "_project_context_kv", lambda self, hidden: None)
     normed_values(monkeypatch)
-    assert mx.allclose(step.logits, reference_logits(reference, pair, SHORT_PROMPT, taps), atol=1e-4).item()
-    assert not mx.allclose(step.logits, mlx_vlm_own, atol=1e-2).item()
+    assert mx.allclose(logits, reference_logits(reference, pair, SHORT_PROMPT, taps), atol=1e-4).item()
+    assert not mx.allclose(logits, mlx_vlm_own, atol=1e-2).item()
 
 
 def test_k_equal_v_drafts_where_mlx_vlm_crashes(folders, pairs, monkeypatch):
@@ -200,7 +208,7 @@ GAMMA = 2
 def test_sampling_matches_target_distribution(small):
     target, draft = small
     params = SamplingParams(**PARAMS)
-    engine = Engine(target, DSparkDrafter(draft, target))
+    engine = Engine(target, DSparkDrafter(draft, target, confidence_threshold=0.0))
     stats = Stats()
     list(engine.rounds([2, 5, 3, 5, 1], params, gamma=GAMMA, max_tokens=3, stats=stats))
     assert stats.drafted > 0
@@ -212,9 +220,69 @@ def test_the_check_catches_a_broken_rule(small, monkeypatch):
     target, draft = small
     params = SamplingParams(**PARAMS)
     monkeypatch.setattr(verify_module, "verify_sampled", recovered_from_p)
-    engine = Engine(target, DSparkDrafter(draft, target))
+    engine = Engine(target, DSparkDrafter(draft, target, confidence_threshold=0.0))
     stat, critical = chi_square(sampled_joint(engine, params, GAMMA, BROKEN_DRAWS), exact_joint(target, params))
     assert stat > critical
+
+
+def confidences(reference, pair, prompt, taps, tokens):
+    """mlx-vlm's confidence estimates [P] for the block after `prompt` that drew `tokens`."""
+    block = mx.array([[prompt[-1]] + [3] * (PROPOSAL - 1)])
+    hidden = reference._hidden(block, taps, reset(reference, pair.target.model))
+    return reference.confidence(hidden, mx.array([prompt[-1]]), mx.array([tokens]))[0]
+
+
+@pytest.mark.parametrize("prompt", [SHORT_PROMPT, LONG_PROMPT], ids=["short", "long"])
+def test_the_confidence_cut_stops_at_the_first_position_below_the_threshold(folders, pairs, prompt):
+    pair = pairs["dspark"]
+    reference, _ = load_drafter(str(folders / "dspark"))
+    drafter, taps = started(pair, prompt, v_norm=False)
+    whole = drafter.propose(PROPOSAL, prompt).tokens.tolist()
+    estimates = confidences(reference, pair, prompt, taps, whole).tolist()
+    step = BlockPass(drafter, prompt[-1])
+    step.run()
+    ours = drafter.model.confidence(step.logits[1], mx.array([prompt[-1]] + whole[:-1]))
+    assert mx.allclose(ours, mx.array(estimates), atol=1e-5).item()
+    lowest = 1 + estimates[1:].index(min(estimates[1:]))  # a cut inside the block
+    drafter.threshold = estimates[lowest] + 1e-6
+    kept = next(j for j, c in enumerate(estimates) if c < drafter.threshold)
+    assert kept <= lowest < PROPOSAL
+    assert drafter.propose(PROPOSAL, prompt).tokens.tolist() == whole[:kept]
+
+
+@pytest.mark.parametrize("bias, drafts", [(-20.0, "none"), (20.0, "all")])
+def test_greedy_output_is_plain_decoding_whatever_the_cut(pairs, monkeypatch, bias, drafts):
+    """Confidence nil everywhere: every block is cut before its first token; certain: never."""
+    pair = pairs["k_eq_v"]
+    monkeypatch.setenv("MLX_SPEC_DSPARK_CONFIDENCE", "0.5")
+    engine = build_engine(pair)
+    head = engine.drafter.model.confidence_head.proj
+    monkeypatch.setattr(head, "bias", mx.full(head.bias.shape, bias))
+    assert engine.drafter.threshold == 0.5
+    tokens, stats = run(engine, LONG_PROMPT, PROPOSAL)
+    assert tokens == greedy_reference(pair.target.model, LONG_PROMPT, MAX_TOKENS)
+    engine.drafter.threshold = 0.0
+    _, uncut = run(engine, LONG_PROMPT, PROPOSAL)
+    assert stats.drafted == (0 if drafts == "none" else uncut.drafted) and uncut.drafted > 0
+
+
+CUT = 0.52  # cuts about a quarter of this draft's tokens at γ = 2
+
+
+def test_sampling_with_the_cut_matches_target_distribution(small):
+    target, draft = small
+    params = SamplingParams(**PARAMS)
+    drafted = {}
+    for threshold in (0.0, CUT):
+        engine = Engine(target, DSparkDrafter(draft, target, confidence_threshold=threshold))
+        stats = Stats()
+        for seed in range(20):
+            list(engine.rounds([2, 5, 3, 5, 1], SamplingParams(**{**PARAMS, "seed": seed}), gamma=GAMMA,
+                               max_tokens=3, stats=stats))
+        drafted[threshold] = stats.drafted
+    assert 0 < drafted[CUT] < drafted[0.0]
+    stat, critical = chi_square(sampled_joint(engine, params, GAMMA, DRAWS), exact_joint(target, params))
+    assert stat < critical
 
 
 def test_a_draft_that_does_not_fit_is_refused_in_one_line(folders):

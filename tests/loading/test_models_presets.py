@@ -20,7 +20,7 @@ def test_every_model_preset_names_hub_models():
     assert len({p.name for p in presets}) == len(presets)
     for preset in presets:
         assert isinstance(preset, Preset) and preset.description
-        if preset.drafter in ("model", "mtp", "dflash", "eagle3", "dspark"):
+        if preset.drafter in ("model", "mtp", "dflash", "dflash2", "eagle3", "dspark"):
             assert looks_like_repo_id(preset.target) and looks_like_repo_id(preset.draft)
             assert preset.gamma == "auto" or preset.gamma >= 1
         assert 0 <= preset.top_p <= 1 and preset.top_k >= 0 and preset.temperature >= 0
@@ -40,6 +40,22 @@ def test_gemma4_presets_draft_with_their_mtp_assistants():
         assert preset.drafter == "mtp" and preset.family == "gemma4"
         assert f"gemma-4-{size}-it-assistant" in preset.draft
         assert f"gemma-4-{size.lower()}-it" in preset.target.lower()
+
+
+def test_block_draft_presets_for_each_published_gemma4_pair():
+    """12B, 31B and 26B-A4B each with the block drafts their publishers name."""
+    expected = {"gemma4-12b-dflash": "z-lab/gemma4-12B-it-DFlash",
+                "gemma4-12b-dspark": "deepseek-ai/dspark_gemma4_12b_block7",
+                "gemma4-31b-dflash": "z-lab/gemma-4-31B-it-DFlash",
+                "gemma4-31b-eagle3": "RedHatAI/gemma-4-31B-it-speculator.eagle3",
+                "gemma4-31b-dspark": "RedHatAI/gemma-4-31B-it-speculator.dspark",
+                "gemma4-26b-dflash": "z-lab/gemma-4-26B-A4B-it-DFlash",
+                "gemma4-26b-dspark": "makora-ai/gemma4-26b-a4b-dspark"}
+    for name, draft in expected.items():
+        preset = get_preset(name)
+        assert preset.draft == draft and preset.drafter == name.rsplit("-", 1)[1] and preset.family == "gemma4"
+        size = {"12b": "12b", "31b": "31b", "26b": "26b-a4b"}[name.split("-")[1]]
+        assert f"gemma-4-{size}-it" in preset.target.lower() and preset.gamma == "auto"
 
 
 def test_unknown_preset_lists_the_known_ones():
