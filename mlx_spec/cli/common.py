@@ -30,17 +30,17 @@ OUTPUT = "Output"
 STRUCTURED = "Structured output"
 
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME|lmstudio:PUB/MODEL|default",
+    "--model", "-m", rich_help_panel=MODELS, metavar="MODEL",
     help="Target model p: a local mlx-lm folder, a .gguf file, a Hugging Face id, a model in "
          "Ollama's store (ollama:NAME[:TAG]; its model file's draft and γ become the defaults) or "
-         "LM Studio's folder (lmstudio:PUBLISHER/MODEL), or 'default' (the embedded Gemma 3 270M). "
+         "LM Studio's folder (lmstudio:PUB/MODEL), or 'default' (the embedded Gemma 3 270M). "
          "Overrides the preset's target. `mlx-spec models list --local` shows what is on disk.")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft-model", "-d", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME#draft|default",
+    "--draft-model", "-d", rich_help_panel=MODELS, metavar="MODEL",
     help="Draft model q (same tokenizer as the target), in any form --model takes; "
          "ollama:NAME#draft is an Ollama model's own draft layer. Overrides the preset's draft.")]
 DrafterOpt = Annotated[Optional[str], typer.Option(
-    "--drafter", rich_help_panel=MODELS, metavar="|".join(DRAFTER_NAMES),
+    "--drafter", rich_help_panel=MODELS, metavar="NAME",
     help="Who drafts: " + ", ".join(f"'{name}' ({cls.summary})" for name, cls in DRAFTERS.items())
          + f" or '{NO_DRAFTER}' (plain decoding). Default: the preset's, else mtp when the draft is an "
          "assistant checkpoint, model for another draft, else ngram.")]
@@ -49,8 +49,9 @@ PresetOpt = Annotated[Optional[str], typer.Option(
     help="A named target + draft pair with default γ and sampling (see `mlx-spec models list`). "
          "Used as 'default' when no --model is given.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", rich_help_panel=MODELS, metavar="float32|float16|bfloat16",
-    help="Dtype of all floating-point parameters. Default: float32 on CPU, bfloat16 on a GPU.")]
+    "--dtype", rich_help_panel=MODELS, metavar="DTYPE",
+    help="Dtype of all floating-point parameters: float32, float16 or bfloat16. Default: float32 on "
+         "CPU, bfloat16 on a GPU.")]
 QuantizeOpt = Annotated[Optional[int], typer.Option(
     "--quantize", "-q", rich_help_panel=MODELS, min=2, max=8, metavar="BITS",
     help="Quantize both models to this many bits on load (4 or 8 are usual).")]
