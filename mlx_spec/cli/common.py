@@ -142,7 +142,8 @@ ImageOpt = Annotated[Optional[list[str]], typer.Option(
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", metavar="FILE|NAME", rich_help_panel=MODELS,
     help="Chat template replacing the model's own (for a checkpoint with none or a wrong one): "
-         "a .jinja file, or a built-in one: gemma3, gemma4.")]
+         "a .jinja file, or a built-in one: gemma3, gemma4, qa (plain 'Question: … Answer: …' "
+         "text for a base model; the default preset's).")]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(
     "--json-schema", metavar="FILE|JSON", rich_help_panel=STRUCTURED,
     help="Constrain the output to JSON that follows this JSON Schema (a file, or the schema "
@@ -239,6 +240,7 @@ class Setup:
     pair: Any  # mlx_spec.loading.ModelPair
     kv: Any = None  # mlx_spec.core.cache.KVQuantization for the target's cache, or None
     draft_kv: Any = None  # and for the draft model's
+    template_stops: tuple = ()  # stop strings the chat template in use needs (chat_templates.TEMPLATE_STOPS)
 
     @property
     def engine_options(self) -> dict:
@@ -255,6 +257,7 @@ def setup_models(
     *,
     preset_sampling: bool = True,
     chat: Optional[bool | str] = None,
+    preset_template: bool = False,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
@@ -266,9 +269,13 @@ def setup_models(
             that renders its first template only once the user has typed): with the
             preset's choice (`use_chat`) it says whether to load the tokenizer that renders
             chat templates at once (`load_model(for_chat=...)`).
+        preset_template: whether the preset's chat template (a base model's plain "qa")
+            replaces the model's where --chat-template names none: for the terminal chat,
+            whose stop strings end its answers (`Setup.template_stops`); a server's clients
+            send their own stops, so serve keeps the model's template.
     """
     from mlx_spec.loading import check_source, load_pair
-    from mlx_spec.loading.chat_templates import chat_template_text
+    from mlx_spec.loading.chat_templates import TEMPLATE_STOPS, chat_template_text
     from mlx_spec.loading.loader import check_bits
 
     w = world()
@@ -284,7 +291,9 @@ def setup_models(
         if models.draft_on is not None and models.draft_on not in distributed.DRAFT_ON:
             raise UsageError(f"--draft-on must be root or all, not {models.draft_on!r}")
         check_source(choice.target, "target model", as_target=True)
-        template = chat_template_text(models.chat_template) if models.chat_template is not None else None
+        template_name = models.chat_template or (getattr(choice.preset, "chat_template", None)
+                                                 if preset_template else None)
+        template = chat_template_text(template_name) if template_name is not None else None
         if choice.draft is not None:
             check_source(choice.draft, "draft model")
     kwargs = {k: v for k, v in (("dtype", models.dtype), ("quantize", models.quantize),
@@ -301,7 +310,7 @@ def setup_models(
                                      progress=w.is_root, draft_options=draft_options, **kwargs)
     else:
         pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
-    return Setup(choice, params, pair, kv, draft_kv)
+    return Setup(choice, params, pair, kv, draft_kv, TEMPLATE_STOPS.get(template_name, ()))
 
 
 KV_BITS = (4, 8)
