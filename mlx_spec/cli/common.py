@@ -142,7 +142,7 @@ ImageOpt = Annotated[Optional[list[str]], typer.Option(
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", metavar="FILE|NAME", rich_help_panel=MODELS,
     help="Chat template replacing the model's own (for a checkpoint with none or a wrong one): "
-         "a .jinja file, or a built-in one: gemma3, gemma4, qa (plain 'Question: … Answer: …' "
+         "a .jinja file, or a built-in one: gemma3, gemma4, qa (plain 'Question: ... Answer: ...' "
          "text for a base model; the default preset's).")]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(
     "--json-schema", metavar="FILE|JSON", rich_help_panel=STRUCTURED,
