@@ -59,6 +59,13 @@ def environment() -> dict:
 QUIET_OTHER_CORES = 0.15
 
 
+def uptime() -> dict:
+    """`uptime`'s line and the 1/5/15-minute load averages, for a result to say how busy the
+    (shared) machine was when it ran."""
+    line = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return {"uptime": line, "loadavg": list(os.getloadavg())}
+
+
 def quiet_machine(seconds: float = 3.0):
     """Others' mean cores over `seconds` of this process sleeping (None where unknown)."""
     load = OtherLoad()

@@ -15,7 +15,6 @@ The prompt: mlx_spec/prompts/long.txt repeated to about `--tokens` tokens.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import environment, median, write_results  # noqa: E402
+from common import environment, median, uptime, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"at (http://\S+)/v1")
@@ -95,7 +94,7 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=1, help="restarted servers per cold one")
     args = parser.parse_args()
     prompt = long_prompt(args.tokens)
-    runs = []
+    runs, load_before = [], uptime()
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="mlx-spec-disk-") as folder:
             folder = Path(folder)
@@ -114,7 +113,7 @@ def main() -> None:
                          "prompt_tokens": cold_usage["prompt_tokens"],
                          "cold_cached_tokens": cold_usage["prompt_tokens_details"]["cached_tokens"],
                          "disk_cached_tokens": warm_usage["prompt_tokens_details"]["cached_tokens"],
-                         "stop_with_write_s": write_s,
+                         "stop_with_write_s": write_s, "load_after_run": uptime(),
                          "file_bytes": sum(f.stat().st_size for f in files)})
             print(f"run {repeat + 1}: cold {cold:.2f} s, from disk {', '.join(f'{d:.2f}' for d in disk)} s "
                   f"({median(disk) / cold:.3f}×), {runs[-1]['disk_cached_tokens']} of "
@@ -129,7 +128,7 @@ def main() -> None:
         "what": "time to first token of a restarted serve (embedded default) on a repeated prompt, "
                 "from --prompt-cache-dir vs a cold prefill",
         "tokens": args.tokens, "repeats": args.repeats, "warm": args.warm, "summary": summary, "runs": runs,
-        "environment": environment(), "load": os.getloadavg()})
+        "environment": environment(), "load_before": load_before, "load_after": uptime()})
     print(path)
 
 

@@ -13,7 +13,8 @@ machine moves less); checkouts alternate so drift hits both alike.
 
 Before them, `--first-runs` first runs of `generate -n 1`, each from an empty mlx-spec
 cache (the GGUF import, the cost-curve calibration, the float32 copy and the tokenizer
-index), are timed too: `first_run_s` and its excess over a later run.
+index), are timed too: `first_run_s` (wall and CPU seconds) and its excess over a later
+run. The machine's load (`uptime`) is recorded before, after the first runs, and at the end.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import median, write_results  # noqa: E402
+from common import median, uptime, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,13 +104,15 @@ def main() -> None:
     env = {**os.environ, "MLX_SPEC_CACHE": str(cache), "PYTHONPATH": ""}
     generate = [sys.executable, "-m", "mlx_spec.cli", "generate", "-n", "1", "Hello"]
     first_runs = {name: [] for name in checkouts}
-    for _ in range(max(0, args.first_runs - 1)):  # timed first runs, each from an empty cache
-        for name, cwd in checkouts.items():
+    first_cpu = {name: [] for name in checkouts}
+    load_before = uptime()
+    for rep in range(args.first_runs):  # timed first runs, each from an empty cache, alternating
+        for name, cwd in (checkouts.items() if rep % 2 == 0 else reversed(checkouts.items())):
             scratch = tempfile.mkdtemp(prefix="mlx-spec-first-")
-            first_runs[name].append(timed(generate, cwd, {**env, "MLX_SPEC_CACHE": scratch}))
+            first_runs[name].append(timed(generate, cwd, {**env, "MLX_SPEC_CACHE": scratch}, first_cpu[name]))
             shutil.rmtree(scratch)  # ~1.6 GB: the import and its float32 copy
-    for name, cwd in checkouts.items():  # the one whose cache the later runs read
-        first_runs[name].append(timed(generate, cwd, env))
+    load_after_first_runs = uptime()
+    timed(generate, ROOT, env)  # fills the cache the later runs read (checkouts share its import)
     chat = [sys.executable, "-m", "mlx_spec.cli", "chat"]  # stdin at EOF: it leaves at its first prompt
     runs = {name: {"import": [], "help": [], "generate -n 1": [], "generate -n 1 cpu": [], "chat to its prompt": []}
             for name in checkouts}
@@ -129,12 +132,15 @@ def main() -> None:
         first = median(first_runs[name])
         result[name] = {"wall_s_median": medians, "in_process_s_median": breakdown, "runs": runs[name],
                         "first_run_s": {"median": first, "runs": first_runs[name],
+                                        "cpu_s_median": median(first_cpu[name]), "cpu_s_runs": first_cpu[name],
                                         "over_a_later_run": first - medians["generate -n 1"]}}
         print(f"{name}: first run {first:.1f} s ({first - medians['generate -n 1']:.1f} s more than a later one) · "
               + " · ".join(f"{k} {v:.2f} s" for k, v in medians.items())
               + " | in process: " + " · ".join(f"{k} {v:.2f} s" for k, v in breakdown.items()))
     path = write_results(args.out, {"repeats": args.repeats, "command": " ".join(generate[1:]),
-                                    "checkouts": {k: str(v) for k, v in checkouts.items()}, **result})
+                                    "checkouts": {k: str(v) for k, v in checkouts.items()},
+                                    "load_before": load_before, "load_after_first_runs": load_after_first_runs,
+                                    "load_after": uptime(), **result})
     print(f"wrote {path}")
 
 

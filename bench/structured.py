@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import mlx.core as mx  # noqa: E402
-from common import OtherLoad, median, spread, write_results  # noqa: E402
+from common import OtherLoad, median, spread, uptime, write_results  # noqa: E402
 
 from mlx_spec.core.engine import Engine  # noqa: E402
 from mlx_spec.core.grammar import compile_grammar, constrain, llg_tokenizer  # noqa: E402
@@ -96,7 +96,7 @@ def main() -> None:
         "constrained_ngram": (NgramDrafter(), args.gamma, grammar, True),
     }
     results = {name: {"seconds": [], "tok_s": [], "step_ms": []} for name in modes}
-    outputs, load = {}, OtherLoad()
+    outputs, load, load_before = {}, OtherLoad(), uptime()
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         order = list(modes) if repeat % 2 == 0 else list(reversed(modes))
         for name in order:
@@ -138,7 +138,8 @@ def main() -> None:
         "grammar_forced_share_forced_only": (summary["constrained_forced_only"]["grammar_forced"]
                                              / max(summary["constrained_forced_only"]["tokens"], 1)),
         "identical_outputs": identical, "output": text, "modes": summary,
-        "other_cores_mean": load.cores(), "note": "measured on a shared 2-core machine under load",
+        "other_cores_mean": load.cores(), "load_before": load_before, "load_after": uptime(),
+        "note": "measured on a shared 2-core machine under load (load_before / load_after)",
     }
     for name, s in summary.items():
         print(f"{name:<24} {s['tok_s_median']:6.2f} tok/s  rounds {s['rounds']:3d}  forced {s['grammar_forced']:3d}")

@@ -26,6 +26,12 @@ class _FriendlyErrors(TyperGroup):
 
     debug = False  # set by --debug for this invocation only
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from mlx_spec.cli.help_names import readable_value_names
+
+        readable_value_names(self)  # the whole tree: built before its root
+
     def make_context(self, info_name, args, parent=None, **extra):
         try:  # the root's own flags: `mlx-spec --bogus`
             return super().make_context(info_name, args, parent, **extra)

@@ -388,16 +388,26 @@ def _print_table(result: SweepResult, setup) -> None:
                   "acceptance; a tree's by position is by depth, its mean γ nodes per round, its cost model the "
                   "policy's forecast", style="dim")
     if result.identity_checked:
-        verdict = ("[red]OUTPUT MISMATCH[/red]" if not result.ok else
-                   "token-identical to drafting off except at numerical near-ties (see stderr)"
-                   if result.near_ties else "all outputs token-identical to drafting off")
-        ties = sum(map(len, result.baseline_near_ties.values()))
-        console.print(f"identity (md5 of token ids, T = 0): {verdict}; drafting off chose {ties} "
-                      f"token{'s' if ties != 1 else ''} at a numerical near-tie, where an exact setting "
-                      "may differ")
+        console.print(identity_note(result))
     else:
         console.print(f"T = {params.temperature:g}: sampled outputs differ by design; no identity check")
     console.print(f"[bold]{recommendation_text(result)}[/bold]")
+
+
+def identity_note(result) -> str:
+    """The identity check's verdict, then, where drafting off itself picked tokens whose top
+    two logits were within rounding of each other, how many: a setting that is exact may pick
+    the other one there (a near-tie, reported apart from a mismatch)."""
+    ties = sum(map(len, result.baseline_near_ties.values()))
+    verdict = ("[red]OUTPUT MISMATCH[/red]" if not result.ok else
+               "every setting's tokens equal drafting off's, except at near-ties (stderr names them)"
+               if result.near_ties else "every setting's tokens equal drafting off's")
+    note = f"identity (md5 of token ids, T = 0): {verdict}."
+    if ties:
+        note += (f" Near-ties: at {ties} token{'s' if ties != 1 else ''} of drafting off's output the "
+                 "top two logits were within rounding of each other, so an exact setting may pick the "
+                 "other token there.")
+    return note
 
 
 def _print_store_note(model: str, store) -> None:

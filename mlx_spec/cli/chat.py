@@ -428,7 +428,8 @@ def chat(
         if resume_path is not None and not resume_path.exists():
             raise MlxSpecError(f"no saved chat session {resume!r} in {resume_path.parent}")
     calibration.recalibrate(recalibrate)
-    setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat="later")
+    setup = setup_models(ModelOptions.from_flags(locals()), SamplingOptions.from_flags(locals()), chat="later",
+                         preset_template=True)
     params = setup.params
     engine = build_engine(setup.pair, setup.drafter, **setup.engine_options)
     session = ChatSession(engine, setup.pair.tokenizer, system=system,
@@ -440,6 +441,7 @@ def chat(
         except CacheFileError as error:
             raise MlxSpecError(f"cannot resume session {resume!r}: {error}") from None
     constrained = structured_output(setup, engine, json_schema, regex, grammar)  # every answer follows it
+    stop = [*(stop or ()), *setup.template_stops]
     repl = ChatRepl(session, setup, engine, params, setup.gamma, max_tokens, stop, color_drafts,
                     grammar=constrained)
     if resume is not None:

@@ -30,17 +30,17 @@ OUTPUT = "Output"
 STRUCTURED = "Structured output"
 
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME|lmstudio:PUB/MODEL|default",
+    "--model", "-m", rich_help_panel=MODELS, metavar="MODEL",
     help="Target model p: a local mlx-lm folder, a .gguf file, a Hugging Face id, a model in "
          "Ollama's store (ollama:NAME[:TAG]; its model file's draft and γ become the defaults) or "
-         "LM Studio's folder (lmstudio:PUBLISHER/MODEL), or 'default' (the embedded Gemma 3 270M). "
+         "LM Studio's folder (lmstudio:PUB/MODEL), or 'default' (the embedded Gemma 3 270M). "
          "Overrides the preset's target. `mlx-spec models list --local` shows what is on disk.")]
 DraftOpt = Annotated[Optional[str], typer.Option(
-    "--draft-model", "-d", rich_help_panel=MODELS, metavar="PATH|HF-ID|ollama:NAME#draft|default",
+    "--draft-model", "-d", rich_help_panel=MODELS, metavar="MODEL",
     help="Draft model q (same tokenizer as the target), in any form --model takes; "
          "ollama:NAME#draft is an Ollama model's own draft layer. Overrides the preset's draft.")]
 DrafterOpt = Annotated[Optional[str], typer.Option(
-    "--drafter", rich_help_panel=MODELS, metavar="|".join(DRAFTER_NAMES),
+    "--drafter", rich_help_panel=MODELS, metavar="NAME",
     help="Who drafts: " + ", ".join(f"'{name}' ({cls.summary})" for name, cls in DRAFTERS.items())
          + f" or '{NO_DRAFTER}' (plain decoding). Default: the preset's, else mtp when the draft is an "
          "assistant checkpoint, model for another draft, else suffix.")]
@@ -49,8 +49,9 @@ PresetOpt = Annotated[Optional[str], typer.Option(
     help="A named target + draft pair with default γ and sampling (see `mlx-spec models list`). "
          "Used as 'default' when no --model is given.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", rich_help_panel=MODELS, metavar="float32|float16|bfloat16",
-    help="Dtype of all floating-point parameters. Default: float32 on CPU, bfloat16 on a GPU.")]
+    "--dtype", rich_help_panel=MODELS, metavar="DTYPE",
+    help="Dtype of all floating-point parameters: float32, float16 or bfloat16. Default: float32 on "
+         "CPU, bfloat16 on a GPU.")]
 QuantizeOpt = Annotated[Optional[int], typer.Option(
     "--quantize", "-q", rich_help_panel=MODELS, min=2, max=8, metavar="BITS",
     help="Quantize both models to this many bits on load (4 or 8 are usual).")]
@@ -141,7 +142,8 @@ ImageOpt = Annotated[Optional[list[str]], typer.Option(
 ChatTemplateOpt = Annotated[Optional[str], typer.Option(
     "--chat-template", metavar="FILE|NAME", rich_help_panel=MODELS,
     help="Chat template replacing the model's own (for a checkpoint with none or a wrong one): "
-         "a .jinja file, or a built-in one: gemma3, gemma4.")]
+         "a .jinja file, or a built-in one: gemma3, gemma4, qa (plain 'Question: ... Answer: ...' "
+         "text for a base model; the default preset's).")]
 JsonSchemaOpt = Annotated[Optional[str], typer.Option(
     "--json-schema", metavar="FILE|JSON", rich_help_panel=STRUCTURED,
     help="Constrain the output to JSON that follows this JSON Schema (a file, or the schema "
@@ -238,6 +240,7 @@ class Setup:
     pair: Any  # mlx_spec.loading.ModelPair
     kv: Any = None  # mlx_spec.core.cache.KVQuantization for the target's cache, or None
     draft_kv: Any = None  # and for the draft model's
+    template_stops: tuple = ()  # stop strings the chat template in use needs (chat_templates.TEMPLATE_STOPS)
 
     @property
     def engine_options(self) -> dict:
@@ -254,6 +257,7 @@ def setup_models(
     *,
     preset_sampling: bool = True,
     chat: Optional[bool | str] = None,
+    preset_template: bool = False,
 ) -> Setup:
     """Resolve preset and flags and check everything that can be checked without a model
     (γ, sampling values, model paths), then load the pair (the loader shows progress).
@@ -265,9 +269,13 @@ def setup_models(
             that renders its first template only once the user has typed): with the
             preset's choice (`use_chat`) it says whether to load the tokenizer that renders
             chat templates at once (`load_model(for_chat=...)`).
+        preset_template: whether the preset's chat template (a base model's plain "qa")
+            replaces the model's where --chat-template names none: for the terminal chat,
+            whose stop strings end its answers (`Setup.template_stops`); a server's clients
+            send their own stops, so serve keeps the model's template.
     """
     from mlx_spec.loading import check_source, load_pair
-    from mlx_spec.loading.chat_templates import chat_template_text
+    from mlx_spec.loading.chat_templates import TEMPLATE_STOPS, chat_template_text
     from mlx_spec.loading.loader import check_bits
 
     w = world()
@@ -283,7 +291,9 @@ def setup_models(
         if models.draft_on is not None and models.draft_on not in distributed.DRAFT_ON:
             raise UsageError(f"--draft-on must be root or all, not {models.draft_on!r}")
         check_source(choice.target, "target model", as_target=True)
-        template = chat_template_text(models.chat_template) if models.chat_template is not None else None
+        template_name = models.chat_template or (getattr(choice.preset, "chat_template", None)
+                                                 if preset_template else None)
+        template = chat_template_text(template_name) if template_name is not None else None
         if choice.draft is not None:
             check_source(choice.draft, "draft model")
     kwargs = {k: v for k, v in (("dtype", models.dtype), ("quantize", models.quantize),
@@ -300,7 +310,7 @@ def setup_models(
                                      progress=w.is_root, draft_options=draft_options, **kwargs)
     else:
         pair = load_pair(choice.target, choice.draft, progress=True, draft_options=draft_options, **kwargs)
-    return Setup(choice, params, pair, kv, draft_kv)
+    return Setup(choice, params, pair, kv, draft_kv, TEMPLATE_STOPS.get(template_name, ()))
 
 
 KV_BITS = (4, 8)

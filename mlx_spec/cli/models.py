@@ -24,12 +24,13 @@ def list_command(
     as_json: JsonOption = False,
     local: Annotated[bool, typer.Option(
         "--local", help="Instead of the presets, list the models already on this machine that "
-        "mlx-spec can run: the Hugging Face cache, Ollama's store ($OLLAMA_MODELS, default "
+        "mlx-spec can run: the embedded default (-m default), the Hugging Face cache, Ollama's store ($OLLAMA_MODELS, default "
         "~/.ollama/models) and LM Studio's folder ($LMSTUDIO_MODELS, default ~/.lmstudio/models), "
         "with sizes and the -m value for each.")] = False,
 ) -> None:
     """Show the presets: named target + draft pairs with their default γ and sampling; with
-    --local, the models already on disk (HF cache, Ollama, LM Studio) that mlx-spec can run."""
+    --local, the models already on disk (the embedded default, HF cache, Ollama, LM Studio)
+    that mlx-spec can run."""
     if local:
         list_local_models(as_json)
         return
@@ -156,7 +157,8 @@ def list_local_models(as_json: bool) -> None:
         if m.problem is not None:
             print(f"cannot run {m.source}: {m.problem}", file=sys.stderr)
     if not found:
-        print("no models found in the HF cache, Ollama's store or LM Studio's folder", file=sys.stderr)
+        print("no models found: the embedded default is not installed (pip install \"mlx-spec[demo]\"), "
+              "and the HF cache, Ollama's store and LM Studio's folder hold none", file=sys.stderr)
 
 
 @models_app.command("info")

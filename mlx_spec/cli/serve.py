@@ -71,7 +71,7 @@ def serve(
              "/health (or set MLX_SPEC_API_KEY, one key); printable ASCII. Repeat it for "
              "several keys, any of which will do (see --draft-memory key).")] = None,
     draft_memory: Annotated[str, typer.Option(
-        "--draft-memory", rich_help_panel=SERVER, metavar="server|key|off",
+        "--draft-memory", rich_help_panel=SERVER, metavar="WHOSE",
         help="Whose earlier requests the suffix drafter drafts from: 'server' (default: "
              "every request this server answered), 'key' (only the same API key's, so no "
              "key's answers speed up, and so reveal, another's), or 'off' (this request's "
@@ -110,8 +110,8 @@ def serve(
              "or the context is full (OpenAI's meaning). A request's own max_tokens past the "
              "context is clamped to what fits.")] = None,
     log_level: Annotated[str, typer.Option(
-        "--log-level", rich_help_panel=SERVER, metavar="warning|info|debug",
-        help="uvicorn's log level; info adds one line per request.")] = "warning",
+        "--log-level", rich_help_panel=SERVER, metavar="LEVEL",
+        help="uvicorn's log level: warning, info (one line per request) or debug.")] = "warning",
     cache_memory: Annotated[Optional[float], typer.Option(
         "--cache-memory", rich_help_panel=SERVER, min=0.0, metavar="GB",
         help="KV memory for cached conversations (several are kept, least recently used "

@@ -2,7 +2,8 @@
 
 GGUF files of base models (such as the embedded Gemma 3 270M) carry no template, yet the
 Gemma family was trained on one turn format; `--chat` falls back to it. `--chat-template`
-names one of `BUILT_IN` or a .jinja file (`chat_template_text`).
+names one of `BUILT_IN` or a .jinja file (`chat_template_text`); the default preset chats in
+"qa", the plain question-and-answer text its base model copes with.
 """
 
 from pathlib import Path
@@ -66,7 +67,25 @@ GEMMA4_CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-BUILT_IN = {"gemma3": GEMMA_CHAT_TEMPLATE, "gemma4": GEMMA4_CHAT_TEMPLATE}
+# Questions and answers as plain text, for a base model that never saw a turn format: the
+# embedded Gemma 3 270M echoes a Gemma turn back with junk ("… mendatang"), but continues
+# "Question: …\nAnswer:" with an answer. An optional system message is a first paragraph.
+# It asks for no control tokens, so the answer ends where the model starts the next
+# question (`TEMPLATE_STOPS`).
+QA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{{ message['content'] | trim }}{{ '\n\n' }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'Question: ' + message['content'] | trim }}{{ '\n' }}"
+    "{%- else -%}{{ 'Answer: ' + message['content'] | trim }}{{ '\n\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ 'Answer:' }}{%- endif -%}"
+)
+
+BUILT_IN = {"gemma3": GEMMA_CHAT_TEMPLATE, "gemma4": GEMMA4_CHAT_TEMPLATE, "qa": QA_CHAT_TEMPLATE}
+# Stop strings a built-in template needs: where its answer ends in plain text.
+TEMPLATE_STOPS = {"qa": ("\nQuestion:",)}
 
 
 def chat_template_text(value: str) -> str:

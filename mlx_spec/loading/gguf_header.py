@@ -1,5 +1,5 @@
 """What a GGUF file's header says about whether mlx-spec can run it, read without loading
-weights (the `gguf` package memory-maps the file and parses only its metadata)."""
+weights (`gguf_file` parses only the metadata and tensor index)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ def read_gguf_header(path: Path) -> GGUFHeader:
 def _read_header(path: str, _mtime: int) -> GGUFHeader:
     import gguf
 
+    from mlx_spec.loading.gguf_file import read_gguf_file
+
     try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as error:
+        metadata = read_gguf_file(Path(path)).metadata
+    except (ValueError, OSError, IndexError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({error})") from None
 
     def scalar(key):
-        value = reader.fields.get(key)
-        return value.contents() if value is not None else None
+        return metadata.get(key)
 
     arch = scalar("general.architecture") or "?"
     file_type = scalar("general.file_type")

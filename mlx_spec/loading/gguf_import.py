@@ -1,7 +1,7 @@
 """Import a llama.cpp GGUF file as an mlx-lm model folder.
 
 GGUF files (from Ollama, LM Studio, llama.cpp) hold block-quantized weights under llama.cpp
-tensor names, with the tokenizer as metadata. We read every tensor (`gguf_tensors`), rename it
+tensor names, with the tokenizer as metadata. We parse the header (`gguf_file`), read every tensor (`gguf_tensors`), rename it
 to the mlx-lm parameter it belongs to (`gguf_architectures`), build `tokenizer.json` from the
 metadata (`gguf_tokenizer`), and write the result once, atomically, under the cache directory
 keyed by the file's sha256 and the storage. Later loads read that folder with mlx-lm like any
@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from mlx_spec.errors import ModelLoadError
 from mlx_spec.loading import gguf_architectures, gguf_tensors, gguf_tokenizer
+from mlx_spec.loading.gguf_file import GGUFFile, read_gguf_file
 from mlx_spec.progress import StderrProgress, progress_mode
 
 # Bump when the converted layout changes, so stale cache folders are not reused. The float16
@@ -198,7 +199,7 @@ def _convert(path: Path, out: Path, progress: bool, storage: str = "float16", la
         bar = display.task(f"Importing {label or path.name}")
         bar.phase("reading GGUF header")
         reader = _open_reader(path)
-        meta = _metadata(reader)
+        meta = reader.metadata
         arch_name = meta.get("general.architecture", "?")
         arch = gguf_architectures.ARCHITECTURES.get(arch_name)
         if arch is None:
@@ -254,25 +255,12 @@ def _convert(path: Path, out: Path, progress: bool, storage: str = "float16", la
         (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _open_reader(path: Path):
-    import gguf
-
+def _open_reader(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
+        return read_gguf_file(path)
     except (ValueError, KeyError, IndexError, OSError, EOFError, UnicodeDecodeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ModelLoadError(f"{path.name} is truncated or not a GGUF file ({reason})") from None
-
-
-def _metadata(reader) -> dict:
-    """All scalar and array metadata as Python values."""
-    meta = {}
-    for key, field_ in reader.fields.items():
-        try:
-            meta[key] = field_.contents()
-        except (ValueError, UnicodeDecodeError):  # undecodable optional fields: skip
-            continue
-    return meta
 
 
 def _write_shard(out: Path, shard: dict, index: int) -> Path:

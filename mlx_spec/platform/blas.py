@@ -280,8 +280,32 @@ def describe() -> dict:
     return dict(state)
 
 
-def summary() -> str:
-    """One line: 'mkl (MKL Version 2026.2, 2 threads)'."""
+def threads_reason() -> str | None:
+    """Why the BLAS runs on the threads it does, for a person reading `summary()`: who set
+    the count, or the default's rule (half the cores; all that are free from `WIDE_ROWS` rows)."""
     info = describe()
-    details = [d for d in (info["version"], f"{info['threads']} thread{'s' * (info['threads'] != 1)}" if info["threads"] else None) if d]
+    if not info["threads"] or info["name"] not in _OWN_ENV:
+        return None
+    if THREADS_ENV in os.environ:
+        return f"set by ${THREADS_ENV}"
+    for variable in (_OWN_ENV[info["name"]], "OMP_NUM_THREADS"):
+        if variable in os.environ:
+            return f"set by ${variable}"
+    cores = os.cpu_count() or 1
+    rule = f"half of the {cores} cores" if cores > 1 else "the one core"
+    if _setter is not None:
+        rule += f"; forwards of {WIDE_ROWS}+ rows use every free core, up to {_wide}"
+    return rule
+
+
+def summary() -> str:
+    """One line: 'mkl (MKL Version 2026.2, 1 thread: half of the 2 cores; forwards of 16+ rows
+    use every free core, up to 2)'."""
+    info = describe()
+    threads = None
+    if info["threads"]:
+        threads = f"{info['threads']} thread{'s' * (info['threads'] != 1)}"
+        if (reason := threads_reason()) is not None:
+            threads += f": {reason}"
+    details = [d for d in (info["version"], threads) if d]
     return info["name"] + (f" ({', '.join(details)})" if details else "")

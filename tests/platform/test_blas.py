@@ -112,6 +112,27 @@ def test_threads_default_to_half_the_cores_and_follow_the_users_choice():
 
 
 @pytest.mark.skipif(not (LINUX_X86 and HAS_MKL), reason="MKL ships from PyPI for x86-64 Linux only")
+def test_the_blas_line_says_why_it_runs_on_so_many_threads():
+    """Issue 45: `bench` said "BLAS mkl (…, 1 thread)" on a 2-core machine without a reason."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
+    code = "import mlx_spec; from mlx_spec.platform import blas; print(blas.summary())"
+
+    def summary(**extra):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    cores, half = os.cpu_count(), max(1, os.cpu_count() // 2)
+    line = summary()
+    assert f"{half} thread{'s' * (half != 1)}: half of the {cores} cores" in line or cores == 1, line
+    if cores > half:
+        assert f"forwards of {blas.WIDE_ROWS}+ rows use every free core, up to {cores}" in line, line
+    assert summary(MLX_SPEC_BLAS_THREADS="1").endswith("1 thread: set by $MLX_SPEC_BLAS_THREADS)")
+    assert summary(MKL_NUM_THREADS="1").endswith("1 thread: set by $MKL_NUM_THREADS)")
+
+
+@pytest.mark.skipif(not (LINUX_X86 and HAS_MKL), reason="MKL ships from PyPI for x86-64 Linux only")
 def test_wide_forwards_run_on_every_core_and_the_users_count_is_kept():
     env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", blas.THREADS_ENV)}
     code = (

@@ -30,6 +30,8 @@ class Preset:
         family: model family ("gemma3", "gemma4"), for grouping and notes.
         chat: whether `generate` wraps prompts in the chat template by default; False for
             base models, which continue text rather than answer turns.
+        chat_template: a built-in template's name or a file, used in place of the model's
+            own where --chat-template names none (a base model's: "qa").
     """
 
     name: str
@@ -44,6 +46,7 @@ class Preset:
     description: str
     family: str = ""
     chat: bool = True
+    chat_template: str | None = None
 
 
 def list_presets() -> list[Preset]:
@@ -87,6 +90,7 @@ def _parse(name: str, table: dict) -> Preset:
         description=table.get("description", ""),
         family=table.get("family", ""),
         chat=bool(table.get("chat", True)),
+        chat_template=table.get("chat_template"),
     )
     if not (preset.gamma == "auto" or (isinstance(preset.gamma, int) and preset.gamma >= 0)):
         raise MlxSpecError(f"preset '{name}': gamma must be a non-negative integer or 'auto'")
