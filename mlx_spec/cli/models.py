@@ -131,9 +131,10 @@ def list_local_models(as_json: bool) -> None:
     """`models list --local`: one row per runnable model, then one line per store's models
     that cannot run (with why). Its own table, apart from the presets'."""
     from mlx_spec.cli.render import human_bytes
+    from mlx_spec.loading.sources import embedded_entry
     from mlx_spec.loading.stores import list_local
 
-    found = list_local()
+    found = [entry for entry in [embedded_entry()] if entry is not None] + list_local()
     if as_json:
         print(json.dumps([vars(m) for m in found], indent=2))
         return

