@@ -23,9 +23,11 @@ from mlx_spec.loading.tokenizer_loading import load_tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 
 # Modules a warm `generate` has no use for; each costs from 0.05 s (huggingface_hub) to
-# ~1 s (transformers, through mlx_lm.utils / mlx_lm.tokenizer_utils) to import.
+# ~1 s (transformers, through mlx_lm.utils / mlx_lm.tokenizer_utils) to import. NumPy is not
+# among them since suffix became the default drafter: its token memory is NumPy arrays (the
+# import costs ~40 ms here), imported when the drafter is built, not by the CLI's start.
 HEAVY = ("transformers", "huggingface_hub", "mlx_lm.utils", "mlx_lm.tokenizer_utils", "jinja2",
-         "fastapi", "uvicorn", "starlette", "matplotlib", "gguf", "numpy", "httpx")
+         "fastapi", "uvicorn", "starlette", "matplotlib", "gguf", "httpx")
 
 # Runs the CLI in-process, counting every parse of a tokenizer.json: Python opens of the
 # file (mlx-lm and transformers json.load it) and `tokenizers` constructors (Rust reads it).
