@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import typer
 from typer.core import TyperGroup
@@ -55,6 +56,10 @@ class _FriendlyErrors(TyperGroup):
             w = world()
             debug = _FriendlyErrors.debug or os.environ.get(DEBUG_ENV)
             if w.active and (quiet_error(error) or not (w.is_root or debug or getattr(error, "rank_local", False))):
+                if not w.is_root:
+                    # mlx.launch kills every rank once one exits with an error: leaving at
+                    # once could end rank 0 before it says the error every rank hit
+                    time.sleep(QUIET_RANK_GRACE_S)
                 raise typer.Exit(1) from None
             if not isinstance(error, MlxSpecError):
                 raise
@@ -70,6 +75,7 @@ class _FriendlyErrors(TyperGroup):
 
 
 DEBUG_HINT = "(--debug for the traceback)"
+QUIET_RANK_GRACE_S = 2.0  # how long a rank that stays quiet about an error waits before it exits
 
 
 def _one_line(message: str) -> str:
