@@ -63,11 +63,14 @@ class FastTokenizer:
         NotSentencePiece: the tokenizer's decoder is not SentencePiece-style.
     """
 
-    def __init__(self, path: Path, config: dict, eos_token_ids=None):
+    def __init__(self, path: Path, config: dict, eos_token_ids=None, chat_template: str | None = None):
         self._full = None
         self._full_lock = threading.Lock()
         self._path = Path(path)
-        self._config = config
+        # a chat template in place of the stored one (`read_tokenizer`'s): the full
+        # tokenizer, which renders it, is built with it whenever it is first needed
+        self._config = config if chat_template is None else {**config, "chat_template": chat_template}
+        self._template_override = chat_template
         # The index answers without building the whole BPE (~1.5 s); the first load of a
         # folder parses tokenizer.json whole and writes the index for the next ones.
         self._backend = tokenizer_index.open_index(self._path)
@@ -180,7 +183,8 @@ class FastTokenizer:
                 if self._full is None:
                     from mlx_lm.utils import load_tokenizer
 
-                    full = load_tokenizer(self._path)
+                    extra = None if self._template_override is None else {"chat_template": self._template_override}
+                    full = load_tokenizer(self._path, tokenizer_config_extra=extra)
                     full.eos_token_ids = self._eos_token_ids
                     self._full = full
         return self._full

@@ -124,12 +124,14 @@ def load_model(source: str | None = None, *, dtype: str | None = None,
         display.task(f"loading {source or sources.DEFAULT_SOURCE}").phase()
         model, config = checkpoints.load_folder(path, dtype=dtype)
         optional = drafts.draft_family(config) is not None  # drafts may ship no tokenizer
-        templates_now = for_chat is True or chat_template is not None
+        # a --chat-template is rendered as soon as a prompt is, except in an interactive
+        # chat ("later"), whose FastTokenizer builds mlx-lm's with it behind the prompt
+        templates_now = for_chat is True or (chat_template is not None and for_chat != "later")
         if not templates_now and gguf_import.is_imported(path) and fast_loadable(path) is not None:
             # Reading its tokenizer (from its index ~0.1 s; a first load parses tokenizer.json
             # whole, ~1.5 s for the 270M, holding the GIL) overlaps MLX reading the weights
             # below, which releases the GIL.
-            reading = _InBackground(read_tokenizer, path, config, optional)
+            reading = _InBackground(read_tokenizer, path, config, optional, True, chat_template)
         else:  # mlx-lm's tokenizer imports transformers: not on a thread of ours
             reading = None
             tokenizer = with_turn_ends(read_tokenizer(path, config, optional, fast=not templates_now,

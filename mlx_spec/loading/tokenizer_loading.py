@@ -41,11 +41,11 @@ def read_tokenizer(path: Path, config: dict, optional: bool, fast: bool = True,
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, "
                              "tokenizer_config.json)")
     try:
-        fast = fast and chat_template is None
         tokenizer_config = fast_loadable(path) if fast and gguf_import.is_imported(path) else None
         if tokenizer_config is not None:
             try:
-                return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+                return FastTokenizer(path, tokenizer_config, eos_token_ids=config.get("eos_token_id"),
+                                     chat_template=chat_template)
             except NotSentencePiece:
                 pass  # mlx-lm picks its detokenizer
         from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
