@@ -23,10 +23,10 @@ from mlx_vlm.speculative.drafters import load_drafter
 from mlx_vlm.speculative.drafters.gemma4_dspark.gemma4_dspark import Gemma4DSparkAttention
 
 import mlx_spec.core.verify as verify_module
+from batch_support import batched
 from conftest import greedy_reference
 from distribution_support import PARAMS, VOCAB, chi_square, exact_joint, recovered_from_p, sampled_joint
 from mlx_spec.apps.runner import build_engine
-from mlx_spec.core.batch import Batch
 from mlx_spec.core.engine import Engine
 from mlx_spec.core.sampling import LogitProcessor, SamplingParams
 from mlx_spec.core.stats import Stats
@@ -176,15 +176,10 @@ def test_greedy_matches_plain_decoding(pairs, prompt, gamma):
 def test_batched_rows_match_plain_decoding(pairs):
     pair = pairs["k_eq_v"]
     engine = build_engine(pair)
-    out, requests = {}, []
-    batch = Batch(out=lambda generator, r: out[generator].extend(r.tokens))
-    for prompt, gamma in ((SHORT_PROMPT, 3), (LONG_PROMPT, 5)):
-        rounds = engine.for_request().rounds(prompt, gamma=gamma, max_tokens=MAX_TOKENS, batched=True)
-        out[rounds] = []
-        requests.append(rounds)
-        batch.add(rounds)
-    while len(batch):
-        batch.step()
+    requests = [engine.for_request().rounds(prompt, gamma=gamma, max_tokens=MAX_TOKENS, batched=True)
+                for prompt, gamma in ((SHORT_PROMPT, 3), (LONG_PROMPT, 5))]
+    out = {rounds: [] for rounds in requests}
+    batched(requests, [0, 0], out)
     for rounds, prompt in zip(requests, (SHORT_PROMPT, LONG_PROMPT)):
         assert out[rounds] == greedy_reference(pair.target.model, prompt, MAX_TOKENS)
 
