@@ -198,16 +198,14 @@ def _scripted_mtp(target, assistant, reference, profile, seed):
     return ScriptedMtpDrafter(assistant, target, reference, profile, seed)
 
 
-def _scripted_dspark(target, draft, reference, profile, seed):
-    from scripted import ScriptedDSparkDrafter  # bench/, beside this file
+def _scripted_block(class_name: str) -> Callable:
+    """A Pair's make_drafter for scripted.py's block drafter `class_name`."""
+    def make(target, draft, reference, profile, seed):
+        import scripted  # bench/, beside this file
 
-    return ScriptedDSparkDrafter(draft, target, reference, profile, seed)
+        return getattr(scripted, class_name)(draft, target, reference, profile, seed)
 
-
-def _scripted_dflash(target, draft, reference, profile, seed):
-    from scripted import ScriptedDFlashDrafter  # bench/, beside this file
-
-    return ScriptedDFlashDrafter(draft, target, reference, profile, seed)
+    return make
 
 
 PAIRS = {
@@ -216,10 +214,12 @@ PAIRS = {
                                  make_drafter=_scripted_mtp),
     "gemma4-12b/dspark": Pair("gemma4-12b", "gemma4-12b-dspark",
                               "Gemma 4 12B with DeepSeek's DSpark block draft (7 a forward)",
-                              make_drafter=_scripted_dspark, published="dspark12b", max_gamma=7, block=True),
+                              make_drafter=_scripted_block("ScriptedDSparkDrafter"), published="dspark12b",
+                              max_gamma=7, block=True),
     "gemma4-12b/dflash": Pair("gemma4-12b", "gemma4-12b-dflash",
                               "Gemma 4 12B with z-lab's DFlash block draft (15 a forward)",
-                              make_drafter=_scripted_dflash, published="dflash12b", max_gamma=15, block=True),
+                              make_drafter=_scripted_block("ScriptedDFlashDrafter"), published="dflash12b",
+                              max_gamma=15, block=True),
     "gemma3-12b/270m": Pair("gemma3-12b", "gemma3-270m", "a 12B at 4-bit, a small draft"),
     "gemma3-12b/1b": Pair("gemma3-12b", "gemma3-1b"),
     "gemma3-27b/270m": Pair("gemma3-27b", "gemma3-270m"),
