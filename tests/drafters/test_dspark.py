@@ -252,9 +252,16 @@ def test_greedy_output_is_plain_decoding_whatever_the_cut(pairs, monkeypatch, bi
     monkeypatch.setenv("MLX_SPEC_DSPARK_CONFIDENCE", "0.5")
     engine = build_engine(pair)
     head = engine.drafter.model.confidence_head.proj
-    monkeypatch.setattr(head, "bias", mx.full(head.bias.shape, bias))
-    assert engine.drafter.threshold == 0.5
-    tokens, stats = run(engine, LONG_PROMPT, PROPOSAL)
+    # Set and restored by hand: the pair is shared by the module, and pytest 9.2's monkeypatch
+    # undoes an attribute missing from `__dict__` by deleting it, which for an mlx Module's
+    # parameter (kept in the Module's own dict) removes the bias for every later test.
+    real_bias = head.bias
+    head.bias = mx.full(real_bias.shape, bias)
+    try:
+        assert engine.drafter.threshold == 0.5
+        tokens, stats = run(engine, LONG_PROMPT, PROPOSAL)
+    finally:
+        head.bias = real_bias
     assert tokens == greedy_reference(pair.target.model, LONG_PROMPT, MAX_TOKENS)
     engine.drafter.threshold = 0.0
     _, uncut = run(engine, LONG_PROMPT, PROPOSAL)
