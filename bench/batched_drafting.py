@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx_spec  # noqa: F401,E402  (before mlx.core: it loads the optimised BLAS)
 import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, spread, write_results  # noqa: E402
 from pairs import PAIRS, build  # noqa: E402

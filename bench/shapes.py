@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import mlx_spec  # noqa: F401,E402  (before mlx.core: it loads the optimised BLAS)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx_spec  # noqa: F401,E402  (before mlx.core: it loads the optimised BLAS)
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))

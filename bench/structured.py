@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx_spec  # noqa: F401,E402  (before mlx.core: it loads the optimised BLAS)
 import mlx.core as mx  # noqa: E402
 from common import OtherLoad, median, spread, uptime, write_results  # noqa: E402
 

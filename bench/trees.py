@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import mlx_spec  # noqa: F401,E402  (before mlx.core: it loads the optimised BLAS)
 import mlx.core as mx  # noqa: E402
 from common import median, write_results  # noqa: E402
 from pairs import build, gemma270m, gemma_prompt_ids  # noqa: E402
